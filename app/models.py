@@ -1,0 +1,158 @@
+"""SQLAlchemy models, identifiers, lanes and the job status machine.
+
+The ``jobs`` row is the source of truth for a job; a Redis message only says that work may
+exist. Every status change is a compare-and-set on the row (see ``workers/executor.py`` and
+``app/jobs.py``), and :data:`TRANSITIONS` lists the changes that are allowed at all.
+Times are unix seconds as floats, the same on SQLite and PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from enum import StrEnum
+from typing import Any
+
+from sqlalchemy import JSON, Double, ForeignKey, Index, Integer, String, Text
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+JSONType = JSON().with_variant(JSONB(), "postgresql")
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Lane(StrEnum):
+    REALTIME = "realtime"
+    STANDARD = "standard"
+    BULK = "bulk"
+
+
+# vLLM's priority scheduler runs lower values first.
+LANE_PRIORITY: dict[str, int] = {Lane.REALTIME: 0, Lane.STANDARD: 1, Lane.BULK: 2}
+
+
+class JobStatus(StrEnum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    EXPIRED = "expired"
+
+
+TERMINAL: frozenset[str] = frozenset(
+    {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED, JobStatus.EXPIRED}
+)
+
+TRANSITIONS: dict[str, frozenset[str]] = {
+    JobStatus.QUEUED: frozenset(
+        {JobStatus.RUNNING, JobStatus.CANCELLED, JobStatus.EXPIRED, JobStatus.FAILED}
+    ),
+    # running -> queued is the reaper handing an abandoned job back (lease expired).
+    JobStatus.RUNNING: frozenset(
+        {
+            JobStatus.SUCCEEDED,
+            JobStatus.FAILED,
+            JobStatus.CANCELLED,
+            JobStatus.EXPIRED,
+            JobStatus.QUEUED,
+        }
+    ),
+    **{status: frozenset() for status in TERMINAL},
+}
+
+
+def can_transition(current: str, new: str) -> bool:
+    return new in TRANSITIONS.get(current, frozenset())
+
+
+_CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
+
+
+def new_id(prefix: str) -> str:
+    """A time-ordered id (48-bit milliseconds + 80 random bits, Crockford base32).
+
+    Sorting ids sorts by creation time, which is what cursor pagination relies on.
+    """
+    value = (int(time.time() * 1000) << 80) | secrets.randbits(80)
+    chars = []
+    for _ in range(26):
+        value, rem = divmod(value, 32)
+        chars.append(_CROCKFORD[rem])
+    return f"{prefix}_{''.join(reversed(chars)).lower()}"
+
+
+def now() -> float:
+    return time.time()
+
+
+class ApiKey(Base):
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(64), index=True)
+    name: Mapped[str] = mapped_column(String(128), default="")
+    prefix: Mapped[str] = mapped_column(String(16))
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[float] = mapped_column(Double)
+    revoked_at: Mapped[float | None] = mapped_column(Double, nullable=True)
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(64))
+    lane: Mapped[str] = mapped_column(String(16))
+    model: Mapped[str] = mapped_column(String(256))
+    prompt: Mapped[str | None] = mapped_column(Text, nullable=True)
+    messages: Mapped[list[dict[str, Any]] | None] = mapped_column(JSONType, nullable=True)
+    params: Mapped[dict[str, Any]] = mapped_column(JSONType)
+    webhook_url: Mapped[str | None] = mapped_column(Text, nullable=True)
+    meta: Mapped[dict[str, str]] = mapped_column("metadata", JSONType)
+    batch_id: Mapped[str | None] = mapped_column(String(40), nullable=True, index=True)
+
+    status: Mapped[str] = mapped_column(String(16))
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    # Fencing: every claim increments the token; result writes must present the current one.
+    lease_token: Mapped[int] = mapped_column(Integer, default=0)
+    lease_owner: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    lease_expires_at: Mapped[float | None] = mapped_column(Double, nullable=True)
+    cancel_requested_at: Mapped[float | None] = mapped_column(Double, nullable=True)
+    timeout_s: Mapped[float | None] = mapped_column(Double, nullable=True)
+    deadline_at: Mapped[float | None] = mapped_column(Double, nullable=True)
+
+    created_at: Mapped[float] = mapped_column(Double)
+    enqueued_at: Mapped[float | None] = mapped_column(Double, nullable=True)
+    started_at: Mapped[float | None] = mapped_column(Double, nullable=True)
+    first_token_at: Mapped[float | None] = mapped_column(Double, nullable=True)
+    finished_at: Mapped[float | None] = mapped_column(Double, nullable=True)
+    updated_at: Mapped[float] = mapped_column(Double)
+
+    result_text: Mapped[str | None] = mapped_column(Text, nullable=True)
+    finish_reason: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    prompt_tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    completion_tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    error_code: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    error_message: Mapped[str | None] = mapped_column(Text, nullable=True)
+
+    __table_args__ = (
+        Index("ix_jobs_tenant_id", "tenant", "id"),
+        Index("ix_jobs_status_lane", "status", "lane"),
+    )
+
+
+class IdempotencyKey(Base):
+    """A submission's Idempotency-Key, written in the same transaction as its job."""
+
+    __tablename__ = "idempotency_keys"
+
+    tenant: Mapped[str] = mapped_column(String(64), primary_key=True)
+    key: Mapped[str] = mapped_column(String(255), primary_key=True)
+    request_hash: Mapped[str] = mapped_column(String(64))
+    job_id: Mapped[str] = mapped_column(String(40), ForeignKey("jobs.id", ondelete="CASCADE"))
+    created_at: Mapped[float] = mapped_column(Double)
+    expires_at: Mapped[float] = mapped_column(Double, index=True)

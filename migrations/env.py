@@ -1,0 +1,41 @@
+"""Alembic environment: the URL comes from app.settings, the schema from app.models."""
+
+from __future__ import annotations
+
+from alembic import context
+
+from app.db import get_engine
+from app.models import Base
+
+target_metadata = Base.metadata
+
+
+def run_offline() -> None:
+    from app.settings import get_settings
+
+    context.configure(
+        url=get_settings().sqlalchemy_url,
+        target_metadata=target_metadata,
+        literal_binds=True,
+        render_as_batch=True,
+    )
+    with context.begin_transaction():
+        context.run_migrations()
+
+
+def run_online() -> None:
+    with get_engine().connect() as connection:
+        context.configure(
+            connection=connection,
+            target_metadata=target_metadata,
+            render_as_batch=True,  # SQLite needs batch mode to alter tables
+            compare_type=True,
+        )
+        with context.begin_transaction():
+            context.run_migrations()
+
+
+if context.is_offline_mode():
+    run_offline()
+else:
+    run_online()
