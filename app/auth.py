@@ -1,0 +1,87 @@
+"""API keys and the request's tenant.
+
+A key is ``iq_`` followed by 32 random bytes (base62-ish via token_urlsafe); only its SHA-256 is
+stored, so a database leak does not leak keys. Keys have enough entropy that a fast hash is
+the right choice (a slow password hash would cost latency on every request for nothing).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from typing import Annotated
+
+from fastapi import Depends, Request
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from app.db import get_session
+from app.errors import ApiError
+from app.models import ApiKey, new_id, now
+from app.settings import get_settings
+
+KEY_PREFIX = "iq_"
+DEFAULT_TENANT = "default"
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def create_key(session: Session, tenant: str, name: str = "") -> tuple[ApiKey, str]:
+    """Create a key for ``tenant``; returns the row and the plaintext, which is never stored."""
+    plaintext = KEY_PREFIX + secrets.token_urlsafe(32)
+    row = ApiKey(
+        id=new_id("key"),
+        tenant=tenant,
+        name=name,
+        prefix=plaintext[:10],
+        key_hash=hash_key(plaintext),
+        created_at=now(),
+    )
+    session.add(row)
+    session.flush()
+    return row, plaintext
+
+
+def revoke_key(session: Session, key_id: str) -> bool:
+    result = session.execute(
+        update(ApiKey)
+        .where(ApiKey.id == key_id, ApiKey.revoked_at.is_(None))
+        .values(revoked_at=now())
+    )
+    return bool(result.rowcount)  # type: ignore[attr-defined]
+
+
+def tenant_for_key(session: Session, key: str) -> str | None:
+    # The lookup is by hash, so comparing hashes in SQL is not a timing oracle on the key.
+    row = session.scalar(select(ApiKey).where(ApiKey.key_hash == hash_key(key)))
+    if row is None or row.revoked_at is not None:
+        return None
+    return row.tenant
+
+
+def current_tenant(request: Request, session: Annotated[Session, Depends(get_session)]) -> str:
+    """FastAPI dependency: the tenant of the request's bearer key."""
+    if not get_settings().require_auth:
+        return DEFAULT_TENANT
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    challenge = {"WWW-Authenticate": "Bearer"}
+    if scheme.lower() != "bearer" or not token.strip():
+        raise ApiError(
+            401,
+            "missing_api_key",
+            "an API key is required: send `Authorization: Bearer <key>`",
+            headers=challenge,
+        )
+    tenant = tenant_for_key(session, token.strip())
+    session.rollback()  # end the read transaction; the route opens its own
+    if tenant is None:
+        raise ApiError(
+            401, "invalid_api_key", "the API key is invalid or revoked", headers=challenge
+        )
+    return tenant
+
+
+Tenant = Annotated[str, Depends(current_tenant)]

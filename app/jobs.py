@@ -1,0 +1,222 @@
+"""The job service: submit, read, list and cancel, with the transactions they need.
+
+Routes call these functions; they own the commits. Submission writes the job row (and its
+Idempotency-Key) in one transaction; the caller enqueues only after that commit, so a worker can
+never receive an id whose row is not there yet.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from typing import Any
+
+from sqlalchemy import select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from app import dispatch
+from app.errors import ApiError
+from app.models import TERMINAL, IdempotencyKey, Job, JobStatus, new_id, now
+from app.schemas import JobCreate
+from app.settings import get_settings
+
+MAX_IDEMPOTENCY_KEY = 255
+
+
+def _fingerprint(body: JobCreate) -> str:
+    canonical = json.dumps(body.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def check_model(requested: str | None) -> str:
+    served = get_settings().model_name
+    if requested is not None and requested != served:
+        raise ApiError(
+            422,
+            "model_not_found",
+            f"model {requested!r} is not served here; use {served!r}",
+            param="model",
+        )
+    return served
+
+
+def build_job(tenant: str, body: JobCreate, *, batch_id: str | None = None) -> Job:
+    """A new queued job row for ``body`` (not yet added to a session)."""
+    settings = get_settings()
+    created = now()
+    params: dict[str, Any] = body.params.model_dump()
+    params["max_tokens"] = params["max_tokens"] or settings.default_max_tokens
+    return Job(
+        id=new_id("job"),
+        tenant=tenant,
+        lane=body.lane.value,
+        model=check_model(body.model),
+        prompt=body.prompt,
+        messages=[m.model_dump(exclude_none=True) for m in body.messages]
+        if body.messages is not None
+        else None,
+        params=params,
+        webhook_url=body.webhook_url,
+        meta=dict(body.metadata),
+        batch_id=batch_id,
+        status=JobStatus.QUEUED,
+        attempts=0,
+        lease_token=0,
+        timeout_s=body.timeout_s,
+        deadline_at=created + body.timeout_s if body.timeout_s else None,
+        created_at=created,
+        updated_at=created,
+    )
+
+
+def _replay(session: Session, tenant: str, key: str, fingerprint: str) -> Job | None:
+    row = session.get(IdempotencyKey, (tenant, key))
+    if row is None:
+        return None
+    if row.expires_at <= now():
+        session.delete(row)
+        session.flush()
+        return None
+    if row.request_hash != fingerprint:
+        raise ApiError(
+            422,
+            "idempotency_key_reused",
+            "this Idempotency-Key was used with a different request body",
+            param="Idempotency-Key",
+        )
+    job = session.get(Job, row.job_id)
+    assert job is not None  # the key row cascades with its job
+    return job
+
+
+def submit(
+    session: Session, tenant: str, body: JobCreate, idempotency_key: str | None = None
+) -> tuple[Job, bool]:
+    """Insert a queued job. Returns (job, created); created is False for an idempotent replay."""
+    if idempotency_key is not None and not 0 < len(idempotency_key) <= MAX_IDEMPOTENCY_KEY:
+        raise ApiError(
+            422,
+            "invalid_idempotency_key",
+            f"Idempotency-Key must be 1 to {MAX_IDEMPOTENCY_KEY} characters",
+            param="Idempotency-Key",
+        )
+    job = build_job(tenant, body)
+    if idempotency_key is None:
+        session.add(job)
+        session.commit()
+        return job, True
+
+    fingerprint = _fingerprint(body)
+    existing = _replay(session, tenant, idempotency_key, fingerprint)
+    if existing is not None:
+        session.commit()
+        return existing, False
+    session.add(job)
+    session.flush()  # the key row references the job row
+    session.add(
+        IdempotencyKey(
+            tenant=tenant,
+            key=idempotency_key,
+            request_hash=fingerprint,
+            job_id=job.id,
+            created_at=job.created_at,
+            expires_at=job.created_at + get_settings().idempotency_ttl_s,
+        )
+    )
+    try:
+        session.commit()
+    except IntegrityError:
+        # A concurrent request with the same key won the insert: answer as its replay.
+        session.rollback()
+        existing = _replay(session, tenant, idempotency_key, fingerprint)
+        session.commit()
+        if existing is None:
+            raise
+        return existing, False
+    return job, True
+
+
+def send(session: Session, jobs: list[tuple[str, str]]) -> None:
+    """Enqueue committed (job id, lane) pairs and stamp the ones that went out.
+
+    A job whose message could not be sent keeps ``enqueued_at`` empty; the reaper sends it.
+    """
+    failed = set(dispatch.enqueue(jobs))
+    sent = [job_id for job_id, _ in jobs if job_id not in failed]
+    if sent:
+        session.execute(update(Job).where(Job.id.in_(sent)).values(enqueued_at=now()))
+        session.commit()
+
+
+def get(session: Session, tenant: str, job_id: str) -> Job:
+    job = session.get(Job, job_id)
+    # Another tenant's job is "not found", never "forbidden": existence is not leaked.
+    if job is None or job.tenant != tenant:
+        raise ApiError(404, "job_not_found", f"no job {job_id!r}", param="id")
+    return job
+
+
+def list_page(
+    session: Session,
+    tenant: str,
+    *,
+    status: str | None,
+    lane: str | None,
+    limit: int,
+    after: str | None,
+) -> tuple[list[Job], bool]:
+    """Newest first. ``after`` is the last id of the previous page (ids sort by time)."""
+    query = select(Job).where(Job.tenant == tenant)
+    if status is not None:
+        query = query.where(Job.status == status)
+    if lane is not None:
+        query = query.where(Job.lane == lane)
+    if after is not None:
+        query = query.where(Job.id < after)
+    rows = list(session.scalars(query.order_by(Job.id.desc()).limit(limit + 1)))
+    return rows[:limit], len(rows) > limit
+
+
+def cancel(session: Session, tenant: str, job_id: str) -> tuple[Job, bool]:
+    """Cancel a job. Returns (job, signal_workers): True when a running job must be aborted."""
+    job = get(session, tenant, job_id)
+    stamp = now()
+    if job.status == JobStatus.QUEUED:
+        done = session.execute(
+            update(Job)
+            .where(Job.id == job_id, Job.status == JobStatus.QUEUED)
+            .values(
+                status=JobStatus.CANCELLED,
+                finished_at=stamp,
+                updated_at=stamp,
+                cancel_requested_at=stamp,
+            )
+        )
+        session.commit()
+        if done.rowcount:  # type: ignore[attr-defined]
+            session.refresh(job)
+            return job, False
+        session.refresh(job)  # a worker claimed it meanwhile: cancel it as running
+    if job.status == JobStatus.RUNNING:
+        session.execute(
+            update(Job)
+            .where(Job.id == job_id, Job.status == JobStatus.RUNNING)
+            .values(cancel_requested_at=stamp, updated_at=stamp)
+        )
+        session.commit()
+        session.refresh(job)
+        return job, job.status == JobStatus.RUNNING
+    session.commit()
+    return job, False
+
+
+def wait_until_terminal(session: Session, job: Job, timeout_s: float) -> Job:
+    """Poll the row briefly so a cancel usually answers with the final state."""
+    deadline = time.monotonic() + timeout_s
+    while job.status not in TERMINAL and time.monotonic() < deadline:
+        time.sleep(0.05)
+        session.refresh(job)
+        session.commit()
+    return job

@@ -1,0 +1,43 @@
+"""Liveness and readiness probes (no authentication)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from sqlalchemy import text
+from sqlalchemy.exc import SQLAlchemyError
+
+from app import dispatch
+from app.db import session_scope
+from app.errors import ApiError
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/healthz")
+def healthz() -> dict[str, str]:
+    """The process is up."""
+    return {"status": "ok"}
+
+
+def database_ok() -> bool:
+    try:
+        with session_scope() as session:
+            session.execute(text("SELECT 1"))
+        return True
+    except SQLAlchemyError:
+        return False
+
+
+@router.get("/readyz")
+def readyz() -> dict[str, str]:
+    """The database and Redis both answer."""
+    checks = {
+        "database": "ok" if database_ok() else "unavailable",
+        "redis": "ok" if dispatch.redis_ok() else "unavailable",
+    }
+    down = [name for name, state in checks.items() if state != "ok"]
+    if down:
+        raise ApiError(
+            503, "not_ready", f"unavailable: {', '.join(down)}", headers={"Retry-After": "5"}
+        )
+    return {"status": "ready", **checks}

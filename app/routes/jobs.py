@@ -1,0 +1,83 @@
+"""/v1/jobs: submit, read, list and cancel jobs."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Header, Query, Response
+from sqlalchemy.orm import Session
+
+from app import dispatch, jobs
+from app.auth import Tenant
+from app.db import get_session
+from app.errors import ApiError
+from app.models import JobStatus, Lane
+from app.schemas import ErrorBody, JobCreate, JobList, JobOut
+from app.settings import get_settings
+
+router = APIRouter(prefix="/v1", tags=["jobs"], responses={"default": {"model": ErrorBody}})
+SessionDep = Annotated[Session, Depends(get_session)]
+
+
+def require_broker() -> None:
+    """Refuse work up front when Redis is down, so a 202 is never a job that cannot start."""
+    if not dispatch.redis_ok():
+        raise ApiError(
+            503,
+            "broker_unavailable",
+            "the queue (Redis) is unavailable; retry later",
+            headers={"Retry-After": "5"},
+        )
+
+
+@router.post("/jobs", status_code=202, response_model=JobOut)
+def create_job(
+    body: JobCreate,
+    tenant: Tenant,
+    session: SessionDep,
+    response: Response,
+    idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None,
+) -> JobOut:
+    """Submit a job. 202 means the job is committed and will reach a terminal state."""
+    require_broker()
+    job, created = jobs.submit(session, tenant, body, idempotency_key)
+    if created:
+        jobs.send(session, [(job.id, job.lane)])
+    else:
+        response.status_code = 200
+    return JobOut.from_row(job)
+
+
+@router.get("/jobs/{job_id}", response_model=JobOut)
+def get_job(job_id: str, tenant: Tenant, session: SessionDep) -> JobOut:
+    """Read one job."""
+    return JobOut.from_row(jobs.get(session, tenant, job_id))
+
+
+@router.get("/jobs", response_model=JobList)
+def list_jobs(
+    tenant: Tenant,
+    session: SessionDep,
+    status: JobStatus | None = None,
+    lane: Lane | None = None,
+    limit: Annotated[int, Query(ge=1)] = 20,
+    after: str | None = None,
+) -> JobList:
+    """List jobs, newest first; pass the last id as `after` for the next page."""
+    top = get_settings().list_max_limit
+    if limit > top:
+        raise ApiError(422, "limit_too_large", f"limit must be at most {top}", param="limit")
+    rows, has_more = jobs.list_page(
+        session, tenant, status=status, lane=lane, limit=limit, after=after
+    )
+    return JobList(data=[JobOut.from_row(r) for r in rows], has_more=has_more)
+
+
+@router.post("/jobs/{job_id}/cancel", response_model=JobOut)
+def cancel_job(job_id: str, tenant: Tenant, session: SessionDep) -> JobOut:
+    """Cancel a job: queued jobs never run, running jobs are aborted in the engine."""
+    job, signal = jobs.cancel(session, tenant, job_id)
+    if signal:
+        dispatch.publish_control("cancel", job_id=job.id)
+        job = jobs.wait_until_terminal(session, job, get_settings().cancel_wait_s)
+    return JobOut.from_row(job)

@@ -1,0 +1,236 @@
+"""Pydantic request and response models of the public HTTP contract (DESIGN §4).
+
+Bounds that operators may tune come from settings and are checked in validators, so an
+out-of-bounds value is a 422 that names its field. Unknown fields are refused (a typo such as
+``max_token`` must not be silently ignored).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+)
+
+from app.models import Job, Lane
+from app.settings import get_settings
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart]
+    name: str | None = Field(None, max_length=64)
+
+    @field_validator("content")
+    @classmethod
+    def _content_bounds(cls, value: str | list[TextPart]) -> str:
+        text = value if isinstance(value, str) else "".join(part.text for part in value)
+        limit = get_settings().max_prompt_chars
+        if len(text) > limit:
+            raise ValueError(f"message content is longer than {limit} characters")
+        return text
+
+
+class JobParams(_Strict):
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _max_tokens_bound(cls, value: int | None) -> int | None:
+        limit = get_settings().max_tokens_limit
+        if value is not None and value > limit:
+            raise ValueError(f"max_tokens must be at most {limit}")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_bounds(cls, value: str | list[str] | None) -> list[str] | None:
+        if value is None:
+            return None
+        stops = [value] if isinstance(value, str) else value
+        limit = get_settings().max_stop_sequences
+        if len(stops) > limit:
+            raise ValueError(f"at most {limit} stop sequences are allowed")
+        if any(not s or len(s) > 64 for s in stops):
+            raise ValueError("each stop sequence must be 1 to 64 characters")
+        return stops
+
+
+class JobCreate(_Strict):
+    lane: Lane = Lane.STANDARD
+    model: str | None = Field(None, min_length=1, max_length=256)
+    prompt: str | None = Field(None, min_length=1)
+    messages: list[ChatMessage] | None = Field(None, validate_default=True)
+    params: JobParams = Field(default_factory=lambda: JobParams())
+    webhook_url: str | None = Field(None, max_length=2048)
+    metadata: dict[str, str] = Field(default_factory=dict)
+    timeout_s: float | None = Field(None, gt=0)
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_bounds(cls, value: str | None) -> str | None:
+        limit = get_settings().max_prompt_chars
+        if value is not None and len(value) > limit:
+            raise ValueError(f"prompt is longer than {limit} characters")
+        return value
+
+    @field_validator("messages")
+    @classmethod
+    def _exactly_one_input(
+        cls, value: list[ChatMessage] | None, info: ValidationInfo
+    ) -> list[ChatMessage] | None:
+        # Field order makes `prompt` validated (or rejected) before this runs.
+        if "prompt" not in info.data:
+            return value
+        if (value is None) == (info.data["prompt"] is None):
+            raise ValueError("exactly one of `prompt` or `messages` is required")
+        if value is not None:
+            limit = get_settings().max_messages
+            if not value:
+                raise ValueError("messages must not be empty")
+            if len(value) > limit:
+                raise ValueError(f"at most {limit} messages are allowed")
+        return value
+
+    @field_validator("webhook_url")
+    @classmethod
+    def _webhook_scheme(cls, value: str | None) -> str | None:
+        if value is not None and not value.lower().startswith(("http://", "https://")):
+            raise ValueError("webhook_url must be an http(s) URL")
+        return value
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_bounds(cls, value: dict[str, str]) -> dict[str, str]:
+        s = get_settings()
+        if len(value) > s.metadata_max_pairs:
+            raise ValueError(f"at most {s.metadata_max_pairs} metadata pairs are allowed")
+        for key, item in value.items():
+            if not key or len(key) > s.metadata_max_key_chars:
+                raise ValueError(f"metadata keys must be 1 to {s.metadata_max_key_chars} chars")
+            if len(item) > s.metadata_max_value_chars:
+                raise ValueError(f"metadata values must be at most {s.metadata_max_value_chars}")
+        return value
+
+    @field_validator("timeout_s")
+    @classmethod
+    def _timeout_bound(cls, value: float | None) -> float | None:
+        limit = get_settings().max_timeout_s
+        if value is not None and value > limit:
+            raise ValueError(f"timeout_s must be at most {limit}")
+        return value
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class JobResult(BaseModel):
+    text: str
+    finish_reason: str | None
+    usage: Usage
+
+
+class JobError(BaseModel):
+    code: str
+    message: str
+
+
+def _secs(value: float | None) -> int | None:
+    return None if value is None else int(value)
+
+
+class JobOut(BaseModel):
+    id: str
+    object: Literal["job"] = "job"
+    status: str
+    lane: str
+    model: str
+    created_at: int
+    started_at: int | None
+    finished_at: int | None
+    result: JobResult | None
+    error: JobError | None
+    attempts: int
+    metadata: dict[str, str]
+    webhook_url: str | None
+    batch_id: str | None
+
+    @classmethod
+    def from_row(cls, job: Job) -> JobOut:
+        result = None
+        if job.result_text is not None:
+            prompt_tokens = job.prompt_tokens or 0
+            completion_tokens = job.completion_tokens or 0
+            result = JobResult(
+                text=job.result_text,
+                finish_reason=job.finish_reason,
+                usage=Usage(
+                    prompt_tokens=prompt_tokens,
+                    completion_tokens=completion_tokens,
+                    total_tokens=prompt_tokens + completion_tokens,
+                ),
+            )
+        error = None
+        if job.error_code is not None:
+            error = JobError(code=job.error_code, message=job.error_message or "")
+        return cls(
+            id=job.id,
+            status=job.status,
+            lane=job.lane,
+            model=job.model,
+            created_at=int(job.created_at),
+            started_at=_secs(job.started_at),
+            finished_at=_secs(job.finished_at),
+            result=result,
+            error=error,
+            attempts=job.attempts,
+            metadata=dict(job.meta or {}),
+            webhook_url=job.webhook_url,
+            batch_id=job.batch_id,
+        )
+
+
+class JobList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[JobOut]
+    has_more: bool
+
+
+class ErrorDetail(BaseModel):
+    type: str
+    code: str | None
+    message: str
+    param: str | None
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail
+
+
+Limit = Annotated[int, Field(ge=1)]
+
+
+def job_request_fingerprint(body: JobCreate) -> dict[str, Any]:
+    """The canonical form of a submission, for Idempotency-Key comparison."""
+    return body.model_dump(mode="json")
