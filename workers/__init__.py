@@ -1,0 +1,1 @@
+"""Everything that runs inside Celery worker processes."""

@@ -1,0 +1,38 @@
+"""The Celery application: queues, routing, acknowledgement and prefetch, all from settings.
+
+- Lanes are separate queues polled in strict priority order (realtime, standard, bulk).
+- ``acks_late``: a message is acknowledged only after the task returned, i.e. after the job's
+  final state was committed; a worker that dies holding messages leaves them in Redis.
+- Prefetch multiplier 1 with the threads pool: a worker reserves no more messages than it has
+  threads, so the backlog stays in Redis where other workers and the API can see it.
+- Results live in the database, never in a Celery result backend.
+"""
+
+from __future__ import annotations
+
+from celery import Celery
+
+from app.dispatch import broker_transport_options, task_queues
+from app.settings import LANES, get_settings
+
+settings = get_settings()
+
+celery_app = Celery("inferq", broker=settings.redis_url, include=["workers.tasks"])
+celery_app.conf.update(
+    task_queues=task_queues(LANES),
+    task_default_queue="standard",
+    broker_transport_options=broker_transport_options(settings),
+    broker_connection_retry_on_startup=True,
+    broker_connection_max_retries=None,
+    task_acks_late=True,
+    task_reject_on_worker_lost=True,
+    task_ignore_result=True,
+    task_store_errors_even_if_ignored=False,
+    worker_prefetch_multiplier=1,
+    worker_send_task_events=True,
+    task_send_sent_event=True,
+    worker_hijack_root_logger=False,
+    worker_cancel_long_running_tasks_on_connection_loss=False,
+    task_serializer="json",
+    accept_content=["json"],
+)

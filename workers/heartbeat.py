@@ -1,0 +1,103 @@
+"""The worker's heartbeat: renew leases, catch missed cancels, announce the worker in Redis.
+
+Every ``heartbeat_s`` the leases of all jobs this worker holds are extended in one transaction.
+A lease that could not be renewed belongs to someone else now (the reaper re-queued the job), so
+the job is aborted here to stop wasting the engine. The same pass reads cancel requests, a
+backstop for a cancel broadcast this worker missed. The presence record in Redis (engine, model,
+lanes, load) is what ``inferq up`` and ``inferq status`` read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import threading
+from typing import Any
+
+import redis
+from sqlalchemy import select, update
+from sqlalchemy.exc import SQLAlchemyError
+
+from app import dispatch
+from app.db import session_scope
+from app.models import Job, JobStatus, now
+from app.settings import Settings
+from workers.executor import Executor
+
+log = logging.getLogger("inferq.heartbeat")
+
+
+class Heartbeat:
+    def __init__(self, executor: Executor, settings: Settings, info: dict[str, Any]) -> None:
+        self.executor = executor
+        self.settings = settings
+        self.info = info
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="heartbeat", daemon=True)
+
+    @property
+    def key(self) -> str:
+        return dispatch.WORKERS_KEY_PREFIX + self.executor.worker_id
+
+    def start(self) -> None:
+        self.announce()
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        with contextlib.suppress(redis.RedisError):
+            dispatch.redis_client().delete(self.key)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.settings.heartbeat_s):
+            try:
+                self.renew()
+            except SQLAlchemyError as exc:
+                log.warning("lease renewal failed (database): %s", exc)
+            self.announce()
+
+    def renew(self) -> None:
+        held = self.executor.held()
+        if not held:
+            return
+        stamp = now()
+        lost: list[str] = []
+        with session_scope() as session:
+            for job_id, token in held.items():
+                renewed = session.execute(
+                    update(Job)
+                    .where(
+                        Job.id == job_id, Job.lease_token == token, Job.status == JobStatus.RUNNING
+                    )
+                    .values(lease_expires_at=stamp + self.settings.lease_ttl_s)
+                )
+                if not renewed.rowcount:  # type: ignore[attr-defined]
+                    lost.append(job_id)
+            cancelled = session.scalars(
+                select(Job.id).where(Job.id.in_(list(held)), Job.cancel_requested_at.is_not(None))
+            ).all()
+        for job_id in lost:
+            log.warning("lease on %s lost; aborting it here", job_id)
+            self.executor.request_abort(job_id, "lease_lost")
+        for job_id in cancelled:
+            self.executor.request_abort(job_id, "cancelled")
+
+    def announce(self) -> None:
+        stats = self.executor.runner.stats()
+        record = {
+            **self.info,
+            "in_flight": self.executor.runner.in_flight(),
+            "running": stats.running,
+            "waiting": stats.waiting,
+            "kv_cache_usage": stats.kv_cache_usage,
+            "tokens_per_s": round(stats.generated_tokens_per_s, 1),
+            "seen_at": now(),
+        }
+        try:
+            dispatch.redis_client().set(
+                self.key, json.dumps(record), ex=max(5, int(self.settings.heartbeat_s * 3))
+            )
+        except redis.RedisError as exc:
+            log.warning("could not announce the worker in Redis: %s", exc)

@@ -1,0 +1,218 @@
+"""The bridge between Celery's task threads and the one engine of this worker process.
+
+The runner owns a private asyncio loop on a daemon thread; the engine is built and driven only
+there. Any task thread calls :meth:`Runner.submit` and blocks on the returned future, so jobs
+from all threads are in flight in the same engine at once and a continuous-batching engine
+batches them at every step.
+
+With ``batching="micro"`` (always for engines without continuous batching) the runner releases
+static micro-batches instead: a batch leaves when it has ``max_size`` requests or its oldest has
+waited ``max_wait``, and the next batch waits until the previous one has finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from workers.engines.base import Engine, EngineStats, GenRequest
+
+log = logging.getLogger("inferq.runner")
+
+
+@dataclass
+class GenResult:
+    text: str
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    first_token_at: float | None
+    abort_reason: str | None = None  # set when the runner stopped it: cancelled, deadline, ...
+
+
+class MicroBatcher:
+    """Static micro-batching in front of the engine (the classic dynamic batcher)."""
+
+    def __init__(self, max_size: int, max_wait_s: float) -> None:
+        self.max_size = max_size
+        self.max_wait_s = max_wait_s
+        self._pending: list[tuple[int, float, str, asyncio.Future[None]]] = []
+        self._in_flight: set[str] = set()
+        self._changed = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        # (size, why it left: "full" or "waited") of recent batches, for metrics and tests.
+        self.history: deque[tuple[int, str]] = deque(maxlen=256)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name="micro-batcher")
+
+    async def admit(self, req: GenRequest) -> None:
+        """Wait until ``req`` is released in a batch."""
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._pending.append((req.priority, time.monotonic(), req.request_id, future))
+        self._changed.set()
+        try:
+            await future
+        except asyncio.CancelledError:
+            self._pending = [p for p in self._pending if p[3] is not future]
+            raise
+
+    def done(self, request_id: str) -> None:
+        self._in_flight.discard(request_id)
+        self._changed.set()
+
+    async def _loop(self) -> None:
+        while True:
+            self._pending = [p for p in self._pending if not p[3].done()]
+            if not self._pending or self._in_flight:
+                self._changed.clear()
+                await self._changed.wait()
+                continue
+            oldest = min(p[1] for p in self._pending)
+            remaining = oldest + self.max_wait_s - time.monotonic()
+            if len(self._pending) < self.max_size and remaining > 0:
+                self._changed.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), remaining)
+                continue
+            self._pending.sort(key=lambda p: (p[0], p[1]))
+            batch, self._pending = self._pending[: self.max_size], self._pending[self.max_size :]
+            self.history.append((len(batch), "full" if len(batch) == self.max_size else "waited"))
+            for _, _, request_id, future in batch:
+                self._in_flight.add(request_id)
+                future.set_result(None)
+
+
+class Runner:
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        batching: str = "continuous",
+        micro_max_size: int = 16,
+        micro_max_wait_ms: float = 100.0,
+    ) -> None:
+        self.engine = engine
+        self.batching = "continuous" if engine.continuous_batching else "micro"
+        if batching == "micro":
+            self.batching = "micro"
+        self._micro_args = (micro_max_size, micro_max_wait_ms / 1000.0)
+        self.batcher: MicroBatcher | None = None
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run_loop, name="engine-loop", daemon=True)
+        self._tasks: dict[str, asyncio.Task[GenResult]] = {}
+        self._abort_reasons: dict[str, str] = {}
+
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def start(self) -> None:
+        """Start the loop thread and the engine (blocks until the engine is ready)."""
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self.loop).result()
+
+    async def _start(self) -> None:
+        await self.engine.start()
+        if self.batching == "micro":
+            self.batcher = MicroBatcher(*self._micro_args)
+            self.batcher.start()
+
+    def submit(
+        self,
+        req: GenRequest,
+        *,
+        deadline: float | None = None,
+        on_delta: Callable[[str, int], None] | None = None,
+    ) -> concurrent.futures.Future[GenResult]:
+        """Start ``req`` in the engine; the future resolves when it finishes or is stopped.
+
+        ``deadline`` is unix time; past it the request is aborted with reason ``deadline``.
+        ``on_delta(text, num_tokens)`` is called on the loop thread for every streamed piece.
+        """
+        return asyncio.run_coroutine_threadsafe(self._generate(req, deadline, on_delta), self.loop)
+
+    def abort(self, request_id: str, reason: str) -> None:
+        """Stop a request from any thread; it finishes with ``abort_reason=reason``."""
+        self.loop.call_soon_threadsafe(self._abort, request_id, reason)
+
+    def _abort(self, request_id: str, reason: str) -> None:
+        task = self._tasks.get(request_id)
+        if task is None or task.done():
+            return
+        self._abort_reasons.setdefault(request_id, reason)
+        task.cancel()
+
+    async def _generate(
+        self,
+        req: GenRequest,
+        deadline: float | None,
+        on_delta: Callable[[str, int], None] | None,
+    ) -> GenResult:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks[req.request_id] = task
+        pieces: list[str] = []
+        tokens = 0
+        prompt_tokens = 0
+        first_at: float | None = None
+        finish: str | None = None
+        released = False
+        try:
+            timeout = None if deadline is None else max(0.0, deadline - time.time())
+            async with asyncio.timeout(timeout):
+                if self.batcher is not None:
+                    await self.batcher.admit(req)
+                    released = True
+                async for chunk in self.engine.generate(req):
+                    if chunk.num_tokens and first_at is None:
+                        first_at = time.time()
+                    if chunk.text:
+                        pieces.append(chunk.text)
+                    tokens += chunk.num_tokens
+                    if chunk.prompt_tokens is not None:
+                        prompt_tokens = chunk.prompt_tokens
+                    if on_delta is not None and (chunk.text or chunk.num_tokens):
+                        on_delta(chunk.text, chunk.num_tokens)
+                    if chunk.finish_reason is not None:
+                        finish = chunk.finish_reason
+        except TimeoutError:
+            self._abort_reasons.setdefault(req.request_id, "deadline")
+        except asyncio.CancelledError:
+            if req.request_id not in self._abort_reasons:
+                raise  # not our abort: the loop is shutting down
+        finally:
+            self._tasks.pop(req.request_id, None)
+            if released and self.batcher is not None:
+                self.batcher.done(req.request_id)
+        reason = self._abort_reasons.pop(req.request_id, None)
+        if reason is not None:
+            await self.engine.abort(req.request_id)
+            finish = "abort"
+        return GenResult("".join(pieces), finish, prompt_tokens, tokens, first_at, reason)
+
+    def in_flight(self) -> int:
+        return len(self._tasks)
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Abort what is left, shut the engine down, stop the loop."""
+        if not self._thread.is_alive():
+            return
+        for request_id in list(self._tasks):
+            self.abort(request_id, "shutdown")
+        try:
+            asyncio.run_coroutine_threadsafe(self.engine.shutdown(), self.loop).result(timeout)
+        except Exception:
+            log.exception("engine shutdown failed")
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout)
