@@ -1,0 +1,206 @@
+"""The `inferq` command: run the stack or its parts, and talk to a running API.
+
+Flags become ``INFERQ_*`` variables for the processes they start, so settings have one source.
+Worker processes are started as ``python -m workers.main``: the API package never imports the
+workers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import click
+import httpx
+
+from app.settings import LANES, get_settings
+
+
+def _set_env(**values: object) -> None:
+    for name, value in values.items():
+        if value is not None:
+            os.environ[f"INFERQ_{name.upper()}"] = str(value)
+    get_settings.cache_clear()
+
+
+@click.group()
+def main() -> None:
+    """inferq: durable, prioritised LLM inference jobs."""
+
+
+@main.command()
+@click.option(
+    "--engine",
+    type=click.Choice(["auto", "vllm", "hf", "simulated"]),
+    default=None,
+    help="Worker engine (default: INFERQ_ENGINE, else the best installed).",
+)
+@click.option("--concurrency", type=int, default=None, help="Jobs the worker holds at once.")
+def up(engine: str | None, concurrency: int | None) -> None:
+    """Run the whole stack locally on embedded defaults (Ctrl-C stops it)."""
+    from app.stack import Stack
+
+    settings = get_settings()
+    sys.exit(Stack(settings, engine or settings.engine, concurrency).run())
+
+
+@main.command()
+@click.option("--host", default=None, help="Bind address (default INFERQ_API_HOST).")
+@click.option("--port", type=int, default=None, help="Port (default INFERQ_API_PORT).")
+@click.option("--workers", type=int, default=1, help="uvicorn worker processes.")
+def api(host: str | None, port: int | None, workers: int) -> None:
+    """Run the HTTP API (uvicorn)."""
+    import uvicorn
+
+    _set_env(api_host=host, api_port=port)
+    settings = get_settings()
+    uvicorn.run(
+        "app.main:create_app",
+        factory=True,
+        host=settings.api_host,
+        port=settings.api_port,
+        workers=workers,
+        log_level="info",
+        timeout_graceful_shutdown=10,
+    )
+
+
+@main.command()
+@click.option("--engine", type=click.Choice(["auto", "vllm", "hf", "simulated"]), default=None)
+@click.option("--lanes", default=None, help=f"Comma-separated lanes (default: {','.join(LANES)}).")
+@click.option("--concurrency", type=int, default=None, help="Jobs held at once (threads).")
+@click.option("--batching", type=click.Choice(["continuous", "micro"]), default=None)
+def worker(
+    engine: str | None, lanes: str | None, concurrency: int | None, batching: str | None
+) -> None:
+    """Run an inference worker: one engine, fed by every Celery thread."""
+    _set_env(engine=engine, worker_lanes=lanes, worker_concurrency=concurrency, batching=batching)
+    get_settings()  # fail here, with a clear message, on a bad setting
+    os.execv(sys.executable, [sys.executable, "-m", "workers.main"])  # noqa: S606
+
+
+@main.command()
+def migrate() -> None:
+    """Create or upgrade the database schema."""
+    from app.db import migrate as run
+
+    run()
+    click.echo(f"database at head: {get_settings().sqlalchemy_url}")
+
+
+@main.group()
+def keys() -> None:
+    """Manage API keys (directly in the database)."""
+
+
+@keys.command("create")
+@click.option("--tenant", required=True)
+@click.option("--name", default="")
+def keys_create(tenant: str, name: str) -> None:
+    """Create a key; it is printed once and only its hash is stored."""
+    from app.auth import create_key
+    from app.db import session_scope
+
+    with session_scope() as session:
+        row, plaintext = create_key(session, tenant, name)
+    click.echo(plaintext)
+    click.echo(
+        f"id {row.id}  tenant {tenant}  (store the key now: only its hash is kept)", err=True
+    )
+
+
+@keys.command("list")
+@click.option("--tenant", default=None)
+def keys_list(tenant: str | None) -> None:
+    """List keys (ids and prefixes, never the keys)."""
+    from sqlalchemy import select
+
+    from app.db import session_scope
+    from app.models import ApiKey
+
+    with session_scope() as session:
+        query = select(ApiKey).order_by(ApiKey.created_at)
+        if tenant:
+            query = query.where(ApiKey.tenant == tenant)
+        for row in session.scalars(query):
+            state = "revoked" if row.revoked_at else "active"
+            click.echo(f"{row.id}  {row.tenant:<16} {row.prefix}...  {state:<8} {row.name}")
+
+
+@keys.command("revoke")
+@click.argument("key_id")
+def keys_revoke(key_id: str) -> None:
+    """Revoke a key by id."""
+    from app.auth import revoke_key
+    from app.db import session_scope
+
+    with session_scope() as session:
+        done = revoke_key(session, key_id)
+    click.echo("revoked" if done else "no such active key")
+    sys.exit(0 if done else 1)
+
+
+def _client() -> httpx.Client:
+    settings = get_settings()
+    headers = {}
+    if settings.api_key is not None:
+        headers["Authorization"] = f"Bearer {settings.api_key.get_secret_value()}"
+    return httpx.Client(base_url=settings.base_url, headers=headers, timeout=30)
+
+
+def _show(response: httpx.Response, echo: bool = True) -> dict[str, Any]:
+    body: dict[str, Any] = response.json()
+    if echo or response.status_code >= 400:
+        click.echo(json.dumps(body, indent=2))
+    if response.status_code >= 400:
+        sys.exit(1)
+    return body
+
+
+@main.command()
+@click.argument("prompt")
+@click.option("--lane", type=click.Choice(LANES), default="standard")
+@click.option("--max-tokens", type=int, default=None)
+@click.option("--temperature", type=float, default=None)
+@click.option("--chat", is_flag=True, help="Send the prompt as one user chat message.")
+@click.option("--wait", is_flag=True, help="Poll until the job finishes.")
+def submit(
+    prompt: str,
+    lane: str,
+    max_tokens: int | None,
+    temperature: float | None,
+    chat: bool,
+    wait: bool,
+) -> None:
+    """Submit a job to the API at INFERQ_API_URL (key from INFERQ_API_KEY)."""
+    body: dict[str, Any] = {"lane": lane, "params": {}}
+    if chat:
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    if max_tokens is not None:
+        body["params"]["max_tokens"] = max_tokens
+    if temperature is not None:
+        body["params"]["temperature"] = temperature
+    with _client() as client:
+        job = _show(client.post("/v1/jobs", json=body), echo=not wait)
+        while wait and job["status"] in ("queued", "running"):
+            time.sleep(0.2)
+            job = _show(client.get(f"/v1/jobs/{job['id']}"), echo=False)
+        if wait:
+            click.echo(json.dumps(job, indent=2))
+
+
+@main.command()
+@click.argument("job_id")
+def get(job_id: str) -> None:
+    """Print a job."""
+    with _client() as client:
+        _show(client.get(f"/v1/jobs/{job_id}"))
+
+
+if __name__ == "__main__":
+    main()
