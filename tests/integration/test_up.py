@@ -1,0 +1,93 @@
+"""`inferq up`: the whole stack from nothing (no Redis running), then a clean stop."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import httpx
+import psutil
+import redis
+
+from tests.support import REPO, free_port, wait_until
+
+
+def test_up_runs_the_whole_stack_and_stops_every_child(tmp_path: Path) -> None:
+    api_port, redis_port = free_port(), free_port()
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("INFERQ_")},
+        "PYTHONUNBUFFERED": "1",
+        "INFERQ_DATA_DIR": str(tmp_path / "data"),
+        "INFERQ_API_PORT": str(api_port),
+        # Nothing listens here: `up` must start its own redis-server.
+        "INFERQ_REDIS_URL": f"redis://127.0.0.1:{redis_port}/0",
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "app.cli", "up", "--engine", "simulated"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines: list[str] = []
+    reader = threading.Thread(
+        target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True
+    )
+    reader.start()
+    children: list[psutil.Process] = []
+    try:
+        wait_until(
+            lambda: any("inferq is up" in line for line in lines) or proc.poll(), 120, "inferq up"
+        )
+        output = "".join(lines)
+        assert proc.poll() is None, output
+        assert "private redis-server started by inferq" in output
+        assert "SIMULATED" in output
+        key = re.search(r"API key\s+(iq_\S+)", output).group(1)
+        url = re.search(r"API\s+(http://\S+)", output).group(1)
+        assert url == f"http://127.0.0.1:{api_port}"
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert len(children) >= 3  # redis-server, api, worker
+
+        with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}) as c:
+            ids = [
+                c.post(
+                    "/v1/jobs", json={"prompt": "hello", "lane": lane, "params": {"max_tokens": 4}}
+                ).json()["id"]
+                for lane in ("realtime", "standard", "bulk")
+            ]
+            for job_id in ids:
+                job = wait_until(
+                    lambda j=job_id: (
+                        (r := c.get(f"/v1/jobs/{j}").json())["status"] == "succeeded" and r
+                    ),
+                    30,
+                    f"job {job_id}",
+                )
+                assert job["result"]["text"] and job["result"]["usage"]["total_tokens"] > 0
+
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        wait_until(
+            lambda: (
+                not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children)
+            ),
+            20,
+            "children to exit",
+        )
+        try:
+            redis.Redis(port=redis_port, socket_connect_timeout=0.5).ping()
+            raise AssertionError("the private redis-server is still running")
+        except redis.ConnectionError:
+            pass
+    finally:
+        for leftover in [proc, *children]:  # only when the test failed half-way
+            with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
+                leftover.kill()

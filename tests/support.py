@@ -1,0 +1,244 @@
+"""Test helpers: real processes on loopback (uvicorn API, Celery workers), bounded in time.
+
+Every process is started in its own process group and killed with it at teardown, so a vLLM
+worker's engine processes never outlive a test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import redis
+from sqlalchemy import Engine, create_engine, text
+
+REPO = Path(__file__).resolve().parents[1]
+TERMINAL = {"succeeded", "failed", "cancelled", "expired"}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_until(check: Callable[[], Any], timeout: float, what: str, every: float = 0.1) -> Any:
+    deadline = time.monotonic() + timeout
+    last_error: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = check()
+            if value:
+                return value
+        except Exception as exc:  # keep polling; report the last error on timeout
+            last_error = exc
+        time.sleep(every)
+    raise TimeoutError(f"timed out after {timeout}s waiting for {what} (last error: {last_error})")
+
+
+class Proc:
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], log: Path) -> None:
+        self.name = name
+        self.log = log
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with log.open("ab") as out:
+            self.popen = subprocess.Popen(
+                argv,
+                cwd=REPO,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def signal(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.popen.pid, sig)
+
+    def stop(self, grace: float = 20.0) -> int | None:
+        if self.alive():
+            self.signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.popen.wait(grace)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        return self.popen.wait(10)
+
+    def tail(self, n: int = 60) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+class Stack:
+    """An API and workers against one database and one Redis database."""
+
+    def __init__(self, tmp: Path, database_url: str, redis_url: str, **settings: Any) -> None:
+        self.tmp = tmp
+        self.database_url = database_url
+        self.redis_url = redis_url
+        self.port = free_port()
+        self.env = {
+            **{k: v for k, v in os.environ.items() if not k.startswith("INFERQ_")},
+            "PYTHONUNBUFFERED": "1",
+            "INFERQ_DATA_DIR": str(tmp / "data"),
+            "INFERQ_DATABASE_URL": database_url,
+            "INFERQ_REDIS_URL": redis_url,
+            "INFERQ_API_PORT": str(self.port),
+            "INFERQ_REQUIRE_AUTH": "false",
+            "INFERQ_HEARTBEAT_S": "1",
+            "INFERQ_LEASE_TTL_S": "10",
+        }
+        self.env.update({f"INFERQ_{k.upper()}": str(v) for k, v in settings.items()})
+        self.procs: list[Proc] = []
+        self.api_key: str | None = None
+        self._db: Engine | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def cli(
+        self, *args: str, env: dict[str, str] | None = None, timeout: float = 120
+    ) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "app.cli", *args],
+            cwd=REPO,
+            env={**self.env, **(env or {})},
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+
+    def migrate(self) -> None:
+        done = self.cli("migrate")
+        assert done.returncode == 0, done.stdout + done.stderr
+
+    def start_api(self) -> Proc:
+        proc = Proc(
+            "api", [sys.executable, "-m", "app.cli", "api"], self.env, self.tmp / "logs" / "api.log"
+        )
+        self.procs.append(proc)
+        wait_until(
+            lambda: (
+                httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200 or not proc.alive()
+            ),
+            60,
+            "the API",
+        )
+        assert proc.alive(), proc.tail()
+        return proc
+
+    def start_worker(
+        self, *, engine: str = "simulated", timeout: float = 60, **settings: Any
+    ) -> Proc:
+        env = {**self.env, **{f"INFERQ_{k.upper()}": str(v) for k, v in settings.items()}}
+        index = sum(1 for p in self.procs if p.name.startswith("worker"))
+        proc = Proc(
+            f"worker{index}",
+            [sys.executable, "-m", "app.cli", "worker", "--engine", engine],
+            env,
+            self.tmp / "logs" / f"worker{index}.log",
+        )
+        self.procs.append(proc)
+
+        def announced() -> bool:
+            if not proc.alive():
+                raise AssertionError(f"worker exited:\n{proc.tail()}")
+            return self.worker_record(proc.pid) is not None
+
+        try:
+            wait_until(announced, timeout, "the worker to start", every=0.25)
+        except TimeoutError as exc:
+            raise AssertionError(f"{exc}\n{proc.tail()}") from exc
+        return proc
+
+    def worker_record(self, pid: int) -> dict[str, Any] | None:
+        client = redis.Redis.from_url(self.redis_url)
+        for key in client.scan_iter("inferq:worker:*"):
+            raw = client.get(key)
+            record = json.loads(raw) if raw else {}
+            if record.get("pid") == pid:
+                return dict(record)
+        return None
+
+    def client(self, **kw: Any) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return httpx.Client(base_url=self.url, headers=headers, timeout=30, **kw)
+
+    def db(self) -> Engine:
+        if self._db is None:
+            self._db = create_engine(self.database_url)
+        return self._db
+
+    def scalar(self, sql: str, **params: Any) -> Any:
+        with self.db().connect() as conn:
+            return conn.execute(text(sql), params).scalar()
+
+    def submit(self, body: dict[str, Any], client: httpx.Client | None = None) -> dict[str, Any]:
+        with contextlib.ExitStack() as stack:
+            c = client or stack.enter_context(self.client())
+            response = c.post("/v1/jobs", json=body)
+            assert response.status_code == 202, response.text
+            return dict(response.json())
+
+    def wait_job(
+        self, job_id: str, timeout: float = 60, statuses: set[str] = TERMINAL
+    ) -> dict[str, Any]:
+        with self.client() as c:
+
+            def done() -> dict[str, Any] | None:
+                job = c.get(f"/v1/jobs/{job_id}").json()
+                return job if job["status"] in statuses else None
+
+            try:
+                return dict(wait_until(done, timeout, f"job {job_id} to reach {statuses}"))
+            except TimeoutError as exc:
+                logs = "\n".join(f"--- {p.name}\n{p.tail(30)}" for p in self.procs)
+                raise AssertionError(f"{exc}\n{logs}") from exc
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):
+            proc.stop()
+        if self._db is not None:
+            self._db.dispose()
+
+
+@contextlib.contextmanager
+def running_stack(
+    tmp: Path,
+    database_url: str,
+    redis_url: str,
+    *,
+    workers: int = 1,
+    engine: str = "simulated",
+    **settings: Any,
+) -> Iterator[Stack]:
+    stack = Stack(tmp, database_url, redis_url, **settings)
+    try:
+        stack.migrate()
+        stack.start_api()
+        for _ in range(workers):
+            stack.start_worker(engine=engine)
+        yield stack
+    finally:
+        stack.stop()

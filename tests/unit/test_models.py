@@ -1,0 +1,34 @@
+"""Status machine and identifiers."""
+
+from __future__ import annotations
+
+import time
+
+from app.models import TERMINAL, TRANSITIONS, JobStatus, can_transition, new_id
+
+
+def test_terminal_states_have_no_way_out() -> None:
+    for status in TERMINAL:
+        for target in JobStatus:
+            assert not can_transition(status, target)
+
+
+def test_running_can_finish_every_way_or_be_handed_back() -> None:
+    assert TRANSITIONS[JobStatus.RUNNING] == {
+        JobStatus.SUCCEEDED,
+        JobStatus.FAILED,
+        JobStatus.CANCELLED,
+        JobStatus.EXPIRED,
+        JobStatus.QUEUED,
+    }
+    assert can_transition(JobStatus.QUEUED, JobStatus.RUNNING)
+    assert not can_transition(JobStatus.QUEUED, JobStatus.SUCCEEDED)
+
+
+def test_ids_sort_by_creation_time() -> None:
+    first = new_id("job")
+    time.sleep(0.002)
+    second = new_id("job")
+    assert first.startswith("job_") and len(first) == 30
+    assert first < second
+    assert len({new_id("job") for _ in range(1000)}) == 1000

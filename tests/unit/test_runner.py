@@ -1,0 +1,90 @@
+"""The runner: many threads feed one engine; deadlines, aborts and micro-batches."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from app.settings import Settings
+from workers.engines.base import GenRequest
+from workers.engines.simulated import CostModel, SimulatedEngine
+from workers.runner import GenResult, Runner
+
+
+@pytest.fixture
+def runner() -> Iterator[Runner]:
+    runner = Runner(SimulatedEngine(CostModel.from_settings(Settings(), base_ms=2.0)))
+    runner.start()
+    yield runner
+    runner.shutdown()
+
+
+def test_requests_from_many_threads_are_batched_in_one_engine(runner: Runner) -> None:
+    results: list[GenResult] = []
+    lock = threading.Lock()
+
+    def task(i: int) -> None:
+        result = runner.submit(GenRequest(f"r{i}", prompt=f"job {i}", max_tokens=16)).result(30)
+        with lock:
+            results.append(result)
+
+    threads = [threading.Thread(target=task, args=(i,)) for i in range(24)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    engine = runner.engine
+    assert isinstance(engine, SimulatedEngine)
+    assert len(results) == 24
+    assert all(r.completion_tokens == 16 and r.finish_reason == "length" for r in results)
+    assert all(r.text and r.prompt_tokens == 2 and r.first_token_at for r in results)
+    # The engine ran all 24 sequences together in one step at least once.
+    assert max(engine.batch_sizes) >= 20
+
+
+def test_deadline_aborts_with_the_text_so_far(runner: Runner) -> None:
+    started = time.time()
+    result = runner.submit(
+        GenRequest("d", prompt="x", max_tokens=100_000), deadline=started + 0.3
+    ).result(10)
+    assert result.abort_reason == "deadline"
+    assert result.finish_reason == "abort"
+    assert 0 < result.completion_tokens < 100_000
+    assert len(result.text.split()) == result.completion_tokens
+    assert time.time() - started < 2
+
+
+def test_abort_from_another_thread(runner: Runner) -> None:
+    streamed: list[str] = []
+    future = runner.submit(
+        GenRequest("c", prompt="x", max_tokens=100_000),
+        on_delta=lambda text, n: streamed.append(text),
+    )
+    time.sleep(0.2)
+    runner.abort("c", "cancelled")
+    result = future.result(10)
+    assert result.abort_reason == "cancelled"
+    assert result.text == "".join(streamed)
+    assert result.completion_tokens == len(streamed) > 0
+
+
+def test_micro_batches_wait_for_size_or_time() -> None:
+    engine = SimulatedEngine(CostModel.from_settings(Settings(), base_ms=1.0))
+    runner = Runner(engine, batching="micro", micro_max_size=4, micro_max_wait_ms=150)
+    runner.start()
+    try:
+        # Five requests at once: one batch of 4 leaves at once, the fifth after its wait.
+        futures = [runner.submit(GenRequest(f"m{i}", prompt="x", max_tokens=4)) for i in range(5)]
+        start = time.monotonic()
+        for f in futures:
+            f.result(10)
+        assert runner.batcher is not None
+        assert list(runner.batcher.history) == [(4, "full"), (1, "waited")]
+        assert time.monotonic() - start >= 0.13
+        # Static batching: a batch never joins a running one.
+        assert max(engine.batch_sizes) == 4
+    finally:
+        runner.shutdown()
