@@ -93,7 +93,9 @@ class Settings(BaseSettings):
 
     # --- workers and reliability ----------------------------------------------------------
     worker_lanes: str = Field("realtime,standard,bulk", description="Lanes a worker consumes.")
-    worker_concurrency: int = Field(64, description="Jobs a worker holds at once (threads).")
+    worker_concurrency: int = Field(
+        256, description="Jobs a worker holds at once (threads); vLLM's max_num_seqs."
+    )
     lease_ttl_s: float = Field(60.0, description="A claim's lease; renewed by heartbeats.")
     heartbeat_s: float = Field(15.0, description="How often a worker renews its leases.")
     visibility_timeout_s: int = Field(3600, description="Redis redelivery of unacked messages.")

@@ -225,6 +225,7 @@ class Stack:
 
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._on_signal)
+        self.data_dir.mkdir(parents=True, exist_ok=True)
         try:
             redis_line = self.ensure_redis()
             migrate()

@@ -108,8 +108,15 @@ def outcome_of(result: GenResult) -> Outcome | None:
 
 
 class Executor:
-    def __init__(self, runner: Runner, worker_id: str, settings: Settings) -> None:
+    def __init__(
+        self,
+        runner: Runner,
+        worker_id: str,
+        settings: Settings,
+        on_engine_dead: Callable[[], None] = lambda: None,
+    ) -> None:
         self.runner = runner
+        self.on_engine_dead = on_engine_dead
         self.worker_id = worker_id
         self.settings = settings
         self._lock = threading.Lock()
@@ -156,24 +163,26 @@ class Executor:
         future = self.runner.submit(claim.request, deadline=claim.deadline)
         if pending_abort is not None:
             self.runner.abort(claim.request.request_id, pending_abort)
-        outcome: Outcome | None
         try:
-            outcome = outcome_of(future.result())
+            result = future.result()
         except EngineRequestError as exc:
             outcome = Outcome(JobStatus.FAILED, None, exc.code, str(exc))
         except EngineDeadError:
             log.critical("engine died while running %s; handing the job back", claim.job_id)
             self._hand_back(claim)
+            self.on_engine_dead()
             raise
         except Exception as exc:
             log.exception("job %s failed in the engine", claim.job_id)
-            outcome = Outcome(JobStatus.FAILED, None, "engine_error", f"{type(exc).__name__}")
-        if outcome is None:
-            with self._lock:
-                reason = self._aborts.get(claim.job_id)
-            if reason == "shutdown":
-                self._hand_back(claim)
-            return reason or "dropped"
+            outcome = Outcome(JobStatus.FAILED, None, "engine_error", type(exc).__name__)
+        else:
+            finished = outcome_of(result)
+            if finished is None:
+                # Stopped by this worker for a reason that leaves the job to someone else.
+                if result.abort_reason == "shutdown":
+                    self._hand_back(claim)
+                return result.abort_reason or "dropped"
+            outcome = finished
         written = with_db_retry(lambda: self._record(claim, outcome), "record")
         if not written:
             log.warning("job %s: lease %d lost; result discarded", claim.job_id, claim.token)

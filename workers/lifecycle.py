@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 from typing import Any
 
@@ -38,7 +39,9 @@ class InferenceWorker:
             micro_max_size=settings.micro_batch_max_size,
             micro_max_wait_ms=settings.micro_batch_max_wait_ms,
         )
-        self.executor = Executor(self.runner, self.worker_id, settings)
+        self.executor = Executor(
+            self.runner, self.worker_id, settings, on_engine_dead=self._engine_dead
+        )
         info = {
             "worker_id": self.worker_id,
             "engine": engine.name,
@@ -62,6 +65,12 @@ class InferenceWorker:
             self.runner.engine.model_name,
             self.runner.batching,
         )
+
+    def _engine_dead(self) -> None:
+        # A dead engine serves nothing: stop taking jobs and exit (warm shutdown), so the
+        # supervisor starts a fresh worker; held jobs were handed back to the queue.
+        log.critical("the engine is dead; shutting this worker down")
+        os.kill(os.getpid(), signal.SIGTERM)
 
     def stop(self) -> None:
         self.heartbeat.stop()

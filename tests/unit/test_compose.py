@@ -24,14 +24,22 @@ def load() -> dict:
 
 def test_services_and_their_guarantees() -> None:
     services = load()["services"]
-    assert set(services) == {"redis", "postgres", "migrate", "api", "worker", "worker-cpu",
-                             "flower"}
+    assert set(services) == {
+        "redis",
+        "postgres",
+        "migrate",
+        "api",
+        "worker",
+        "worker-cpu",
+        "flower",
+    }
     redis_cmd = services["redis"]["command"]
     assert redis_cmd[redis_cmd.index("--appendonly") + 1] == "yes"
     assert redis_cmd[redis_cmd.index("--maxmemory-policy") + 1] == "noeviction"
     assert services["migrate"]["command"] == ["inferq", "migrate"]
     assert services["api"]["depends_on"]["migrate"] == {
-        "condition": "service_completed_successfully"}
+        "condition": "service_completed_successfully"
+    }
     gpu = services["worker"]["deploy"]["resources"]["reservations"]["devices"][0]
     assert gpu["driver"] == "nvidia" and "gpu" in gpu["capabilities"]
     assert services["worker"]["command"][:3] == ["inferq", "worker", "--engine"]
@@ -51,13 +59,21 @@ def test_environment_names_are_real_settings() -> None:
 def test_compose_cli_accepts_the_file() -> None:
     if shutil.which("docker-compose"):
         cmd = ["docker-compose"]
-    elif shutil.which("docker") and subprocess.run(
-        ["docker", "compose", "version"], capture_output=True, check=False
-    ).returncode == 0:
+    elif (
+        shutil.which("docker")
+        and subprocess.run(
+            ["docker", "compose", "version"], capture_output=True, check=False
+        ).returncode
+        == 0
+    ):
         cmd = ["docker", "compose"]
     else:
         pytest.skip("no Compose CLI here (.ci/run installs Debian's docker-compose)")
     for profile in ([], ["--profile", "cpu"]):
-        done = subprocess.run([*cmd, "-f", str(COMPOSE), *profile, "config", "-q"],
-                              capture_output=True, text=True, check=False)
+        done = subprocess.run(
+            [*cmd, "-f", str(COMPOSE), *profile, "config", "-q"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         assert done.returncode == 0, done.stderr

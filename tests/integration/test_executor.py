@@ -1,0 +1,122 @@
+"""Claims and fencing against a real database, without Celery: a result is recorded once.
+
+The executor runs in this process against a real SQLite file or PostgreSQL database.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import text, update
+
+from app import db
+from app.jobs import build_job
+from app.models import Job, JobStatus
+from app.schemas import JobCreate
+from app.settings import get_settings
+from tests.conftest import PostgresDatabases, database_url_for
+from workers.engines.base import GenRequest
+from workers.engines.simulated import CostModel, SimulatedEngine
+from workers.executor import Executor, Outcome
+from workers.runner import GenResult, Runner
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def database(
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+    postgres: PostgresDatabases,
+    monkeypatch: pytest.MonkeyPatch,
+) -> Iterator[str]:
+    url = database_url_for(request.param, tmp_path, postgres)
+    monkeypatch.setenv("INFERQ_DATABASE_URL", url)
+    get_settings.cache_clear()
+    db.dispose()
+    db.migrate()
+    yield url
+    db.dispose()
+    get_settings.cache_clear()
+
+
+@pytest.fixture
+def runner() -> Iterator[Runner]:
+    runner = Runner(SimulatedEngine(CostModel.from_settings(get_settings(), base_ms=1.0)))
+    runner.start()
+    yield runner
+    runner.shutdown()
+
+
+def new_job(prompt: str = "hello") -> str:
+    with db.session_scope() as session:
+        job = build_job("t", JobCreate(prompt=prompt, params={"max_tokens": 4}))
+        session.add(job)
+        return job.id
+
+
+def row(job_id: str) -> Job:
+    with db.session_scope() as session:
+        job = session.get(Job, job_id)
+        assert job is not None
+        return job
+
+
+def test_a_worker_that_lost_its_lease_changes_nothing(database: str, runner: Runner) -> None:
+    job_id = new_job()
+    a = Executor(runner, "worker-a", get_settings())
+    b = Executor(runner, "worker-b", get_settings())
+    claim_a = a._claim(job_id)
+    assert claim_a is not None and claim_a.token == 1
+    # Worker A stalls; its job is handed back (what the reaper does when a lease expires).
+    with db.session_scope() as session:
+        session.execute(update(Job).where(Job.id == job_id).values(status=JobStatus.QUEUED))
+    assert b.execute(job_id) == "succeeded"
+    winner = row(job_id)
+    assert winner.lease_token == 2 and winner.lease_owner == "worker-b" and winner.attempts == 2
+    # A wakes up and tries to record its own result: fenced off.
+    late = GenResult("a late zombie result", "length", 1, 4, None)
+    assert a._record(claim_a, Outcome(JobStatus.SUCCEEDED, late)) is False
+    after = row(job_id)
+    assert after.result_text == winner.result_text != "a late zombie result"
+    assert after.status == JobStatus.SUCCEEDED and after.finished_at == winner.finished_at
+
+
+def test_duplicate_and_late_messages_claim_nothing(database: str, runner: Runner) -> None:
+    job_id = new_job()
+    executor = Executor(runner, "w", get_settings())
+    assert executor.execute(job_id) == "succeeded"
+    assert executor.execute(job_id) == "skipped"  # the same message delivered again
+    assert executor.execute("job_does_not_exist") == "skipped"
+    assert row(job_id).attempts == 1
+
+
+def test_concurrent_claims_have_exactly_one_winner(database: str, runner: Runner) -> None:
+    job_id = new_job()
+    executors = [Executor(runner, f"w{i}", get_settings()) for i in range(8)]
+    claims: list[object] = []
+    start = threading.Barrier(len(executors))
+
+    def claim(executor: Executor) -> None:
+        start.wait()
+        claims.append(executor._claim(job_id))
+
+    threads = [threading.Thread(target=claim, args=(e,)) for e in executors]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    won = [c for c in claims if c is not None]
+    assert len(claims) == 8 and len(won) == 1
+    with db.session_scope() as session:
+        assert session.execute(text("SELECT attempts FROM jobs")).scalar() == 1
+
+
+def test_engine_request_ids_are_unique_per_claim(database: str, runner: Runner) -> None:
+    job_id = new_job()
+    claim = Executor(runner, "w", get_settings())._claim(job_id)
+    assert claim is not None
+    assert isinstance(claim.request, GenRequest)
+    assert claim.request.request_id == f"{job_id}.1"
+    assert claim.request.priority == 1  # standard lane
