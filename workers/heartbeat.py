@@ -93,6 +93,7 @@ class Heartbeat:
             "waiting": stats.waiting,
             "kv_cache_usage": stats.kv_cache_usage,
             "tokens_per_s": round(stats.generated_tokens_per_s, 1),
+            "engine_stats": stats.extra,
             "seen_at": now(),
         }
         try:

@@ -119,10 +119,19 @@ def test_vllm_worker_stops_its_engine_processes(vllm_stack: tuple[Stack, int]) -
     )
 
 
-def test_hf_engine_runs_jobs_in_every_lane(tmp_path: Path, demo_cache: Path) -> None:
+def test_hf_engine_runs_a_model_from_a_local_path(tmp_path: Path, demo_cache: Path) -> None:
+    """INFERQ_MODEL as a local directory, served under its own name, on transformers."""
     pytest.importorskip("transformers", reason="install the [hf] extra")
-    for stack, pid in engine_stack(tmp_path, "hf", demo_cache):
+    from workers.engines.demo import ensure_demo_model
+
+    model_dir = ensure_demo_model(demo_cache)
+    for stack, pid in engine_stack(
+        tmp_path, "hf", demo_cache, model=str(model_dir), served_model_name="local-llama"
+    ):
         record = stack.worker_record(pid)
         assert record is not None
         assert record["engine"] == "hf" and record["batching"] == "micro"
-        check_results(run_lanes(stack))
+        assert record["model"] == "local-llama"
+        done = run_lanes(stack, model="local-llama")
+        check_results(done)
+        assert {j["model"] for j in done} == {"local-llama"}

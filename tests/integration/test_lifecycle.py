@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import PostgresDatabases, database_url_for
-from tests.support import Stack, running_stack
+from tests.support import Stack, running_stack, wait_until
 
 LANES = ["realtime", "standard", "bulk"]
 
@@ -147,3 +147,8 @@ def test_two_workers_share_one_queue_and_record_each_result_once(
         owners = stack.scalar("SELECT count(DISTINCT lease_owner) FROM jobs")
         assert owners == 2
         assert stack.scalar("SELECT max(attempts) FROM jobs") == 1
+        # Each worker's one engine ran jobs from many task threads in the same step.
+        for proc in stack.procs:
+            if proc.name.startswith("worker"):
+                record = wait_until(lambda p=proc: stack.worker_record(p.pid), 10, "record")
+                assert record["engine_stats"]["max_batch"] > 1

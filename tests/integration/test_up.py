@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -72,6 +73,43 @@ def test_up_runs_the_whole_stack_and_stops_every_child(tmp_path: Path) -> None:
                     f"job {job_id}",
                 )
                 assert job["result"]["text"] and job["result"]["usage"]["total_tokens"] > 0
+
+        # The client commands against the same stack.
+        client_env = {**env, "INFERQ_API_URL": url, "INFERQ_API_KEY": key}
+        submitted = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "app.cli",
+                "submit",
+                "hi there",
+                "--chat",
+                "--lane",
+                "bulk",
+                "--max-tokens",
+                "3",
+                "--wait",
+            ],
+            cwd=REPO,
+            env=client_env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        job = json.loads(submitted.stdout)
+        assert job["status"] == "succeeded" and job["lane"] == "bulk"
+        assert job["result"]["usage"]["completion_tokens"] == 3
+        got = subprocess.run(
+            [sys.executable, "-m", "app.cli", "get", job["id"]],
+            cwd=REPO,
+            env=client_env,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        )
+        assert json.loads(got.stdout) == job
 
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0

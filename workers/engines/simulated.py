@@ -154,7 +154,11 @@ class SimulatedEngine:
             waiting=len(self._waiting),
             kv_cache_usage=min(1.0, kv / (self.cost.max_num_batched_tokens * 64)),
             generated_tokens_per_s=tokens / span,
-            extra={"simulated": True, "steps": self.steps},
+            extra={
+                "simulated": True,
+                "steps": self.steps,
+                "max_batch": max(self.batch_sizes, default=0),
+            },
         )
 
     async def shutdown(self) -> None:
