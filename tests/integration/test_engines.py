@@ -26,13 +26,16 @@ def demo_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("model-cache")
 
 
-def engine_stack(tmp: Path, engine: str, cache: Path) -> Iterator[tuple[Stack, int]]:
+def engine_stack(
+    tmp: Path, engine: str, cache: Path, **settings: str
+) -> Iterator[tuple[Stack, int]]:
     stack = Stack(
         tmp,
         f"sqlite:///{tmp / 'inferq.db'}",
         fresh_redis_url(),
         cache_dir=str(cache),
         worker_concurrency=16,
+        **settings,
     )
     try:
         stack.migrate()
@@ -43,13 +46,14 @@ def engine_stack(tmp: Path, engine: str, cache: Path) -> Iterator[tuple[Stack, i
         stack.stop()
 
 
-def run_lanes(stack: Stack) -> list[dict]:
+def run_lanes(stack: Stack, model: str = "inferq-demo") -> list[dict]:
     with stack.client() as c:
         jobs = [
             stack.submit(
                 {
                     "prompt": "def fibonacci(n):",
                     "lane": lane,
+                    "model": model,
                     "params": {"max_tokens": 16, "temperature": 0},
                 },
                 c,
