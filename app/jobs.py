@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 
 from app import dispatch
 from app.errors import ApiError
-from app.models import TERMINAL, IdempotencyKey, Job, JobStatus, new_id, now
+from app.models import TERMINAL, IdempotencyKey, Job, JobStatus, job_update, new_id, now
 from app.schemas import JobCreate
 from app.settings import get_settings
 
@@ -185,10 +185,10 @@ def cancel(session: Session, tenant: str, job_id: str) -> tuple[Job, bool]:
     stamp = now()
     if job.status == JobStatus.QUEUED:
         done = session.execute(
-            update(Job)
-            .where(Job.id == job_id, Job.status == JobStatus.QUEUED)
-            .values(
-                status=JobStatus.CANCELLED,
+            job_update(
+                job_id,
+                expect=JobStatus.QUEUED,
+                to=JobStatus.CANCELLED,
                 finished_at=stamp,
                 updated_at=stamp,
                 cancel_requested_at=stamp,
@@ -201,9 +201,9 @@ def cancel(session: Session, tenant: str, job_id: str) -> tuple[Job, bool]:
         session.refresh(job)  # a worker claimed it meanwhile: cancel it as running
     if job.status == JobStatus.RUNNING:
         session.execute(
-            update(Job)
-            .where(Job.id == job_id, Job.status == JobStatus.RUNNING)
-            .values(cancel_requested_at=stamp, updated_at=stamp)
+            job_update(
+                job_id, expect=JobStatus.RUNNING, cancel_requested_at=stamp, updated_at=stamp
+            )
         )
         session.commit()
         session.refresh(job)

@@ -13,7 +13,7 @@ import time
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import JSON, Double, ForeignKey, Index, Integer, String, Text
+from sqlalchemy import JSON, Double, ForeignKey, Index, Integer, String, Text, Update, update
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -67,6 +67,21 @@ TRANSITIONS: dict[str, frozenset[str]] = {
 
 def can_transition(current: str, new: str) -> bool:
     return new in TRANSITIONS.get(current, frozenset())
+
+
+def job_update(
+    job_id: str, *, expect: str, to: str | None = None, token: int | None = None, **values: Any
+) -> Update:
+    """A compare-and-set on one job: it changes the row only while its status (and lease token,
+    when given) are still what the caller saw. ``to`` must be an allowed transition."""
+    if to is not None:
+        if not can_transition(expect, to):
+            raise ValueError(f"a job cannot go from {expect} to {to}")
+        values["status"] = to
+    statement = update(Job).where(Job.id == job_id, Job.status == expect)
+    if token is not None:
+        statement = statement.where(Job.lease_token == token)
+    return statement.values(**values)
 
 
 _CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"

@@ -18,12 +18,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from sqlalchemy import update
 from sqlalchemy.exc import InterfaceError, OperationalError
 
 from app import jobs
 from app.db import session_scope
-from app.models import LANE_PRIORITY, Job, JobStatus, now
+from app.models import LANE_PRIORITY, Job, JobStatus, job_update, now
 from app.settings import Settings
 from workers.engines.base import EngineDeadError, EngineRequestError, GenRequest
 from workers.runner import GenResult, Runner
@@ -200,10 +199,10 @@ class Executor:
             stamp = now()
             if job.deadline_at is not None and job.deadline_at <= stamp:
                 session.execute(
-                    update(Job)
-                    .where(Job.id == job_id, Job.status == JobStatus.QUEUED)
-                    .values(
-                        status=JobStatus.EXPIRED,
+                    job_update(
+                        job_id,
+                        expect=JobStatus.QUEUED,
+                        to=JobStatus.EXPIRED,
                         finished_at=stamp,
                         updated_at=stamp,
                         error_code="deadline_exceeded",
@@ -212,18 +211,17 @@ class Executor:
                 )
                 return None
             token = session.execute(
-                update(Job)
-                .where(Job.id == job_id, Job.status == JobStatus.QUEUED)
-                .values(
-                    status=JobStatus.RUNNING,
+                job_update(
+                    job_id,
+                    expect=JobStatus.QUEUED,
+                    to=JobStatus.RUNNING,
                     lease_token=Job.lease_token + 1,
                     lease_owner=self.worker_id,
                     lease_expires_at=stamp + self.settings.lease_ttl_s,
                     attempts=Job.attempts + 1,
                     started_at=stamp,
                     updated_at=stamp,
-                )
-                .returning(Job.lease_token)
+                ).returning(Job.lease_token)
             ).scalar()
             if token is None:
                 return None
@@ -232,7 +230,6 @@ class Executor:
     def _record(self, claim: Claim, outcome: Outcome) -> bool:
         stamp = now()
         values: dict[str, Any] = {
-            "status": outcome.status,
             "finished_at": stamp,
             "updated_at": stamp,
             "lease_expires_at": None,
@@ -250,13 +247,13 @@ class Executor:
             )
         with session_scope() as session:
             done = session.execute(
-                update(Job)
-                .where(
-                    Job.id == claim.job_id,
-                    Job.lease_token == claim.token,
-                    Job.status == JobStatus.RUNNING,
+                job_update(
+                    claim.job_id,
+                    expect=JobStatus.RUNNING,
+                    to=outcome.status,
+                    token=claim.token,
+                    **values,
                 )
-                .values(**values)
             )
             return bool(done.rowcount)  # type: ignore[attr-defined]
 
@@ -266,20 +263,16 @@ class Executor:
         def release() -> None:
             with session_scope() as session:
                 lane = session.execute(
-                    update(Job)
-                    .where(
-                        Job.id == claim.job_id,
-                        Job.lease_token == claim.token,
-                        Job.status == JobStatus.RUNNING,
-                    )
-                    .values(
-                        status=JobStatus.QUEUED,
+                    job_update(
+                        claim.job_id,
+                        expect=JobStatus.RUNNING,
+                        to=JobStatus.QUEUED,
+                        token=claim.token,
                         lease_owner=None,
                         lease_expires_at=None,
                         enqueued_at=None,
                         updated_at=now(),
-                    )
-                    .returning(Job.lane)
+                    ).returning(Job.lane)
                 ).scalar()
                 if lane is not None:
                     session.commit()

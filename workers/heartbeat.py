@@ -16,12 +16,12 @@ import threading
 from typing import Any
 
 import redis
-from sqlalchemy import select, update
+from sqlalchemy import select
 from sqlalchemy.exc import SQLAlchemyError
 
 from app import dispatch
 from app.db import session_scope
-from app.models import Job, JobStatus, now
+from app.models import Job, JobStatus, job_update, now
 from app.settings import Settings
 from workers.executor import Executor
 
@@ -67,11 +67,12 @@ class Heartbeat:
         with session_scope() as session:
             for job_id, token in held.items():
                 renewed = session.execute(
-                    update(Job)
-                    .where(
-                        Job.id == job_id, Job.lease_token == token, Job.status == JobStatus.RUNNING
+                    job_update(
+                        job_id,
+                        expect=JobStatus.RUNNING,
+                        token=token,
+                        lease_expires_at=stamp + self.settings.lease_ttl_s,
                     )
-                    .values(lease_expires_at=stamp + self.settings.lease_ttl_s)
                 )
                 if not renewed.rowcount:  # type: ignore[attr-defined]
                     lost.append(job_id)

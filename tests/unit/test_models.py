@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import time
 
-from app.models import TERMINAL, TRANSITIONS, JobStatus, can_transition, new_id
+import pytest
+
+from app.models import TERMINAL, TRANSITIONS, JobStatus, can_transition, job_update, new_id
 
 
 def test_terminal_states_have_no_way_out() -> None:
@@ -32,3 +34,11 @@ def test_ids_sort_by_creation_time() -> None:
     assert first.startswith("job_") and len(first) == 30
     assert first < second
     assert len({new_id("job") for _ in range(1000)}) == 1000
+
+
+def test_job_update_refuses_transitions_the_machine_does_not_allow() -> None:
+    with pytest.raises(ValueError, match="cannot go from succeeded to running"):
+        job_update("job_x", expect=JobStatus.SUCCEEDED, to=JobStatus.RUNNING)
+    statement = job_update("job_x", expect=JobStatus.RUNNING, to=JobStatus.QUEUED, token=3)
+    sql = str(statement.compile(compile_kwargs={"literal_binds": True}))
+    assert "jobs.status = 'running'" in sql and "jobs.lease_token = 3" in sql
