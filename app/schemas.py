@@ -7,7 +7,7 @@ out-of-bounds value is a 422 that names its field. Unknown fields are refused (a
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Literal
 
 from pydantic import (
     BaseModel,
@@ -226,11 +226,3 @@ class ErrorDetail(BaseModel):
 
 class ErrorBody(BaseModel):
     error: ErrorDetail
-
-
-Limit = Annotated[int, Field(ge=1)]
-
-
-def job_request_fingerprint(body: JobCreate) -> dict[str, Any]:
-    """The canonical form of a submission, for Idempotency-Key comparison."""
-    return body.model_dump(mode="json")
