@@ -18,6 +18,8 @@ import httpx
 
 from app.settings import LANES, get_settings
 
+ENGINES = click.Choice(["auto", "vllm", "hf", "simulated"])
+
 
 def _set_env(**values: object) -> None:
     for name, value in values.items():
@@ -34,7 +36,7 @@ def main() -> None:
 @main.command()
 @click.option(
     "--engine",
-    type=click.Choice(["auto", "vllm", "hf", "simulated"]),
+    type=ENGINES,
     default=None,
     help="Worker engine (default: INFERQ_ENGINE, else the best installed).",
 )
@@ -69,7 +71,7 @@ def api(host: str | None, port: int | None, workers: int) -> None:
 
 
 @main.command()
-@click.option("--engine", type=click.Choice(["auto", "vllm", "hf", "simulated"]), default=None)
+@click.option("--engine", type=ENGINES, default=None)
 @click.option("--lanes", default=None, help=f"Comma-separated lanes (default: {','.join(LANES)}).")
 @click.option("--concurrency", type=int, default=None, help="Jobs held at once (threads).")
 @click.option("--batching", type=click.Choice(["continuous", "micro"]), default=None)

@@ -66,11 +66,13 @@ class JobParams(_Strict):
         if value is None:
             return None
         stops = [value] if isinstance(value, str) else value
-        limit = get_settings().max_stop_sequences
-        if len(stops) > limit:
-            raise ValueError(f"at most {limit} stop sequences are allowed")
-        if any(not s or len(s) > 64 for s in stops):
-            raise ValueError("each stop sequence must be 1 to 64 characters")
+        settings = get_settings()
+        if len(stops) > settings.max_stop_sequences:
+            raise ValueError(f"at most {settings.max_stop_sequences} stop sequences are allowed")
+        if any(not s or len(s) > settings.max_stop_chars for s in stops):
+            raise ValueError(
+                f"each stop sequence must be 1 to {settings.max_stop_chars} characters"
+            )
         return stops
 
 

@@ -47,6 +47,7 @@ class Settings(BaseSettings):
     max_tokens_limit: int = Field(8192, description="Upper bound accepted for max_tokens.")
     default_max_tokens: int = Field(128, description="max_tokens when a job does not say.")
     max_stop_sequences: int = Field(4, description="Most stop strings per job.")
+    max_stop_chars: int = Field(64, description="Longest stop string.")
     max_timeout_s: float = Field(86_400.0, description="Largest timeout_s a job may ask for.")
     metadata_max_pairs: int = Field(16, description="Most metadata pairs per job.")
     metadata_max_key_chars: int = Field(64, description="Longest metadata key.")

@@ -66,11 +66,15 @@ class Outcome:
     error_message: str | None = None
 
 
+def request_id(job_id: str, token: int) -> str:
+    """One engine request id per claim: a re-run of the job is a new engine request."""
+    return f"{job_id}.{token}"
+
+
 def request_for(job: Job, token: int) -> GenRequest:
     params: dict[str, Any] = job.params
     return GenRequest(
-        # One engine request id per claim: a re-run of the job is a new engine request.
-        request_id=f"{job.id}.{token}",
+        request_id=request_id(job.id, token),
         prompt=job.prompt,
         messages=job.messages,
         max_tokens=int(params["max_tokens"]),
@@ -119,15 +123,15 @@ class Executor:
         self.worker_id = worker_id
         self.settings = settings
         self._lock = threading.Lock()
-        # job id -> engine request id (None until claimed); membership is set before the
-        # claim so that a cancel published right after the claim commits is not missed.
-        self._held: dict[str, str | None] = {}
+        # job id -> lease token (None until claimed); membership is set before the claim so
+        # that a cancel published right after the claim commits is not missed.
+        self._held: dict[str, int | None] = {}
         self._aborts: dict[str, str] = {}
-        self.leases: dict[str, int] = {}
 
     def held(self) -> dict[str, int]:
+        """The leases this worker holds: job id -> token."""
         with self._lock:
-            return dict(self.leases)
+            return {job_id: token for job_id, token in self._held.items() if token is not None}
 
     def request_abort(self, job_id: str, reason: str) -> bool:
         """Stop a job this worker holds (cancel, deadline, lost lease); False if not held."""
@@ -135,9 +139,9 @@ class Executor:
             if job_id not in self._held:
                 return False
             self._aborts.setdefault(job_id, reason)
-            request_id = self._held[job_id]
-        if request_id is not None:
-            self.runner.abort(request_id, reason)
+            token = self._held[job_id]
+        if token is not None:
+            self.runner.abort(request_id(job_id, token), reason)
         return True
 
     def execute(self, job_id: str) -> str:
@@ -152,12 +156,10 @@ class Executor:
             with self._lock:
                 self._held.pop(job_id, None)
                 self._aborts.pop(job_id, None)
-                self.leases.pop(job_id, None)
 
     def _run(self, claim: Claim) -> str:
         with self._lock:
-            self._held[claim.job_id] = claim.request.request_id
-            self.leases[claim.job_id] = claim.token
+            self._held[claim.job_id] = claim.token
             pending_abort = self._aborts.get(claim.job_id)
         future = self.runner.submit(claim.request, deadline=claim.deadline)
         if pending_abort is not None:

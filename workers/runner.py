@@ -100,9 +100,8 @@ class Runner:
         micro_max_wait_ms: float = 100.0,
     ) -> None:
         self.engine = engine
-        self.batching = "continuous" if engine.continuous_batching else "micro"
-        if batching == "micro":
-            self.batching = "micro"
+        continuous = engine.continuous_batching and batching != "micro"
+        self.batching = "continuous" if continuous else "micro"
         self._micro_args = (micro_max_size, micro_max_wait_ms / 1000.0)
         self.batcher: MicroBatcher | None = None
         self.loop = asyncio.new_event_loop()
