@@ -1,8 +1,10 @@
 """The only place the API touches Celery and Redis: enqueue by task name, signal workers.
 
-Messages carry job ids, never payloads: the row is the truth. Queue declarations and broker
-options are defined here once and reused by ``workers/celery_app.py`` so that producer and
-consumers cannot disagree about them.
+Messages carry job ids, never payloads: the row is the truth. A realtime or standard message
+carries one job; bulk messages carry up to ``bulk_chunk_size`` jobs, so a backlog of a million
+bulk jobs is ~30k messages and a worker claims a chunk in one transaction. Queue declarations
+and broker options are defined here once and reused by ``workers/celery_app.py`` so that
+producer and consumers cannot disagree about them.
 """
 
 from __future__ import annotations
@@ -16,12 +18,13 @@ from typing import Any
 import redis
 from celery import Celery
 from kombu import Exchange, Queue
+from kombu.utils.scheduling import priority_cycle
 
 from app.settings import LANES, Settings, get_settings
 
 log = logging.getLogger("inferq.dispatch")
 
-RUN_JOB_TASK = "inferq.run_job"
+RUN_JOBS_TASK = "inferq.run_jobs"
 CONTROL_CHANNEL = "inferq:control"
 WORKERS_KEY_PREFIX = "inferq:worker:"
 
@@ -35,12 +38,24 @@ def task_queues(names: Iterable[str] = LANES) -> list[Queue]:
     return [Queue(name, Exchange(name, type="direct"), routing_key=name) for name in names]
 
 
+class LaneOrder(priority_cycle):  # type: ignore[misc]
+    """kombu queue cycle that always polls lanes in priority order.
+
+    Workers cancel and re-add lane consumers at run time (``workers/intake.py``); kombu's own
+    "priority" cycle keeps the order in which queues were added, so a re-added realtime queue
+    would end up behind bulk. Sorting by lane restores the order on every change.
+    """
+
+    def update(self, it: Iterable[str]) -> None:
+        rank = {lane: i for i, lane in enumerate(LANES)}
+        self.items[:] = sorted(it, key=lambda q: rank.get(q, len(rank)))
+
+
 def broker_transport_options(settings: Settings) -> dict[str, Any]:
     return {
         "visibility_timeout": settings.visibility_timeout_s,
-        # BRPOP the queues in the order they were declared: strict lane priority,
-        # instead of kombu's default round robin.
-        "queue_order_strategy": "priority",
+        # BRPOP the queues in strict lane order instead of kombu's default round robin.
+        "queue_order_strategy": f"{__name__}:LaneOrder",
         "priority_steps": [0],
         "socket_connect_timeout": settings.dependency_timeout_s,
         "socket_timeout": max(30.0, settings.dependency_timeout_s),
@@ -89,8 +104,25 @@ def redis_ok() -> bool:
         return False
 
 
+def messages(jobs: Iterable[tuple[str, str]], chunk: int) -> list[tuple[str, list[str]]]:
+    """Group (job id, lane) pairs into (lane, job ids) messages: bulk in chunks, others alone."""
+    out: list[tuple[str, list[str]]] = []
+    bulk: list[str] = []
+    for job_id, lane in jobs:
+        if lane != "bulk":
+            out.append((lane, [job_id]))
+            continue
+        bulk.append(job_id)
+        if len(bulk) == chunk:
+            out.append((lane, bulk))
+            bulk = []
+    if bulk:
+        out.append(("bulk", bulk))
+    return out
+
+
 def enqueue(jobs: Iterable[tuple[str, str]]) -> list[str]:
-    """Send ``run_job`` for each (job id, lane). Returns the ids that could not be sent.
+    """Send ``run_jobs`` messages for (job id, lane) pairs. Returns the ids that were not sent.
 
     A failure here never loses a job: the row is committed first and the reaper re-enqueues
     queued rows whose message went missing.
@@ -98,14 +130,14 @@ def enqueue(jobs: Iterable[tuple[str, str]]) -> list[str]:
     app = _celery()
     failed: list[str] = []
     with app.producer_or_acquire() as producer:
-        for job_id, lane in jobs:
+        for lane, ids in messages(jobs, get_settings().bulk_chunk_size):
             try:
                 # A direct queue is published through the anonymous exchange (LPUSH onto the
                 # lane's list), so delivery does not depend on kombu's binding keys in Redis.
-                app.send_task(RUN_JOB_TASK, args=[job_id], queue=lane, producer=producer)
+                app.send_task(RUN_JOBS_TASK, args=[ids, lane], queue=lane, producer=producer)
             except Exception:  # kombu raises several connection error types
-                log.exception("could not enqueue %s on %s", job_id, lane)
-                failed.append(job_id)
+                log.exception("could not enqueue %d job(s) on %s", len(ids), lane)
+                failed.extend(ids)
     return failed
 
 

@@ -138,6 +138,29 @@ def submit(
     return job, True
 
 
+INSERT_CHUNK = 500
+
+
+def submit_many(session: Session, tenant: str, bodies: list[JobCreate]) -> list[Job]:
+    """Insert many queued jobs in one transaction (in chunks): all of them or none."""
+    rows = []
+    for i, body in enumerate(bodies):
+        try:
+            rows.append(build_job(tenant, body))
+        except ApiError as exc:
+            exc.param = f"jobs.{i}.{exc.param}" if exc.param else f"jobs.{i}"
+            raise
+    try:
+        for start in range(0, len(rows), INSERT_CHUNK):
+            session.add_all(rows[start : start + INSERT_CHUNK])
+            session.flush()
+        session.commit()
+    except Exception:
+        session.rollback()
+        raise
+    return rows
+
+
 def send(session: Session, jobs: list[tuple[str, str]]) -> None:
     """Enqueue committed (job id, lane) pairs and stamp the ones that went out.
 

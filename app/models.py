@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Collection
 from enum import StrEnum
 from typing import Any
 
@@ -70,15 +71,22 @@ def can_transition(current: str, new: str) -> bool:
 
 
 def job_update(
-    job_id: str, *, expect: str, to: str | None = None, token: int | None = None, **values: Any
+    job_id: str | Collection[str],
+    *,
+    expect: str,
+    to: str | None = None,
+    token: int | None = None,
+    **values: Any,
 ) -> Update:
-    """A compare-and-set on one job: it changes the row only while its status (and lease token,
-    when given) are still what the caller saw. ``to`` must be an allowed transition."""
+    """A compare-and-set on one job (or several): it changes a row only while its status (and
+    lease token, when given) are still what the caller saw. ``to`` must be an allowed
+    transition."""
     if to is not None:
         if not can_transition(expect, to):
             raise ValueError(f"a job cannot go from {expect} to {to}")
         values["status"] = to
-    statement = update(Job).where(Job.id == job_id, Job.status == expect)
+    which = Job.id == job_id if isinstance(job_id, str) else Job.id.in_(list(job_id))
+    statement = update(Job).where(which, Job.status == expect)
     if token is not None:
         statement = statement.where(Job.lease_token == token)
     return statement.values(**values)

@@ -141,6 +141,20 @@ class JobCreate(_Strict):
         return value
 
 
+class JobBulkCreate(_Strict):
+    """``POST /v1/jobs/bulk``: many job bodies, accepted or refused together."""
+
+    jobs: list[JobCreate] = Field(min_length=1)
+
+    @field_validator("jobs")
+    @classmethod
+    def _count(cls, value: list[JobCreate]) -> list[JobCreate]:
+        limit = get_settings().bulk_max_jobs
+        if len(value) > limit:
+            raise ValueError(f"at most {limit} jobs per request (got {len(value)})")
+        return value
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
@@ -217,6 +231,10 @@ class JobList(BaseModel):
     object: Literal["list"] = "list"
     data: list[JobOut]
     has_more: bool
+
+
+class JobBulkOut(BaseModel):
+    data: list[JobOut]
 
 
 class ErrorDetail(BaseModel):

@@ -95,8 +95,14 @@ class Settings(BaseSettings):
     # --- workers and reliability ----------------------------------------------------------
     worker_lanes: str = Field("realtime,standard,bulk", description="Lanes a worker consumes.")
     worker_concurrency: int = Field(
-        256, description="Jobs a worker holds at once (threads); vLLM's max_num_seqs."
+        256, description="Job slots per worker; set it to the engine's max_num_seqs."
     )
+    lane_reserved_share: dict[str, float] = Field(
+        default_factory=lambda: {"realtime": 0.0625, "standard": 0.03125, "bulk": 0.125},
+        description="Share of a worker's slots kept free for each lane (JSON).",
+    )
+    bulk_chunk_size: int = Field(32, ge=1, description="Bulk lane: job ids per queue message.")
+    bulk_max_jobs: int = Field(1000, ge=1, description="Most jobs in one POST /v1/jobs/bulk.")
     lease_ttl_s: float = Field(60.0, description="A claim's lease; renewed by heartbeats.")
     heartbeat_s: float = Field(15.0, description="How often a worker renews its leases.")
     visibility_timeout_s: int = Field(3600, description="Redis redelivery of unacked messages.")
@@ -111,6 +117,11 @@ class Settings(BaseSettings):
         for lane in self.lanes:
             if lane not in LANES:
                 raise ValueError(f"unknown lane {lane!r} in worker_lanes; lanes are {LANES}")
+        shares = self.lane_reserved_share
+        if set(shares) - set(LANES) or any(v < 0 for v in shares.values()):
+            raise ValueError(f"lane_reserved_share takes lanes {LANES} with shares >= 0")
+        if sum(shares.values()) >= 1:
+            raise ValueError("lane_reserved_share must add up to less than 1")
         return self
 
     @property

@@ -1,21 +1,30 @@
-"""Running one job: claim it under a lease, generate, record the outcome behind the fence.
+"""Running a message's jobs: claim them under a lease, generate, record outcomes behind the fence.
 
-- A claim is a compare-and-set from ``queued`` to ``running`` that increments the fencing token.
-  A redelivered message for a job that is running, finished or cancelled claims nothing, so
-  jobs cancelled while queued never run.
-- The outcome is written ``WHERE lease_token = <ours> AND status = 'running'``: a worker that
-  lost its lease (paused, partitioned, presumed dead) changes nothing.
+- A claim is a compare-and-set from ``queued`` to ``running`` that increments the fencing token;
+  a message's jobs (one, or a bulk chunk) are claimed in one transaction. A redelivered message
+  for jobs that are running, finished or cancelled claims nothing, so jobs cancelled while
+  queued never run.
+- Every job of a message is in the engine at once; each outcome is written as soon as the job
+  finishes, ``WHERE lease_token = <ours> AND status = 'running'``: a worker that lost its lease
+  (paused, partitioned, presumed dead) changes nothing. Outcomes from all task threads are
+  group-committed by one recorder thread, so a busy worker writes many results per transaction.
 - No DB transaction is open while the engine works. Database errors are retried with backoff
-  and the Celery message is acknowledged only after the outcome is committed.
+  and the Celery message is acknowledged only after every outcome is committed.
+- Job slots are taken from the lane intake when the message starts and given back as each job
+  leaves the engine (``workers/intake.py``).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
+import queue
 import threading
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, TypeVar
 
 from sqlalchemy.exc import InterfaceError, OperationalError
@@ -25,6 +34,7 @@ from app.db import session_scope
 from app.models import LANE_PRIORITY, Job, JobStatus, job_update, now
 from app.settings import Settings
 from workers.engines.base import EngineDeadError, EngineRequestError, GenRequest
+from workers.intake import Intake
 from workers.runner import GenResult, Runner
 
 log = logging.getLogger("inferq.executor")
@@ -71,7 +81,8 @@ def request_id(job_id: str, token: int) -> str:
     return f"{job_id}.{token}"
 
 
-def request_for(job: Job, token: int) -> GenRequest:
+def request_for(job: Any, token: int) -> GenRequest:
+    """The engine request for a job row (an ORM ``Job`` or a row with the same columns)."""
     params: dict[str, Any] = job.params
     return GenRequest(
         request_id=request_id(job.id, token),
@@ -110,6 +121,46 @@ def outcome_of(result: GenResult) -> Outcome | None:
     return None  # lease lost or shutting down: someone else owns the job now
 
 
+RECORD_BATCH = 512
+
+
+class Recorder:
+    """Group commit of outcomes: one thread writes whatever has queued up in one transaction."""
+
+    def __init__(self, write: Callable[[list[tuple[Claim, Outcome]]], list[bool]]) -> None:
+        self._write = write
+        self._queue: queue.SimpleQueue[tuple[Claim, Outcome, concurrent.futures.Future[bool]]] = (
+            queue.SimpleQueue()
+        )
+        self._thread = threading.Thread(target=self._loop, name="recorder", daemon=True)
+        self._thread.start()
+
+    def put(self, claim: Claim, outcome: Outcome) -> concurrent.futures.Future[bool]:
+        """Queue an outcome; the future says whether it was written (False: fenced off)."""
+        future: concurrent.futures.Future[bool] = concurrent.futures.Future()
+        self._queue.put((claim, outcome, future))
+        return future
+
+    def _loop(self) -> None:
+        while True:
+            batch = [self._queue.get()]
+            while len(batch) < RECORD_BATCH:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            items = [(claim, outcome) for claim, outcome, _ in batch]
+            try:
+                written = with_db_retry(partial(self._write, items), "record")
+            except Exception as exc:  # a bad row must not take the others down with it
+                log.exception("recording %d outcomes failed", len(items))
+                for _, _, future in batch:
+                    future.set_exception(exc)
+                continue
+            for (_, _, future), ok in zip(batch, written, strict=True):
+                future.set_result(ok)
+
+
 class Executor:
     def __init__(
         self,
@@ -117,11 +168,19 @@ class Executor:
         worker_id: str,
         settings: Settings,
         on_engine_dead: Callable[[], None] = lambda: None,
+        intake: Intake | None = None,
     ) -> None:
         self.runner = runner
         self.on_engine_dead = on_engine_dead
         self.worker_id = worker_id
         self.settings = settings
+        self.intake = intake or Intake(
+            settings.lanes,
+            settings.worker_concurrency,
+            settings.lane_reserved_share,
+            settings.bulk_chunk_size,
+        )
+        self.recorder = Recorder(self._record_many)
         self._lock = threading.Lock()
         # job id -> lease token (None until claimed); membership is set before the claim so
         # that a cancel published right after the claim commits is not missed.
@@ -144,77 +203,110 @@ class Executor:
             self.runner.abort(request_id(job_id, token), reason)
         return True
 
-    def execute(self, job_id: str) -> str:
-        with self._lock:
-            self._held[job_id] = None
-        try:
-            claim = with_db_retry(lambda: self._claim(job_id), "claim")
-            if claim is None:
-                return "skipped"
-            return self._run(claim)
-        finally:
-            with self._lock:
-                self._held.pop(job_id, None)
-                self._aborts.pop(job_id, None)
+    def execute(
+        self, job_ids: Sequence[str], lane: str, message_id: str | None = None
+    ) -> dict[str, int]:
+        """Run one message's jobs; returns how many ended which way.
 
-    def _run(self, claim: Claim) -> str:
+        Slots were usually taken when the message was received; ``message_id`` says which.
+        """
+        ids = list(dict.fromkeys(job_ids))
+        self.intake.take(lane, len(ids), key=message_id)
+        slots = len(ids)
         with self._lock:
-            self._held[claim.job_id] = claim.token
-            pending_abort = self._aborts.get(claim.job_id)
-        future = self.runner.submit(claim.request, deadline=claim.deadline)
-        if pending_abort is not None:
-            self.runner.abort(claim.request.request_id, pending_abort)
+            for job_id in ids:
+                self._held[job_id] = None
+        try:
+            claims = with_db_retry(lambda: self._claim(ids), "claim")
+            ended: Counter[str] = Counter(skipped=len(ids) - len(claims))
+            self.intake.give(lane, slots - len(claims))
+            slots = len(claims)
+            with self._lock:
+                for claim in claims:
+                    self._held[claim.job_id] = claim.token
+                pending = {c.job_id: self._aborts.get(c.job_id) for c in claims}
+            futures = {}
+            for claim in claims:
+                future = self.runner.submit(claim.request, deadline=claim.deadline)
+                futures[future] = claim
+                if pending[claim.job_id] is not None:
+                    self.runner.abort(claim.request.request_id, str(pending[claim.job_id]))
+            recorded: list[tuple[Claim, Outcome, concurrent.futures.Future[bool]]] = []
+            unfinished = set(futures)
+            try:
+                for future in concurrent.futures.as_completed(futures):
+                    unfinished.discard(future)
+                    self.intake.give(lane)
+                    slots -= 1
+                    claim = futures[future]
+                    outcome = self._outcome(claim, future)
+                    if isinstance(outcome, str):
+                        ended[outcome] += 1
+                    else:
+                        recorded.append((claim, outcome, self.recorder.put(claim, outcome)))
+            except EngineDeadError:
+                log.critical("the engine died; handing %d job(s) back", len(unfinished) + 1)
+                for future in futures:
+                    if future.done() and future.exception() is None:
+                        continue
+                    self._hand_back(futures[future])
+                self.on_engine_dead()
+                raise
+            for claim, outcome, written in recorded:
+                if written.result():
+                    ended[str(outcome.status)] += 1
+                else:
+                    log.warning(
+                        "job %s: lease %d lost; result discarded", claim.job_id, claim.token
+                    )
+                    ended["fenced"] += 1
+            return {k: v for k, v in ended.items() if v}
+        finally:
+            if slots:
+                self.intake.give(lane, slots)
+            self.intake.settle(message_id)
+            with self._lock:
+                for job_id in ids:
+                    self._held.pop(job_id, None)
+                    self._aborts.pop(job_id, None)
+
+    def _outcome(self, claim: Claim, future: concurrent.futures.Future[GenResult]) -> Outcome | str:
+        """The outcome to record, or why nothing is recorded (raises EngineDeadError)."""
         try:
             result = future.result()
         except EngineRequestError as exc:
-            outcome = Outcome(JobStatus.FAILED, None, exc.code, str(exc))
+            return Outcome(JobStatus.FAILED, None, exc.code, str(exc))
         except EngineDeadError:
-            log.critical("engine died while running %s; handing the job back", claim.job_id)
-            self._hand_back(claim)
-            self.on_engine_dead()
             raise
         except Exception as exc:
             log.exception("job %s failed in the engine", claim.job_id)
-            outcome = Outcome(JobStatus.FAILED, None, "engine_error", type(exc).__name__)
-        else:
-            finished = outcome_of(result)
-            if finished is None:
-                # Stopped by this worker for a reason that leaves the job to someone else.
-                if result.abort_reason == "shutdown":
-                    self._hand_back(claim)
-                return result.abort_reason or "dropped"
-            outcome = finished
-        written = with_db_retry(lambda: self._record(claim, outcome), "record")
-        if not written:
-            log.warning("job %s: lease %d lost; result discarded", claim.job_id, claim.token)
-            return "fenced"
-        return str(outcome.status)
+            return Outcome(JobStatus.FAILED, None, "engine_error", type(exc).__name__)
+        finished = outcome_of(result)
+        if finished is None:
+            # Stopped by this worker for a reason that leaves the job to someone else.
+            if result.abort_reason == "shutdown":
+                self._hand_back(claim)
+            return result.abort_reason or "dropped"
+        return finished
 
-    def _claim(self, job_id: str) -> Claim | None:
+    def _claim(self, job_ids: list[str]) -> list[Claim]:
+        """Claim the queued ones among ``job_ids`` in one transaction; expire the overdue."""
+        stamp = now()
         with session_scope() as session:
-            job = session.get(Job, job_id)
-            if job is None:
-                log.warning("message for unknown job %s dropped", job_id)
-                return None
-            if job.status != JobStatus.QUEUED:
-                return None
-            stamp = now()
-            if job.deadline_at is not None and job.deadline_at <= stamp:
-                session.execute(
-                    job_update(
-                        job_id,
-                        expect=JobStatus.QUEUED,
-                        to=JobStatus.EXPIRED,
-                        finished_at=stamp,
-                        updated_at=stamp,
-                        error_code="deadline_exceeded",
-                        error_message="the job's timeout_s passed before it started",
-                    )
-                )
-                return None
-            token = session.execute(
+            session.execute(
                 job_update(
-                    job_id,
+                    job_ids,
+                    expect=JobStatus.QUEUED,
+                    to=JobStatus.EXPIRED,
+                    finished_at=stamp,
+                    updated_at=stamp,
+                    error_code="deadline_exceeded",
+                    error_message="the job's timeout_s passed before it started",
+                ).where(Job.deadline_at <= stamp)
+            )
+            rows = session.execute(
+                job_update(
+                    job_ids,
                     expect=JobStatus.QUEUED,
                     to=JobStatus.RUNNING,
                     lease_token=Job.lease_token + 1,
@@ -223,41 +315,56 @@ class Executor:
                     attempts=Job.attempts + 1,
                     started_at=stamp,
                     updated_at=stamp,
-                ).returning(Job.lease_token)
-            ).scalar()
-            if token is None:
-                return None
-            return Claim(job_id, int(token), request_for(job, int(token)), job.deadline_at)
-
-    def _record(self, claim: Claim, outcome: Outcome) -> bool:
-        stamp = now()
-        values: dict[str, Any] = {
-            "finished_at": stamp,
-            "updated_at": stamp,
-            "lease_expires_at": None,
-            "error_code": outcome.error_code,
-            "error_message": outcome.error_message,
-        }
-        if outcome.result is not None:
-            r = outcome.result
-            values.update(
-                result_text=r.text,
-                finish_reason=r.finish_reason,
-                prompt_tokens=r.prompt_tokens,
-                completion_tokens=r.completion_tokens,
-                first_token_at=r.first_token_at,
-            )
-        with session_scope() as session:
-            done = session.execute(
-                job_update(
-                    claim.job_id,
-                    expect=JobStatus.RUNNING,
-                    to=outcome.status,
-                    token=claim.token,
-                    **values,
+                ).returning(
+                    Job.id,
+                    Job.lease_token,
+                    Job.lane,
+                    Job.prompt,
+                    Job.messages,
+                    Job.params,
+                    Job.created_at,
+                    Job.deadline_at,
                 )
-            )
-            return bool(done.rowcount)  # type: ignore[attr-defined]
+            ).all()
+        order = {job_id: i for i, job_id in enumerate(job_ids)}
+        return [
+            Claim(row.id, row.lease_token, request_for(row, row.lease_token), row.deadline_at)
+            for row in sorted(rows, key=lambda row: order[row.id])
+        ]
+
+    def _record_many(self, items: list[tuple[Claim, Outcome]]) -> list[bool]:
+        """Write outcomes in one transaction; each is fenced by its own lease token."""
+        stamp = now()
+        written = []
+        with session_scope() as session:
+            for claim, outcome in items:
+                values: dict[str, Any] = {
+                    "finished_at": stamp,
+                    "updated_at": stamp,
+                    "lease_expires_at": None,
+                    "error_code": outcome.error_code,
+                    "error_message": outcome.error_message,
+                }
+                if outcome.result is not None:
+                    r = outcome.result
+                    values.update(
+                        result_text=r.text,
+                        finish_reason=r.finish_reason,
+                        prompt_tokens=r.prompt_tokens,
+                        completion_tokens=r.completion_tokens,
+                        first_token_at=r.first_token_at,
+                    )
+                done = session.execute(
+                    job_update(
+                        claim.job_id,
+                        expect=JobStatus.RUNNING,
+                        to=outcome.status,
+                        token=claim.token,
+                        **values,
+                    )
+                )
+                written.append(bool(done.rowcount))  # type: ignore[attr-defined]
+        return written
 
     def _hand_back(self, claim: Claim) -> None:
         """Return a job this worker cannot finish to the queue, without waiting for its lease."""

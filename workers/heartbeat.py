@@ -95,6 +95,7 @@ class Heartbeat:
             "kv_cache_usage": stats.kv_cache_usage,
             "tokens_per_s": round(stats.generated_tokens_per_s, 1),
             "engine_stats": stats.extra,
+            "intake": self.executor.intake.snapshot(),
             "seen_at": now(),
         }
         try:

@@ -14,13 +14,15 @@ import signal
 import socket
 from typing import Any
 
-from celery.signals import worker_init, worker_shutdown
+from celery.signals import task_received, worker_init, worker_ready, worker_shutdown
 
+from app.dispatch import RUN_JOBS_TASK
 from app.settings import get_settings
 from workers.control import ControlListener
 from workers.engines import create_engine
 from workers.executor import Executor
 from workers.heartbeat import Heartbeat
+from workers.intake import Intake
 from workers.runner import Runner
 
 log = logging.getLogger("inferq.worker")
@@ -39,8 +41,18 @@ class InferenceWorker:
             micro_max_size=settings.micro_batch_max_size,
             micro_max_wait_ms=settings.micro_batch_max_wait_ms,
         )
+        self.intake = Intake(
+            settings.lanes,
+            settings.worker_concurrency,
+            settings.lane_reserved_share,
+            settings.bulk_chunk_size,
+        )
         self.executor = Executor(
-            self.runner, self.worker_id, settings, on_engine_dead=self._engine_dead
+            self.runner,
+            self.worker_id,
+            settings,
+            on_engine_dead=self._engine_dead,
+            intake=self.intake,
         )
         info = {
             "worker_id": self.worker_id,
@@ -99,6 +111,22 @@ def _on_worker_init(**_: Any) -> None:
     if _role["inference"] and _current is None:
         _current = InferenceWorker()
         _current.start()
+
+
+@worker_ready.connect  # type: ignore[untyped-decorator]
+def _on_worker_ready(sender: Any = None, **_: Any) -> None:
+    # The sender is Celery's consumer: from now on the intake opens and closes lane queues.
+    if _current is not None and sender is not None:
+        _current.intake.bind(sender)
+
+
+@task_received.connect  # type: ignore[untyped-decorator]
+def _on_task_received(request: Any = None, **_: Any) -> None:
+    # On the consumer's loop thread, before it polls the broker again: take the message's
+    # slots now so that a lane without room is closed before another message is fetched.
+    if _current is not None and request is not None and request.name == RUN_JOBS_TASK:
+        job_ids, lane = request.args
+        _current.intake.take(lane, len(job_ids), key=request.id)
 
 
 @worker_shutdown.connect  # type: ignore[untyped-decorator]

@@ -13,6 +13,8 @@ import socket
 
 from app.settings import LANES, get_settings
 
+SPARE_THREADS = 8
+
 
 def main() -> None:
     settings = get_settings()
@@ -22,13 +24,17 @@ def main() -> None:
     from workers import lifecycle
     from workers.celery_app import celery_app
 
+    # The intake cancels and re-adds lane consumers all the time; Celery logs each at INFO.
+    logging.getLogger("celery.worker.consumer.consumer").setLevel(logging.WARNING)
     lifecycle.enable_inference()
     lanes = [lane for lane in LANES if lane in settings.lanes]
     celery_app.worker_main(
         [
             "worker",
             "--pool=threads",
-            f"--concurrency={settings.worker_concurrency}",
+            # Threads hold messages; the intake keeps jobs within worker_concurrency slots, and
+            # the spare threads absorb the message or two fetched while a lane closes.
+            f"--concurrency={settings.worker_concurrency + SPARE_THREADS}",
             f"--queues={','.join(lanes)}",
             f"--hostname=inferq-worker-{os.getpid()}@{socket.gethostname()}",
             "--loglevel=INFO",

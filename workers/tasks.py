@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from app.dispatch import RUN_JOB_TASK
+from celery import Task
+
+from app.dispatch import RUN_JOBS_TASK
 from workers import lifecycle
 from workers.celery_app import celery_app
 
 
-@celery_app.task(name=RUN_JOB_TASK)  # type: ignore[untyped-decorator]
-def run_job(job_id: str) -> str:
-    """Run one job; returns how it ended (for the Celery event log and Flower)."""
-    return lifecycle.current().executor.execute(job_id)
+@celery_app.task(name=RUN_JOBS_TASK, bind=True)  # type: ignore[untyped-decorator]
+def run_jobs(self: Task, job_ids: list[str], lane: str) -> dict[str, int]:
+    """Run one message's jobs; returns how they ended (for the Celery event log and Flower)."""
+    return lifecycle.current().executor.execute(job_ids, lane, message_id=self.request.id)

@@ -12,7 +12,7 @@ from app.auth import Tenant
 from app.db import get_session
 from app.errors import ApiError
 from app.models import JobStatus, Lane
-from app.schemas import ErrorBody, JobCreate, JobList, JobOut
+from app.schemas import ErrorBody, JobBulkCreate, JobBulkOut, JobCreate, JobList, JobOut
 from app.settings import get_settings
 
 router = APIRouter(prefix="/v1", tags=["jobs"], responses={"default": {"model": ErrorBody}})
@@ -46,6 +46,15 @@ def create_job(
     else:
         response.status_code = 200
     return JobOut.from_row(job)
+
+
+@router.post("/jobs/bulk", status_code=202, response_model=JobBulkOut)
+def create_jobs(body: JobBulkCreate, tenant: Tenant, session: SessionDep) -> JobBulkOut:
+    """Submit many jobs at once: all are committed, or none (a 4xx names the bad one)."""
+    require_broker()
+    rows = jobs.submit_many(session, tenant, body.jobs)
+    jobs.send(session, [(job.id, job.lane) for job in rows])
+    return JobBulkOut(data=[JobOut.from_row(job) for job in rows])
 
 
 @router.get("/jobs/{job_id}", response_model=JobOut)

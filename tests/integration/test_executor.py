@@ -67,17 +67,17 @@ def test_a_worker_that_lost_its_lease_changes_nothing(database: str, runner: Run
     job_id = new_job()
     a = Executor(runner, "worker-a", get_settings())
     b = Executor(runner, "worker-b", get_settings())
-    claim_a = a._claim(job_id)
-    assert claim_a is not None and claim_a.token == 1
+    [claim_a] = a._claim([job_id])
+    assert claim_a.token == 1
     # Worker A stalls; its job is handed back (what the reaper does when a lease expires).
     with db.session_scope() as session:
         session.execute(update(Job).where(Job.id == job_id).values(status=JobStatus.QUEUED))
-    assert b.execute(job_id) == "succeeded"
+    assert b.execute([job_id], "standard") == {"succeeded": 1}
     winner = row(job_id)
     assert winner.lease_token == 2 and winner.lease_owner == "worker-b" and winner.attempts == 2
     # A wakes up and tries to record its own result: fenced off.
     late = GenResult("a late zombie result", "length", 1, 4, None)
-    assert a._record(claim_a, Outcome(JobStatus.SUCCEEDED, late)) is False
+    assert a._record_many([(claim_a, Outcome(JobStatus.SUCCEEDED, late))]) == [False]
     after = row(job_id)
     assert after.result_text == winner.result_text != "a late zombie result"
     assert after.status == JobStatus.SUCCEEDED and after.finished_at == winner.finished_at
@@ -86,10 +86,27 @@ def test_a_worker_that_lost_its_lease_changes_nothing(database: str, runner: Run
 def test_duplicate_and_late_messages_claim_nothing(database: str, runner: Runner) -> None:
     job_id = new_job()
     executor = Executor(runner, "w", get_settings())
-    assert executor.execute(job_id) == "succeeded"
-    assert executor.execute(job_id) == "skipped"  # the same message delivered again
-    assert executor.execute("job_does_not_exist") == "skipped"
+    assert executor.execute([job_id], "standard") == {"succeeded": 1}
+    # The same message delivered again, and a message for a job that does not exist.
+    assert executor.execute([job_id], "standard") == {"skipped": 1}
+    assert executor.execute(["job_does_not_exist"], "standard") == {"skipped": 1}
     assert row(job_id).attempts == 1
+    assert executor.intake.used == {"realtime": 0, "standard": 0, "bulk": 0}
+
+
+def test_a_chunk_is_claimed_together_and_each_job_recorded(database: str, runner: Runner) -> None:
+    ids = [new_job(f"chunk {i}") for i in range(20)]
+    with db.session_scope() as session:  # one of them was cancelled while queued
+        session.execute(update(Job).where(Job.id == ids[3]).values(status=JobStatus.CANCELLED))
+    executor = Executor(runner, "w", get_settings())
+    assert executor.execute(ids, "bulk") == {"succeeded": 19, "skipped": 1}
+    with db.session_scope() as session:
+        done = session.execute(
+            text("SELECT count(*) FROM jobs WHERE status = 'succeeded' AND result_text <> ''")
+        ).scalar()
+        assert done == 19
+    assert row(ids[3]).attempts == 0
+    assert executor.intake.used["bulk"] == 0
 
 
 def test_concurrent_claims_have_exactly_one_winner(database: str, runner: Runner) -> None:
@@ -100,23 +117,21 @@ def test_concurrent_claims_have_exactly_one_winner(database: str, runner: Runner
 
     def claim(executor: Executor) -> None:
         start.wait()
-        claims.append(executor._claim(job_id))
+        claims.extend(executor._claim([job_id]))
 
     threads = [threading.Thread(target=claim, args=(e,)) for e in executors]
     for t in threads:
         t.start()
     for t in threads:
         t.join(30)
-    won = [c for c in claims if c is not None]
-    assert len(claims) == 8 and len(won) == 1
+    assert len(claims) == 1
     with db.session_scope() as session:
         assert session.execute(text("SELECT attempts FROM jobs")).scalar() == 1
 
 
 def test_engine_request_ids_are_unique_per_claim(database: str, runner: Runner) -> None:
     job_id = new_job()
-    claim = Executor(runner, "w", get_settings())._claim(job_id)
-    assert claim is not None
+    [claim] = Executor(runner, "w", get_settings())._claim([job_id])
     assert isinstance(claim.request, GenRequest)
     assert claim.request.request_id == f"{job_id}.1"
     assert claim.request.priority == 1  # standard lane

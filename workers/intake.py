@@ -1,0 +1,135 @@
+"""Lane intake: how many job slots each lane may hold in this worker, and the queue consumers
+that follow from it.
+
+A worker has ``worker_concurrency`` job slots (the engine's ``max_num_seqs``). Each lane has a
+reserved share of them (``lane_reserved_share``). A lane may take a free slot only if that
+leaves the *unused* reservations of the other lanes untouched::
+
+    room(lane) = slots - used(all lanes) - sum(max(0, reserved(m) - used(m)) for m != lane)
+
+So a bulk backlog can never take the slots kept for realtime and standard, and a flood of
+realtime work can never take the slots kept for bulk (bulk's guaranteed share); when a lane is
+idle its reservation is not lost, and the other lanes share everything else.
+
+Celery fetches whatever its free threads can hold, from any queue. To make the rule bind before
+a message is fetched, the worker stops consuming a lane's queue when the lane has no room (and
+resumes when it has): Celery's ``cancel_task_queue`` / ``add_task_queue`` on the consumer.
+Slots are taken when a message is *received* (Celery's ``task_received`` signal, on the
+consumer's event-loop thread), so a queue closes before that loop issues its next broker poll:
+no message is fetched past a lane's room. Slots come back from the task threads as each job
+leaves the engine; the reopening is scheduled onto the consumer's loop with ``call_soon``
+(thread-safe). While bulk is closed, the poll only waits on realtime and standard, so their
+messages are taken at once, and the engine has free sequences for them because bulk never holds
+the reserved slots.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from typing import Any
+
+log = logging.getLogger("inferq.intake")
+
+
+class Intake:
+    def __init__(
+        self,
+        lanes: list[str],
+        slots: int,
+        reserved_share: dict[str, float],
+        bulk_chunk: int,
+    ) -> None:
+        self.lanes = list(lanes)
+        self.slots = slots
+        self.reserved = {lane: int(slots * reserved_share.get(lane, 0.0)) for lane in self.lanes}
+        self.used = dict.fromkeys(self.lanes, 0)
+        self.bulk_chunk = bulk_chunk
+        self.open = set(self.lanes)  # the consumer starts on every lane
+        self._applied = set(self.lanes)
+        self._consumer: Any = None
+        self._loop_thread: int | None = None
+        self._keys: set[str] = set()
+        self._lock = threading.Lock()
+        # (lane, opened?) transitions, newest last: for the worker record and tests.
+        self.transitions: deque[tuple[str, bool]] = deque(maxlen=256)
+
+    def bind(self, consumer: Any) -> None:
+        """Attach Celery's consumer (``worker_ready``); from now on lanes open and close."""
+        with self._lock:
+            self._consumer = consumer
+            self._loop_thread = threading.get_ident()  # worker_ready runs on the loop's thread
+        self._reconcile()
+
+    def room(self, lane: str) -> int:
+        held_back = sum(max(0, self.reserved[m] - self.used[m]) for m in self.lanes if m != lane)
+        return self.slots - sum(self.used.values()) - held_back
+
+    def need(self, lane: str) -> int:
+        """Slots a message of ``lane`` may bring: a bulk message carries a chunk of jobs."""
+        ceiling = self.slots - sum(self.reserved[m] for m in self.lanes if m != lane)
+        wanted = self.bulk_chunk if lane == "bulk" else 1
+        return max(1, min(wanted, ceiling))
+
+    def take(self, lane: str, n: int, key: str | None = None) -> None:
+        """Occupy ``n`` slots for a message; a message's ``key`` takes slots only once."""
+        with self._lock:
+            if key is not None:
+                if key in self._keys:
+                    return
+                self._keys.add(key)
+            self.used[lane] = self.used.get(lane, 0) + n
+        self._reconcile()
+
+    def settle(self, key: str | None) -> None:
+        """The message ``key`` is finished (its slots were given back job by job)."""
+        with self._lock:
+            self._keys.discard(key or "")
+
+    def give(self, lane: str, n: int = 1) -> None:
+        with self._lock:
+            self.used[lane] = max(0, self.used.get(lane, 0) - n)
+        self._reconcile()
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "slots": self.slots,
+                "used": dict(self.used),
+                "reserved": dict(self.reserved),
+                "open": [lane for lane in self.lanes if lane in self.open],
+            }
+
+    def _reconcile(self) -> None:
+        with self._lock:
+            wanted = {lane for lane in self.lanes if self.room(lane) >= self.need(lane)}
+            if wanted == self.open:
+                return
+            for lane in self.lanes:
+                if (lane in wanted) != (lane in self.open):
+                    self.transitions.append((lane, lane in wanted))
+            self.open = wanted
+            consumer = self._consumer
+        if consumer is None:
+            return
+        if threading.get_ident() == self._loop_thread:
+            self._apply()  # before the loop polls the broker again
+        else:
+            # Ordering of call_soon callbacks is not guaranteed, so the callback applies the
+            # latest wanted state rather than one change.
+            consumer.call_soon(self._apply)
+
+    def _apply(self) -> None:
+        """On the consumer's loop: make the consumed queues match ``open``."""
+        with self._lock:
+            consumer = self._consumer
+            if consumer is None:
+                return
+            for lane in self.lanes:
+                if lane in self.open and lane not in self._applied:
+                    consumer.add_task_queue(lane)
+                    self._applied.add(lane)
+                elif lane not in self.open and lane in self._applied:
+                    consumer.cancel_task_queue(lane)
+                    self._applied.discard(lane)
