@@ -84,6 +84,18 @@ def worker(
     os.execv(sys.executable, [sys.executable, "-m", "workers.main"])  # noqa: S606
 
 
+@main.command(
+    context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+    add_help_option=False,
+)
+@click.pass_context
+def bench(ctx: click.Context) -> None:
+    """Run the benchmark scenarios (`inferq bench --help` for options)."""
+    # The benchmark drives engines in-process for its baselines, so it lives with the workers.
+    argv = [sys.executable, "-m", "workers.bench", *ctx.args]
+    os.execv(sys.executable, argv)  # noqa: S606
+
+
 @main.command()
 def migrate() -> None:
     """Create or upgrade the database schema."""

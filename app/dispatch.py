@@ -27,6 +27,7 @@ log = logging.getLogger("inferq.dispatch")
 RUN_JOBS_TASK = "inferq.run_jobs"
 CONTROL_CHANNEL = "inferq:control"
 WORKERS_KEY_PREFIX = "inferq:worker:"
+BROKER_POLL_S = 0.05
 
 _lock = threading.Lock()
 _producer: Celery | None = None
@@ -57,6 +58,9 @@ def broker_transport_options(settings: Settings) -> dict[str, Any]:
         # BRPOP the queues in strict lane order instead of kombu's default round robin.
         "queue_order_strategy": f"{__name__}:LaneOrder",
         "priority_steps": [0],
+        # A broker poll (BRPOP) that is already waiting does not see a lane the intake has
+        # just re-opened; a short poll bounds that delay (at the cost of ~20 polls/s idle).
+        "polling_interval": BROKER_POLL_S,
         "socket_connect_timeout": settings.dependency_timeout_s,
         "socket_timeout": max(30.0, settings.dependency_timeout_s),
     }

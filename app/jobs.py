@@ -148,7 +148,7 @@ def submit_many(session: Session, tenant: str, bodies: list[JobCreate]) -> list[
         try:
             rows.append(build_job(tenant, body))
         except ApiError as exc:
-            exc.param = f"jobs.{i}.{exc.param}" if exc.param else f"jobs.{i}"
+            exc.param = f"jobs[{i}].{exc.param}" if exc.param else f"jobs[{i}]"
             raise
     try:
         for start in range(0, len(rows), INSERT_CHUNK):

@@ -21,17 +21,18 @@ import logging
 import queue
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
 
+from sqlalchemy import bindparam, select, update
 from sqlalchemy.exc import InterfaceError, OperationalError
 
 from app import jobs
 from app.db import session_scope
-from app.models import LANE_PRIORITY, Job, JobStatus, job_update, now
+from app.models import LANE_PRIORITY, Job, JobStatus, can_transition, job_update, now
 from app.settings import Settings
 from workers.engines.base import EngineDeadError, EngineRequestError, GenRequest
 from workers.intake import Intake
@@ -122,6 +123,48 @@ def outcome_of(result: GenResult) -> Outcome | None:
 
 
 RECORD_BATCH = 512
+
+# The fenced outcome write, one row per parameter set (see Executor._record_many).
+RECORD_STATEMENT = (
+    update(Job)
+    .where(
+        Job.id == bindparam("b_id"),
+        Job.lease_token == bindparam("b_token"),
+        Job.status == JobStatus.RUNNING,
+    )
+    .values(
+        status=bindparam("b_status"),
+        finished_at=bindparam("b_stamp"),
+        updated_at=bindparam("b_stamp"),
+        lease_expires_at=None,
+        error_code=bindparam("b_error_code"),
+        error_message=bindparam("b_error_message"),
+        result_text=bindparam("b_text"),
+        finish_reason=bindparam("b_finish_reason"),
+        prompt_tokens=bindparam("b_prompt_tokens"),
+        completion_tokens=bindparam("b_completion_tokens"),
+        first_token_at=bindparam("b_first_token_at"),
+    )
+)
+
+
+def _record_params(claim: Claim, outcome: Outcome, stamp: float) -> dict[str, Any]:
+    if not can_transition(JobStatus.RUNNING, outcome.status):
+        raise ValueError(f"a job cannot go from running to {outcome.status}")
+    r = outcome.result
+    return {
+        "b_id": claim.job_id,
+        "b_token": claim.token,
+        "b_status": str(outcome.status),
+        "b_stamp": stamp,
+        "b_error_code": outcome.error_code,
+        "b_error_message": outcome.error_message,
+        "b_text": r.text if r is not None else None,
+        "b_finish_reason": r.finish_reason if r is not None else None,
+        "b_prompt_tokens": r.prompt_tokens if r is not None else None,
+        "b_completion_tokens": r.completion_tokens if r is not None else None,
+        "b_first_token_at": r.first_token_at if r is not None else None,
+    }
 
 
 class Recorder:
@@ -224,32 +267,40 @@ class Executor:
             with self._lock:
                 for claim in claims:
                     self._held[claim.job_id] = claim.token
-                pending = {c.job_id: self._aborts.get(c.job_id) for c in claims}
-            futures = {}
-            for claim in claims:
-                future = self.runner.submit(claim.request, deadline=claim.deadline)
-                futures[future] = claim
-                if pending[claim.job_id] is not None:
-                    self.runner.abort(claim.request.request_id, str(pending[claim.job_id]))
+            # A message may carry more jobs than the worker has slots (a bulk chunk on a small
+            # worker): at most ``slots`` of them are in the engine at once.
+            waiting = deque(claims)
+            futures: dict[concurrent.futures.Future[GenResult], Claim] = {}
+            for _ in range(min(len(waiting), max(1, self.intake.slots))):
+                first = waiting.popleft()
+                futures[self._start(first)] = first
             recorded: list[tuple[Claim, Outcome, concurrent.futures.Future[bool]]] = []
-            unfinished = set(futures)
             try:
-                for future in concurrent.futures.as_completed(futures):
-                    unfinished.discard(future)
-                    self.intake.give(lane)
-                    slots -= 1
-                    claim = futures[future]
-                    outcome = self._outcome(claim, future)
-                    if isinstance(outcome, str):
-                        ended[outcome] += 1
-                    else:
-                        recorded.append((claim, outcome, self.recorder.put(claim, outcome)))
+                running = set(futures)
+                while running:
+                    done, running = concurrent.futures.wait(
+                        running, return_when=concurrent.futures.FIRST_COMPLETED
+                    )
+                    for future in done:
+                        self.intake.give(lane)
+                        slots -= 1
+                        claim = futures[future]
+                        outcome = self._outcome(claim, future)
+                        if isinstance(outcome, str):
+                            ended[outcome] += 1
+                        else:
+                            recorded.append((claim, outcome, self.recorder.put(claim, outcome)))
+                        if waiting:
+                            nxt = waiting.popleft()
+                            started = self._start(nxt)
+                            futures[started] = nxt
+                            running.add(started)
             except EngineDeadError:
-                log.critical("the engine died; handing %d job(s) back", len(unfinished) + 1)
-                for future in futures:
-                    if future.done() and future.exception() is None:
-                        continue
-                    self._hand_back(futures[future])
+                unfinished = [c for f, c in futures.items() if not f.done() or f.exception()]
+                unfinished += list(waiting)
+                log.critical("the engine died; handing %d job(s) back", len(unfinished))
+                for claim in unfinished:
+                    self._hand_back(claim)
                 self.on_engine_dead()
                 raise
             for claim, outcome, written in recorded:
@@ -269,6 +320,14 @@ class Executor:
                 for job_id in ids:
                     self._held.pop(job_id, None)
                     self._aborts.pop(job_id, None)
+
+    def _start(self, claim: Claim) -> concurrent.futures.Future[GenResult]:
+        future = self.runner.submit(claim.request, deadline=claim.deadline)
+        with self._lock:
+            reason = self._aborts.get(claim.job_id)
+        if reason is not None:  # cancelled (or expired) before it reached the engine
+            self.runner.abort(claim.request.request_id, reason)
+        return future
 
     def _outcome(self, claim: Claim, future: concurrent.futures.Future[GenResult]) -> Outcome | str:
         """The outcome to record, or why nothing is recorded (raises EngineDeadError)."""
@@ -293,7 +352,9 @@ class Executor:
         """Claim the queued ones among ``job_ids`` in one transaction; expire the overdue."""
         stamp = now()
         with session_scope() as session:
-            session.execute(
+            # Core execution: the ORM's bulk-update bookkeeping costs more than the SQL here.
+            connection = session.connection()
+            connection.execute(
                 job_update(
                     job_ids,
                     expect=JobStatus.QUEUED,
@@ -304,7 +365,7 @@ class Executor:
                     error_message="the job's timeout_s passed before it started",
                 ).where(Job.deadline_at <= stamp)
             )
-            rows = session.execute(
+            rows = connection.execute(
                 job_update(
                     job_ids,
                     expect=JobStatus.QUEUED,
@@ -333,38 +394,28 @@ class Executor:
         ]
 
     def _record_many(self, items: list[tuple[Claim, Outcome]]) -> list[bool]:
-        """Write outcomes in one transaction; each is fenced by its own lease token."""
+        """Write outcomes in one transaction; each is fenced by its own lease token.
+
+        One executemany (pipelined by the driver) writes every row whose status and token are
+        still ours; a read in the same transaction then tells which rows were written, by their
+        token and this write's ``finished_at`` stamp. Per-row round trips made the recorder the
+        bottleneck of a busy worker.
+        """
         stamp = now()
-        written = []
+        params = [_record_params(claim, outcome, stamp) for claim, outcome in items]
         with session_scope() as session:
-            for claim, outcome in items:
-                values: dict[str, Any] = {
-                    "finished_at": stamp,
-                    "updated_at": stamp,
-                    "lease_expires_at": None,
-                    "error_code": outcome.error_code,
-                    "error_message": outcome.error_message,
-                }
-                if outcome.result is not None:
-                    r = outcome.result
-                    values.update(
-                        result_text=r.text,
-                        finish_reason=r.finish_reason,
-                        prompt_tokens=r.prompt_tokens,
-                        completion_tokens=r.completion_tokens,
-                        first_token_at=r.first_token_at,
-                    )
-                done = session.execute(
-                    job_update(
-                        claim.job_id,
-                        expect=JobStatus.RUNNING,
-                        to=outcome.status,
-                        token=claim.token,
-                        **values,
-                    )
+            connection = session.connection()
+            connection.execute(RECORD_STATEMENT, params)
+            rows = connection.execute(
+                select(Job.id, Job.lease_token, Job.finished_at).where(
+                    Job.id.in_([claim.job_id for claim, _ in items])
                 )
-                written.append(bool(done.rowcount))  # type: ignore[attr-defined]
-        return written
+            ).all()
+        mine = {row.id for row in rows if row.finished_at == stamp}
+        tokens = {row.id: row.lease_token for row in rows}
+        return [
+            claim.job_id in mine and tokens.get(claim.job_id) == claim.token for claim, _ in items
+        ]
 
     def _hand_back(self, claim: Claim) -> None:
         """Return a job this worker cannot finish to the queue, without waiting for its lease."""

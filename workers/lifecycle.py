@@ -40,6 +40,8 @@ class InferenceWorker:
             batching=settings.batching,
             micro_max_size=settings.micro_batch_max_size,
             micro_max_wait_ms=settings.micro_batch_max_wait_ms,
+            bulk_prefill_limit=settings.bulk_prefill_limit,
+            bulk_busy_at=settings.worker_concurrency // 2,
         )
         self.intake = Intake(
             settings.lanes,

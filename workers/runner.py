@@ -26,6 +26,9 @@ from workers.engines.base import Engine, EngineStats, GenRequest
 
 log = logging.getLogger("inferq.runner")
 
+REALTIME_PRIORITY = 0
+BULK_PRIORITY = 2
+
 
 @dataclass
 class GenResult:
@@ -90,6 +93,64 @@ class MicroBatcher:
                 future.set_result(None)
 
 
+class BulkPacer:
+    """Keeps bulk prefills from delaying realtime first tokens (used on the loop thread only).
+
+    A step that prefills many new bulk sequences (a bulk message brings 32 at once) can take
+    several times as long as a decode step, and a realtime request scheduled in it, or arriving
+    during it, waits for all of it. So once the engine is busy (``busy_at`` bulk requests in
+    it; an idle engine fills unpaced), at most ``limit`` bulk requests are in prefill (submitted,
+    no first token yet) at once, which still replaces ``limit`` finished bulk sequences per step.
+    While realtime traffic is active (a realtime request in the last ``WINDOW_S``), at most
+    ``REALTIME_LIMIT``, and none while a realtime request awaits its first token. ``limit`` 0
+    turns pacing off.
+    """
+
+    WINDOW_S = 5.0
+    REALTIME_LIMIT = 2
+
+    def __init__(self, limit: int, busy_at: int = 0) -> None:
+        self.limit = limit
+        self.busy_at = busy_at
+        self.bulk_in_engine = 0
+        self.bulk_prefilling = 0
+        self.realtime_waiting = 0
+        self.last_realtime = float("-inf")
+        self._changed = asyncio.Event()
+
+    def realtime_in(self) -> None:
+        self.realtime_waiting += 1
+        self.last_realtime = time.monotonic()
+
+    def realtime_out(self) -> None:
+        self.realtime_waiting -= 1
+        self._changed.set()
+
+    async def bulk_in(self) -> None:
+        while not self._may_admit():
+            self._changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), 0.05)
+        self.bulk_prefilling += 1
+        self.bulk_in_engine += 1
+
+    def bulk_first_token(self) -> None:
+        self.bulk_prefilling -= 1
+        self._changed.set()
+
+    def bulk_done(self) -> None:
+        self.bulk_in_engine -= 1
+        self._changed.set()
+
+    def _may_admit(self) -> bool:
+        if self.limit <= 0 or self.bulk_in_engine < self.busy_at:
+            return True
+        if time.monotonic() - self.last_realtime > self.WINDOW_S:
+            return self.bulk_prefilling < self.limit
+        limit = min(self.limit, self.REALTIME_LIMIT)
+        return self.realtime_waiting == 0 and self.bulk_prefilling < limit
+
+
 class Runner:
     def __init__(
         self,
@@ -98,6 +159,8 @@ class Runner:
         batching: str = "continuous",
         micro_max_size: int = 16,
         micro_max_wait_ms: float = 100.0,
+        bulk_prefill_limit: int = 0,
+        bulk_busy_at: int = 0,
     ) -> None:
         self.engine = engine
         continuous = engine.continuous_batching and batching != "micro"
@@ -108,6 +171,7 @@ class Runner:
         self._thread = threading.Thread(target=self._run_loop, name="engine-loop", daemon=True)
         self._tasks: dict[str, asyncio.Task[GenResult]] = {}
         self._abort_reasons: dict[str, str] = {}
+        self.pacer = BulkPacer(bulk_prefill_limit, bulk_busy_at)
 
     def _run_loop(self) -> None:
         asyncio.set_event_loop(self.loop)
@@ -164,15 +228,28 @@ class Runner:
         first_at: float | None = None
         finish: str | None = None
         released = False
+        realtime = req.priority == REALTIME_PRIORITY
+        bulk = prefilling = False
+        if realtime:
+            self.pacer.realtime_in()
         try:
             timeout = None if deadline is None else max(0.0, deadline - time.time())
             async with asyncio.timeout(timeout):
+                if req.priority >= BULK_PRIORITY:
+                    await self.pacer.bulk_in()
+                    bulk = prefilling = True
                 if self.batcher is not None:
                     await self.batcher.admit(req)
                     released = True
                 async for chunk in self.engine.generate(req):
                     if chunk.num_tokens and first_at is None:
                         first_at = time.time()
+                        if realtime:
+                            realtime = False
+                            self.pacer.realtime_out()
+                        if prefilling:
+                            prefilling = False
+                            self.pacer.bulk_first_token()
                     if chunk.text:
                         pieces.append(chunk.text)
                     tokens += chunk.num_tokens
@@ -188,6 +265,12 @@ class Runner:
             if req.request_id not in self._abort_reasons:
                 raise  # not our abort: the loop is shutting down
         finally:
+            if realtime:
+                self.pacer.realtime_out()
+            if prefilling:
+                self.pacer.bulk_first_token()
+            if bulk:
+                self.pacer.bulk_done()
             self._tasks.pop(req.request_id, None)
             if released and self.batcher is not None:
                 self.batcher.done(req.request_id)

@@ -252,3 +252,34 @@ def test_cancel_a_queued_job(stack: Stack, client: httpx.Client) -> None:
     assert body["attempts"] == 0 and body["result"] is None
     # Cancelling again returns the terminal job unchanged.
     assert client.post(f"/v1/jobs/{job['id']}/cancel").json() == body
+
+
+def test_bulk_submit_is_all_or_nothing(stack: Stack, client: httpx.Client) -> None:
+    before = jobs_in_db(stack)
+    bodies = [{"prompt": f"p{i}", "lane": "bulk"} for i in range(300)]
+    bad = [*bodies[:7], {"prompt": "x", "params": {"max_tokens": 0}}, *bodies[7:]]
+    assert_error(
+        client.post("/v1/jobs/bulk", json={"jobs": bad}), 422, param="jobs[7].params.max_tokens"
+    )
+    wrong_model = [*bodies[:3], {"prompt": "x", "model": "nope"}]
+    assert_error(
+        client.post("/v1/jobs/bulk", json={"jobs": wrong_model}), 422, param="jobs[3].model"
+    )
+    assert_error(client.post("/v1/jobs/bulk", json={"jobs": []}), 422, param="jobs")
+    assert jobs_in_db(stack) == before  # nothing was half-written
+
+    queue = redis.Redis.from_url(stack.redis_url)
+    bulk_before, realtime_before = queue.llen("bulk"), queue.llen("realtime")
+    mixed = [*bodies, {"prompt": "now", "lane": "realtime"}]
+    response = client.post("/v1/jobs/bulk", json={"jobs": mixed})
+    assert response.status_code == 202, response.text
+    data = response.json()["data"]
+    assert len(data) == 301 and len({j["id"] for j in data}) == 301
+    assert all(j["status"] == "queued" for j in data)
+    assert [j["lane"] for j in data] == ["bulk"] * 300 + ["realtime"]
+    assert jobs_in_db(stack) == before + 301
+    # 300 bulk jobs travel as ceil(300 / 32) messages; the realtime one alone.
+    assert queue.llen("bulk") - bulk_before == 10
+    assert queue.llen("realtime") - realtime_before == 1
+    enqueued = stack.scalar("SELECT count(*) FROM jobs WHERE enqueued_at IS NOT NULL")
+    assert enqueued >= 301

@@ -6,6 +6,7 @@ The executor runs in this process against a real SQLite file or PostgreSQL datab
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -135,3 +136,29 @@ def test_engine_request_ids_are_unique_per_claim(database: str, runner: Runner) 
     assert isinstance(claim.request, GenRequest)
     assert claim.request.request_id == f"{job_id}.1"
     assert claim.request.priority == 1  # standard lane
+
+
+def test_a_chunk_larger_than_the_worker_runs_within_its_slots(
+    database: str, runner: Runner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("INFERQ_WORKER_CONCURRENCY", "2")
+    get_settings.cache_clear()
+    ids = [new_job(f"small worker {i}") for i in range(6)]
+    executor = Executor(runner, "w", get_settings())
+    peak = 0
+    stop = threading.Event()
+
+    def watch() -> None:
+        nonlocal peak
+        while not stop.is_set():
+            peak = max(peak, runner.in_flight())
+            time.sleep(0.0005)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        assert executor.execute(ids, "bulk") == {"succeeded": 6}
+    finally:
+        stop.set()
+        watcher.join()
+    assert 1 <= peak <= 2

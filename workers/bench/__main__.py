@@ -1,0 +1,127 @@
+"""`inferq bench` (``python -m workers.bench``): run scenarios, print and write the results."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from workers.bench import report
+from workers.bench.harness import environment, postgres_answers
+from workers.bench.scenarios import SCENARIOS, Options
+
+ALL = ("efficiency", "ladder", "mixed", "ceiling", "scaleout", "peer")
+
+
+@click.command()
+@click.option(
+    "--scenario",
+    default="all",
+    show_default=True,
+    help=f"Comma-separated: {', '.join(ALL)}, or all.",
+)
+@click.option(
+    "--engine",
+    type=click.Choice(["simulated", "vllm", "hf"]),
+    default="simulated",
+    show_default=True,
+)
+@click.option(
+    "--database",
+    type=click.Choice(["auto", "postgresql", "sqlite"]),
+    default="auto",
+    show_default=True,
+    help="Database of the stacks; auto: PostgreSQL when --postgres answers, else SQLite.",
+)
+@click.option(
+    "--postgres",
+    default="postgresql+psycopg://postgres@127.0.0.1:5432/postgres",
+    show_default=True,
+    help="PostgreSQL admin URL: a fresh database is created for each stack and dropped after.",
+)
+@click.option("--scale", type=float, default=1.0, show_default=True, help="Job-count factor.")
+@click.option("--json", "json_path", type=click.Path(path_type=Path), default=None)
+@click.option("--markdown", "md_path", type=click.Path(path_type=Path), default=None)
+@click.option(
+    "--plots", "plots_dir", type=click.Path(path_type=Path), default=None, help="PNG directory."
+)
+@click.option(
+    "--workdir", type=click.Path(path_type=Path), default=Path(".inferq/bench"), show_default=True
+)
+def main(
+    scenario: str,
+    engine: str,
+    database: str,
+    postgres: str,
+    scale: float,
+    json_path: Path | None,
+    md_path: Path | None,
+    plots_dir: Path | None,
+    workdir: Path,
+) -> None:
+    """Run benchmark scenarios side by side (DESIGN §7) and report vllm-bench-serve metrics."""
+    logging.basicConfig(level=logging.WARNING)
+    names = list(ALL) if scenario == "all" else [s.strip() for s in scenario.split(",")]
+    unknown = [n for n in names if n not in ALL]
+    if unknown:
+        raise click.BadParameter(f"unknown scenario(s) {unknown}; choose from {ALL}")
+    workdir.mkdir(parents=True, exist_ok=True)
+    if database == "auto":
+        database = "postgresql" if postgres_answers(postgres) else "sqlite"
+    console = Console(stderr=True)
+    results: dict[str, Any] = {}
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+    ) as progress:
+        tasks: dict[str, Any] = {}
+
+        def tick(what: str, done: int, total: int) -> None:
+            if what not in tasks:
+                tasks[what] = progress.add_task(what, total=total)
+            progress.update(tasks[what], completed=done, total=total)
+
+        opts = Options(
+            engine=engine,
+            database=postgres if database == "postgresql" else "sqlite",
+            postgres=postgres,
+            workdir=workdir.resolve(),
+            scale=scale,
+            progress=tick,
+        )
+        for name in names:
+            started = time.monotonic()
+            if name == "peer":
+                if engine != "vllm":
+                    results[name] = {"skipped": "peer compares with `vllm serve`: --engine vllm"}
+                    continue
+                from workers.bench.peer import peer
+
+                results[name] = peer(opts)
+            else:
+                results[name] = SCENARIOS[name](opts)
+            results[name]["wall_s"] = round(time.monotonic() - started, 1)
+            console.print(f"[bold]{name}[/bold] done in {results[name]['wall_s']} s")
+    results["machine"] = {**environment(), "engine": engine, "database": database}
+    table = report.markdown(results)
+    click.echo(table)
+    if json_path is not None:
+        json_path.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
+    if md_path is not None:
+        md_path.write_text(table + "\n")
+    if plots_dir is not None:
+        for path in report.plots(results, plots_dir):
+            console.print(f"plot: {path}")
+
+
+if __name__ == "__main__":
+    main()

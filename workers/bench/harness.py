@@ -1,0 +1,320 @@
+"""The processes a benchmark runs against, and the engine driven directly for baselines.
+
+:class:`BenchStack` starts what ``inferq up`` starts - a private Redis, a fresh database (a
+SQLite file or a new PostgreSQL database), the API and N inference workers - as child processes
+on loopback, with settings passed as ``INFERQ_*`` variables, and tears all of it down (the
+PostgreSQL database is dropped). :func:`run_direct` drives the same engine in this process
+through the same :class:`~workers.runner.Runner`, with no API, queue or database in between.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import redis
+from sqlalchemy import create_engine, func, select, text
+from sqlalchemy.engine import Engine, make_url
+
+from app.models import TERMINAL, Job
+from app.settings import Settings
+from app.stack import Child
+from workers.engines import create_engine as create_model_engine
+from workers.engines.base import GenRequest
+from workers.runner import Runner
+
+SUBMIT_BATCH = 250
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(check: Callable[[], bool], timeout_s: float, what: str, child: Child | None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if child is not None and not child.alive():
+            raise RuntimeError(f"{what}: process exited; its log:\n{child.tail(40)}")
+        try:
+            if check():
+                return
+        except (redis.RedisError, httpx.HTTPError, OSError):
+            pass
+        time.sleep(0.2)
+    tail = child.tail(40) if child is not None else ""
+    raise RuntimeError(f"{what} not ready after {timeout_s:.0f}s\n{tail}")
+
+
+class BenchStack:
+    """API + workers + Redis + database for one scenario run; use as a context manager."""
+
+    def __init__(self, database: str, env: dict[str, str], workdir: Path) -> None:
+        self.workdir = Path(tempfile.mkdtemp(prefix="stack-", dir=workdir))
+        self.children: list[Child] = []
+        self.redis_port = free_port()
+        self.api_port = free_port()
+        self.database = database
+        self._pg_admin: str | None = None
+        self.database_url = self._make_database(database)
+        self.env = {
+            "INFERQ_DATA_DIR": str(self.workdir / "data"),
+            "INFERQ_DATABASE_URL": self.database_url,
+            "INFERQ_REDIS_URL": f"redis://127.0.0.1:{self.redis_port}/0",
+            "INFERQ_API_PORT": str(self.api_port),
+            "INFERQ_API_HOST": "127.0.0.1",
+            "INFERQ_REQUIRE_AUTH": "false",
+            "PYTHONUNBUFFERED": "1",
+            **env,
+        }
+        self.url = f"http://127.0.0.1:{self.api_port}"
+        self._db: Engine | None = None
+
+    def _make_database(self, database: str) -> str:
+        if database == "sqlite":
+            return f"sqlite:///{self.workdir / 'bench.db'}"
+        self._pg_admin = database
+        name = f"inferq_bench_{secrets.token_hex(4)}"
+        admin = create_engine(database, isolation_level="AUTOCOMMIT")
+        with admin.connect() as conn:
+            conn.execute(text(f'CREATE DATABASE "{name}"'))
+        admin.dispose()
+        return make_url(database).set(database=name).render_as_string(hide_password=False)
+
+    def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Child:
+        child = Child(name, argv, self.workdir / "logs" / f"{name}.log")
+        child.env = {**self.env, **(env or {})}
+        child.start()
+        self.children.append(child)
+        return child
+
+    def start(self, workers: int = 1, worker_env: dict[str, str] | None = None) -> BenchStack:
+        server = shutil.which("redis-server")
+        if server is None:
+            raise RuntimeError("the benchmark needs redis-server on PATH")
+        r = self.spawn(
+            "redis",
+            [
+                server,
+                "--bind",
+                "127.0.0.1",
+                "--port",
+                str(self.redis_port),
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self.workdir),
+            ],
+        )
+        client = redis.Redis(port=self.redis_port)
+        wait_for(lambda: bool(client.ping()), 20, "redis", r)
+        py = sys.executable
+        migrate = self.spawn("migrate", [py, "-m", "app.cli", "migrate"])
+        assert migrate.proc is not None
+        if migrate.proc.wait(120) != 0:
+            raise RuntimeError(f"migrate failed:\n{migrate.tail()}")
+        api = self.spawn("api", [py, "-m", "app.cli", "api"])
+        wait_for(
+            lambda: httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200, 60, "api", api
+        )
+        for i in range(workers):
+            self.add_worker(i, worker_env)
+        return self
+
+    def add_worker(self, index: int, env: dict[str, str] | None = None) -> Child:
+        child = self.spawn(f"worker{index}", [sys.executable, "-m", "app.cli", "worker"], env)
+        assert child.proc is not None
+        pid = child.proc.pid
+        client = redis.Redis(port=self.redis_port)
+
+        def announced() -> bool:
+            return any(f":{pid}".encode() in key for key in client.scan_iter("inferq:worker:*"))
+
+        wait_for(announced, 900, f"worker{index}", child)
+        return child
+
+    def db(self) -> Engine:
+        if self._db is None:
+            self._db = create_engine(self.database_url)
+        return self._db
+
+    def submit(self, bodies: list[dict[str, Any]], clients: int = 2) -> float:
+        """POST the jobs through /v1/jobs/bulk, ``SUBMIT_BATCH`` per request."""
+        step = SUBMIT_BATCH
+        chunks = [bodies[i : i + step] for i in range(0, len(bodies), step)]
+        start = time.time()
+
+        def post(chunk: list[dict[str, Any]]) -> None:
+            with httpx.Client(base_url=self.url, timeout=120) as c:
+                r = c.post("/v1/jobs/bulk", json={"jobs": chunk})
+                if r.status_code != 202:
+                    raise RuntimeError(f"bulk submit failed: {r.status_code} {r.text[:300]}")
+
+        with ThreadPoolExecutor(clients) as pool:
+            list(pool.map(post, chunks))
+        return start
+
+    def _count_finished(self, ids: list[str] | None = None) -> int:
+        query = select(func.count()).select_from(Job).where(Job.status.in_(list(TERMINAL)))
+        if ids is not None:
+            query = query.where(Job.id.in_(ids))
+        with self.db().connect() as conn:
+            return int(conn.execute(query).scalar_one())
+
+    def wait_all(
+        self,
+        total: int,
+        timeout_s: float,
+        progress: Callable[[int], None] | None = None,
+        ids: list[str] | None = None,
+    ) -> None:
+        """Wait until ``total`` jobs (of ``ids``, or of all) are terminal."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            done = self._count_finished(ids)
+            if progress is not None:
+                progress(done)
+            if done >= total:
+                return
+            time.sleep(0.1)
+        raise RuntimeError(f"only part of {total} jobs finished within {timeout_s:.0f}s")
+
+    def rows(self, ids: list[str] | None = None, **equal: str) -> list[dict[str, Any]]:
+        """Timing columns of the jobs (of ``ids``; ``lane=``/``status=`` filter)."""
+        query = select(
+            Job.id,
+            Job.lane,
+            Job.status,
+            Job.created_at,
+            Job.started_at,
+            Job.first_token_at,
+            Job.finished_at,
+            Job.prompt_tokens,
+            Job.completion_tokens,
+        )
+        if ids is not None:
+            query = query.where(Job.id.in_(ids))
+        for column, value in equal.items():
+            query = query.where(getattr(Job, column) == value)
+        with self.db().connect() as conn:
+            return [dict(row._mapping) for row in conn.execute(query)]
+
+    def worker_records(self) -> list[dict[str, Any]]:
+        import json
+
+        client = redis.Redis(port=self.redis_port)
+        return [json.loads(client.get(k) or b"{}") for k in client.scan_iter("inferq:worker:*")]
+
+    def close(self) -> None:
+        for child in reversed(self.children):
+            child.stop(grace_s=20)
+        if self._db is not None:
+            self._db.dispose()
+        if self._pg_admin is not None:
+            admin = create_engine(self._pg_admin, isolation_level="AUTOCOMMIT")
+            name = make_url(self.database_url).database
+            with admin.connect() as conn:
+                conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+            admin.dispose()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> BenchStack:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+
+@contextmanager
+def direct_runner(settings: Settings) -> Iterator[Runner]:
+    """The configured engine in this process, behind the same runner the worker uses."""
+    runner = Runner(
+        create_model_engine(settings),
+        batching=settings.batching,
+        micro_max_size=settings.micro_batch_max_size,
+        micro_max_wait_ms=settings.micro_batch_max_wait_ms,
+        bulk_prefill_limit=0,  # the raw engine: no pacing in the baseline
+    )
+    runner.start()
+    try:
+        yield runner
+    finally:
+        runner.shutdown()
+
+
+def run_direct(
+    runner: Runner, requests: list[GenRequest], progress: Callable[[int], None] | None = None
+) -> list[dict[str, Any]]:
+    """Submit every request at once; per-request timings with inter-token gaps."""
+    start = time.time()
+    records: list[dict[str, Any]] = [{"created_at": start, "token_times": []} for _ in requests]
+    futures = []
+    for req, rec in zip(requests, records, strict=True):
+        times: list[float] = rec["token_times"]
+
+        def on_delta(_text: str, n: int, times: list[float] = times) -> None:
+            times.extend([time.time()] * n)
+
+        def on_done(_f: object, rec: dict[str, Any] = rec) -> None:
+            rec["finished_at"] = time.time()
+
+        future = runner.submit(req, on_delta=on_delta)
+        future.add_done_callback(on_done)
+        futures.append(future)
+    for i, (future, rec) in enumerate(zip(futures, records, strict=True)):
+        result = future.result()
+        rec.update(
+            first_token_at=result.first_token_at,
+            prompt_tokens=result.prompt_tokens,
+            completion_tokens=result.completion_tokens,
+            status="succeeded" if result.abort_reason is None else "failed",
+        )
+        if progress is not None:
+            progress(i + 1)
+    return records
+
+
+def postgres_answers(url: str) -> bool:
+    engine = create_engine(url, connect_args={"connect_timeout": 2})
+    try:
+        with engine.connect() as conn:
+            conn.execute(text("SELECT 1"))
+        return True
+    except Exception:
+        return False
+    finally:
+        engine.dispose()
+
+
+def environment() -> dict[str, Any]:
+    """The machine a run happened on, for the report."""
+    import platform
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }

@@ -1,0 +1,136 @@
+"""The ``peer`` scenario: the same workload against ``vllm serve`` and against inferq.
+
+Both sides run the same model (the configured one, or the demo model) with the same vLLM
+engine arguments, one after the other on this machine. ``vllm serve`` gets the workload as
+streaming ``/v1/completions`` requests from ``PEER_CLIENTS`` concurrent clients (TTFT and ITL
+seen by the client); inferq gets it as jobs submitted by the same number of concurrent clients
+that each wait for their job before sending the next (TTFT from the worker's first-token stamp).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+
+from workers.bench.harness import BenchStack, free_port, wait_for
+from workers.bench.metrics import summarize
+from workers.bench.scenarios import Options, Spec, workload
+from workers.engines import resolve_model
+from workers.engines.vllm import VLLMEngine
+
+PEER_CLIENTS = 16
+
+
+def _serve_argv(opts: Options, port: int) -> tuple[list[str], dict[str, str]]:
+    settings = opts.settings(engine="vllm")
+    model, served = resolve_model(settings)
+    args = VLLMEngine(model, served, settings).engine_args()
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1"]
+    argv += ["--port", str(port)]
+    for key, value in args.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            argv += [flag] if value else []
+        elif isinstance(value, dict):
+            argv += [flag, json.dumps(value)]
+        else:
+            argv += [flag, str(value)]
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(settings.vllm_cpu_kvcache_gib)}
+    return argv, env
+
+
+def _stream_one(client: httpx.Client, model: str, spec: Spec) -> dict[str, Any]:
+    created = time.time()
+    times: list[float] = []
+    usage: dict[str, Any] = {}
+    body = {
+        "model": model,
+        "prompt": spec.prompt,
+        "max_tokens": spec.max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            if any(c.get("text") for c in chunk.get("choices", [])):
+                times.append(time.time())
+    return {
+        "created_at": created,
+        "first_token_at": times[0] if times else None,
+        "finished_at": time.time(),
+        "token_times": times,
+        "prompt_tokens": usage.get("prompt_tokens", 0),
+        "completion_tokens": usage.get("completion_tokens", len(times)),
+        "status": "succeeded",
+    }
+
+
+def _against_vllm_serve(opts: Options, specs: list[Spec]) -> dict[str, Any]:
+    port = free_port()
+    argv, env = _serve_argv(opts, port)
+    with BenchStack("sqlite", opts.stack_env(), opts.workdir) as stack:
+        serve = stack.spawn("vllm-serve", argv, env)
+        url = f"http://127.0.0.1:{port}"
+        wait_for(
+            lambda: httpx.get(f"{url}/health", timeout=2).status_code == 200,
+            900,
+            "vllm serve",
+            serve,
+        )
+        model = opts.settings(engine="vllm").model_name
+        done = 0
+        with httpx.Client(base_url=url, timeout=300) as client:
+
+            def one(spec: Spec) -> dict[str, Any]:
+                nonlocal done
+                record = _stream_one(client, model, spec)
+                done += 1
+                opts.progress("peer: vllm serve", done, len(specs))
+                return record
+
+            with ThreadPoolExecutor(PEER_CLIENTS) as pool:
+                records = list(pool.map(one, specs))
+    return summarize(records)
+
+
+def _against_inferq(opts: Options, specs: list[Spec]) -> dict[str, Any]:
+    with BenchStack(opts.database, opts.stack_env(engine="vllm"), opts.workdir) as stack:
+        stack.start()
+        ids: list[str] = []
+        start = time.time()
+        with httpx.Client(base_url=stack.url, timeout=300) as client:
+
+            def one(spec: Spec) -> None:
+                job = client.post("/v1/jobs", json=spec.body()).json()
+                ids.append(job["id"])
+                stack.wait_all(1, 600, ids=[job["id"]])
+                opts.progress("peer: inferq", len(ids), len(specs))
+
+            with ThreadPoolExecutor(PEER_CLIENTS) as pool:
+                list(pool.map(one, specs))
+        return summarize(stack.rows(ids), start)
+
+
+def peer(opts: Options) -> dict[str, Any]:
+    specs = workload(opts.n(128), seed=6, lane="realtime", tokens=(8, 64), mean=32)
+    serve = _against_vllm_serve(opts, specs)
+    ours = _against_inferq(opts, specs)
+    return {
+        "engine": "vllm",
+        "jobs": len(specs),
+        "clients": PEER_CLIENTS,
+        "vllm_serve": serve,
+        "inferq": ours,
+        "inferq_over_vllm_serve": ours["output_throughput"] / serve["output_throughput"],
+    }

@@ -1,0 +1,127 @@
+"""Benchmark results as a Markdown table (targets checked) and PNG plots."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+# scenario -> (key, comparison, target, label)
+TARGETS: dict[str, list[tuple[str, str, float | str, str]]] = {
+    "efficiency": [("ratio", ">=", 0.95, "platform / direct engine throughput")],
+    "ladder": [
+        ("continuous_over_static", ">=", 1.5, "continuous / static micro-batches"),
+        ("continuous_over_serial", ">=", 10.0, "continuous / serial"),
+    ],
+    "mixed": [
+        (
+            "realtime_ttft_p99_ms",
+            "<=",
+            "idle_realtime_ttft_p99_ms+100",
+            "realtime TTFT p99 under bulk load (ms)",
+        )
+    ],
+    "ceiling": [("jobs_per_s", ">=", 2000.0, "jobs/s end to end, instant engine, PostgreSQL")],
+    "scaleout": [("two_over_one", ">=", 1.8, "two workers / one worker throughput")],
+}
+
+VARIANTS = {
+    "efficiency": ("direct", "platform"),
+    "ladder": ("serial", "static", "continuous"),
+    "mixed": ("idle", "loaded"),
+    "ceiling": ("platform",),
+    "scaleout": ("one", "two"),
+    "peer": ("vllm_serve", "inferq"),
+}
+
+COLUMNS = (
+    ("request_throughput", "req/s"),
+    ("output_throughput", "out tok/s"),
+    ("median_ttft_ms", "TTFT p50"),
+    ("p99_ttft_ms", "TTFT p99"),
+    ("median_tpot_ms", "TPOT p50"),
+    ("median_itl_ms", "ITL p50"),
+    ("median_e2el_ms", "E2EL p50"),
+    ("p99_e2el_ms", "E2EL p99"),
+)
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:,.3f}" if abs(value) < 10 else f"{value:,.1f}"
+    return str(value)
+
+
+def _target(result: dict[str, Any], target: float | str) -> float:
+    if isinstance(target, str):
+        key, plus = target.split("+")
+        return float(result[key]) + float(plus)
+    return target
+
+
+def markdown(results: dict[str, Any]) -> str:
+    lines = ["| scenario | measure | value | target | met |", "|---|---|---|---|---|"]
+    for scenario, checks in TARGETS.items():
+        result = results.get(scenario)
+        if not result or "skipped" in result:
+            continue
+        for key, op, target, label in checks:
+            value = result.get(key)
+            goal = _target(result, target)
+            met = value is not None and (value >= goal if op == ">=" else value <= goal)
+            lines.append(
+                f"| {scenario} | {label} | {_fmt(value)} | {op} {_fmt(goal)} | "
+                f"{'yes' if met else 'NO'} |"
+            )
+    header = "| scenario | run | " + " | ".join(c[1] for c in COLUMNS) + " |"
+    lines += ["", header, "|" + "---|" * (len(COLUMNS) + 2)]
+    for scenario, variants in VARIANTS.items():
+        result = results.get(scenario)
+        if not result or "skipped" in result:
+            continue
+        for variant in variants:
+            metrics = result.get(variant) or {}
+            cells = " | ".join(_fmt(metrics.get(key)) for key, _ in COLUMNS)
+            lines.append(f"| {scenario} | {variant} | {cells} |")
+    machine = results.get("machine", {})
+    lines += [
+        "",
+        f"Machine: {machine.get('cpu')} ({machine.get('cores')} cores), "
+        f"Python {machine.get('python')}; engine: {machine.get('engine')}; "
+        f"database: {machine.get('database')}. "
+        "Latencies in ms; ITL only where tokens are observed one by one.",
+    ]
+    return "\n".join(lines)
+
+
+def plots(results: dict[str, Any], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for scenario, variants in VARIANTS.items():
+        result = results.get(scenario)
+        if not result or "skipped" in result:
+            continue
+        present = [v for v in variants if isinstance(result.get(v), dict)]
+        fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.2))
+        left.bar(present, [result[v].get("output_throughput") or 0 for v in present])
+        left.set_title(f"{scenario}: output tokens/s")
+        p50 = [result[v].get("median_ttft_ms") or 0 for v in present]
+        p99 = [result[v].get("p99_ttft_ms") or 0 for v in present]
+        xs = range(len(present))
+        right.bar([x - 0.2 for x in xs], p50, width=0.4, label="p50")
+        right.bar([x + 0.2 for x in xs], p99, width=0.4, label="p99")
+        right.set_xticks(list(xs), present)
+        right.set_title(f"{scenario}: TTFT (ms)")
+        right.legend()
+        fig.tight_layout()
+        path = out / f"{scenario}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    return written

@@ -1,0 +1,294 @@
+"""The scenarios of DESIGN §7. Each returns one JSON-able object with its comparison inside.
+
+Every comparison runs in one invocation, on the same engine settings and the same seeded
+workload: the platform side through a stack of real processes (API, Redis, workers, database),
+baselines through the same engine in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from app.settings import Settings
+from workers.bench.harness import BenchStack, direct_runner, run_direct
+from workers.bench.metrics import summarize
+from workers.engines.base import GenRequest
+
+WARMUP = 5
+CEILING_SLOTS = 1024
+CEILING_CHUNK = 128
+
+Progress = Callable[[str, int, int], None]  # (what, done, total)
+
+
+@dataclass
+class Options:
+    engine: str = "simulated"
+    database: str = "sqlite"  # or a PostgreSQL admin URL
+    postgres: str = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+    workdir: Path = Path(".inferq/bench")
+    scale: float = 1.0  # multiplies job counts (0.1 for a quick look)
+    progress: Progress = field(default=lambda what, done, total: None)
+    env: dict[str, str] = field(default_factory=dict)
+
+    def n(self, jobs: int) -> int:
+        return max(8, int(jobs * self.scale))
+
+    def stack_env(self, **values: Any) -> dict[str, str]:
+        # Heartbeats each second: the worker's record in Redis (load, intake) stays fresh.
+        env = {"INFERQ_ENGINE": self.engine, "INFERQ_HEARTBEAT_S": "1", **self.env}
+        env.update({f"INFERQ_{k.upper()}": str(v) for k, v in values.items()})
+        return env
+
+    def settings(self, **values: Any) -> Settings:
+        fields = {k.removeprefix("INFERQ_").lower(): v for k, v in self.stack_env().items()}
+        return Settings(**{**fields, **values})
+
+
+@dataclass(frozen=True)
+class Spec:
+    prompt: str
+    max_tokens: int
+    lane: str
+
+    def body(self) -> dict[str, Any]:
+        return {"prompt": self.prompt, "lane": self.lane, "params": {"max_tokens": self.max_tokens}}
+
+    def request(self, i: int) -> GenRequest:
+        return GenRequest(
+            request_id=f"direct-{i}",
+            prompt=self.prompt,
+            messages=None,
+            max_tokens=self.max_tokens,
+            priority={"realtime": 0, "standard": 1, "bulk": 2}[self.lane],
+        )
+
+
+_VOCAB = "tokens queue lane worker engine batch prompt result job model gpu".split()
+
+
+def workload(n: int, *, seed: int, lane: str, tokens: tuple[int, int], mean: int) -> list[Spec]:
+    """Mixed lengths: prompts of 8-256 words, output lengths long-tailed (log-normal) in range."""
+    rng = random.Random(seed)
+    lo, hi = tokens
+    specs = []
+    for i in range(n):
+        words = rng.randint(8, 256)
+        prompt = f"{i} " + " ".join(rng.choice(_VOCAB) for _ in range(words))
+        out = int(min(hi, max(lo, rng.lognormvariate(0, 0.8) * mean)))
+        specs.append(Spec(prompt, out, lane))
+    return specs
+
+
+# --- platform runs -------------------------------------------------------------------------
+
+
+def through_platform(
+    opts: Options,
+    specs: list[Spec],
+    what: str,
+    *,
+    workers: int = 1,
+    database: str | None = None,
+    **settings: Any,
+) -> dict[str, Any]:
+    db = database or opts.database
+    with BenchStack(db, opts.stack_env(**settings), opts.workdir) as stack:
+        stack.start(workers=workers)
+        start = stack.submit([s.body() for s in specs])
+        stack.wait_all(len(specs), 3600, lambda done: opts.progress(what, done, len(specs)))
+        rows = stack.rows()
+    metrics = summarize(rows, start)
+    metrics["database"] = "sqlite" if db == "sqlite" else "postgresql"
+    return metrics
+
+
+def direct(opts: Options, specs: list[Spec], what: str, **settings: Any) -> dict[str, Any]:
+    with direct_runner(opts.settings(**settings)) as runner:
+        records = run_direct(
+            runner,
+            [s.request(i) for i, s in enumerate(specs)],
+            lambda done: opts.progress(what, done, len(specs)),
+        )
+    return summarize(records)
+
+
+def _sim(opts: Options, **values: Any) -> dict[str, Any]:
+    """Settings that only apply to the simulated engine."""
+    return values if opts.engine == "simulated" else {}
+
+
+# --- scenarios -----------------------------------------------------------------------------
+
+
+def efficiency(opts: Options) -> dict[str, Any]:
+    n = opts.n(2000) if opts.engine == "simulated" else opts.n(200)
+    mean = 48 if opts.engine == "simulated" else 24
+    specs = workload(n, seed=1, lane="bulk", tokens=(4, 256), mean=mean)
+    base = direct(opts, specs, "efficiency: direct engine")
+    platform = through_platform(opts, specs, "efficiency: platform")
+    return {
+        "engine": opts.engine,
+        "jobs": n,
+        "direct": base,
+        "platform": platform,
+        "ratio": platform["output_throughput"] / base["output_throughput"],
+    }
+
+
+def ladder(opts: Options) -> dict[str, Any]:
+    n = opts.n(160)
+    specs = workload(n, seed=2, lane="bulk", tokens=(4, 512), mean=48)
+    scale = _sim(opts, sim_time_scale=0.25)
+    serial = through_platform(opts, specs, "ladder: serial", worker_concurrency=1, **scale)
+    static = through_platform(
+        opts,
+        specs,
+        "ladder: static micro-batches",
+        batching="micro",
+        micro_batch_max_size=16,
+        micro_batch_max_wait_ms=100,
+        **scale,
+    )
+    continuous = through_platform(opts, specs, "ladder: continuous", **scale)
+    return {
+        "engine": opts.engine,
+        "jobs": n,
+        "time_scale": scale.get("sim_time_scale", 1.0),
+        "serial": serial,
+        "static": static,
+        "continuous": continuous,
+        "continuous_over_static": continuous["output_throughput"] / static["output_throughput"],
+        "continuous_over_serial": continuous["output_throughput"] / serial["output_throughput"],
+    }
+
+
+def _realtime_load(
+    stack: BenchStack, specs: list[Spec], rate: float, what: str, opts: Options
+) -> list[str]:
+    ids: list[str] = []
+    with httpx.Client(base_url=stack.url, timeout=30) as c:
+        t0 = time.monotonic()
+        for i, spec in enumerate(specs):
+            delay = t0 + i / rate - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            r = c.post("/v1/jobs", json=spec.body())
+            r.raise_for_status()
+            ids.append(r.json()["id"])
+            opts.progress(what, i + 1, len(specs))
+    return ids
+
+
+def _realtime_run(opts: Options, rt: list[Spec], bulk: list[Spec], what: str) -> dict[str, Any]:
+    with BenchStack(opts.database, opts.stack_env(), opts.workdir) as stack:
+        stack.start()
+        if bulk:
+            stack.submit([s.body() for s in bulk])
+
+            def saturated() -> bool:
+                for record in stack.worker_records():
+                    intake = record.get("intake") or {}
+                    reserved = intake.get("reserved", {})
+                    cap = intake.get("slots", 0) - sum(
+                        v for k, v in reserved.items() if k != "bulk"
+                    )
+                    if intake.get("used", {}).get("bulk", 0) >= cap - 32:
+                        return True
+                return False
+
+            deadline = time.monotonic() + 120
+            while not saturated() and time.monotonic() < deadline:
+                time.sleep(0.2)
+        # Warm the path up (first claims, statement caches) outside the measurement.
+        warm = _realtime_load(stack, rt[:WARMUP], 10.0, f"{what} (warm-up)", opts)
+        stack.wait_all(len(warm), 300, ids=warm)
+        ids = _realtime_load(stack, rt, 10.0, what, opts)
+        stack.wait_all(len(ids), 300, ids=ids)
+        rows = stack.rows(ids)
+        bulk_running = stack.rows(lane="bulk", status="running")
+    metrics = summarize(rows)
+    metrics["bulk_running_at_end"] = len(bulk_running)
+    return metrics
+
+
+def mixed(opts: Options) -> dict[str, Any]:
+    rt = workload(opts.n(60), seed=3, lane="realtime", tokens=(8, 64), mean=24)
+    bulk = workload(opts.n(4000), seed=4, lane="bulk", tokens=(16, 256), mean=96)
+    idle = _realtime_run(opts, rt, [], "mixed: realtime on an idle system")
+    loaded = _realtime_run(opts, rt, bulk, "mixed: realtime with a bulk backlog")
+    return {
+        "engine": opts.engine,
+        "realtime_jobs": len(rt),
+        "bulk_backlog": len(bulk),
+        "idle": idle,
+        "loaded": loaded,
+        "idle_realtime_ttft_p99_ms": idle["p99_ttft_ms"],
+        "realtime_ttft_p99_ms": loaded["p99_ttft_ms"],
+        "idle_realtime_ttft_p50_ms": idle["median_ttft_ms"],
+        "realtime_ttft_p50_ms": loaded["median_ttft_ms"],
+        "idle_realtime_e2el_p99_ms": idle["p99_e2el_ms"],
+        "realtime_e2el_p99_ms": loaded["p99_e2el_ms"],
+    }
+
+
+def ceiling(opts: Options) -> dict[str, Any]:
+    n = opts.n(20000)
+    specs = [Spec(f"ceiling {i}", 1, "bulk") for i in range(n)]
+    metrics = through_platform(
+        opts,
+        specs,
+        "ceiling: instant engine",
+        database=opts.postgres,
+        engine="simulated",
+        sim_time_scale=0,
+        # With an engine that costs nothing, the worker's slots are not an engine limit: give
+        # it many, and larger bulk messages, so that the platform's own cost is what is measured.
+        worker_concurrency=CEILING_SLOTS,
+        sim_max_num_seqs=CEILING_SLOTS,
+        bulk_chunk_size=CEILING_CHUNK,
+    )
+    return {
+        "engine": "simulated (instant: time_scale 0)",
+        "worker_concurrency": CEILING_SLOTS,
+        "bulk_chunk_size": CEILING_CHUNK,
+        "jobs": n,
+        "database": "postgresql",
+        "jobs_per_s": metrics["request_throughput"],
+        "platform": metrics,
+    }
+
+
+def scaleout(opts: Options) -> dict[str, Any]:
+    n = opts.n(3000)
+    specs = workload(n, seed=5, lane="bulk", tokens=(4, 128), mean=32)
+    one = through_platform(opts, specs, "scaleout: one worker", workers=1)
+    two = through_platform(opts, specs, "scaleout: two workers", workers=2)
+    return {
+        "engine": opts.engine,
+        "jobs": n,
+        "one": one,
+        "two": two,
+        "two_over_one": two["output_throughput"] / one["output_throughput"],
+    }
+
+
+SCENARIOS: dict[str, Callable[[Options], dict[str, Any]]] = {
+    "efficiency": efficiency,
+    "ladder": ladder,
+    "mixed": mixed,
+    "ceiling": ceiling,
+    "scaleout": scaleout,
+}
+
+
+def dump(results: dict[str, Any], path: Path) -> None:
+    path.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
