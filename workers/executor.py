@@ -159,7 +159,8 @@ def _record_params(claim: Claim, outcome: Outcome, stamp: float) -> dict[str, An
         "b_stamp": stamp,
         "b_error_code": outcome.error_code,
         "b_error_message": outcome.error_message,
-        "b_text": r.text if r is not None else None,
+        # PostgreSQL text cannot hold NUL, which a model can emit: store U+FFFD instead.
+        "b_text": r.text.replace("\x00", "\ufffd") if r is not None else None,
         "b_finish_reason": r.finish_reason if r is not None else None,
         "b_prompt_tokens": r.prompt_tokens if r is not None else None,
         "b_completion_tokens": r.completion_tokens if r is not None else None,
@@ -192,16 +193,22 @@ class Recorder:
                     batch.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
-            items = [(claim, outcome) for claim, outcome, _ in batch]
             try:
-                written = with_db_retry(partial(self._write, items), "record")
-            except Exception as exc:  # a bad row must not take the others down with it
-                log.exception("recording %d outcomes failed", len(items))
-                for _, _, future in batch:
-                    future.set_exception(exc)
-                continue
-            for (_, _, future), ok in zip(batch, written, strict=True):
-                future.set_result(ok)
+                self._settle(batch)
+            except Exception:
+                # One bad row must not take the others down with it: write them one by one.
+                log.exception("recording %d outcomes together failed; one by one now", len(batch))
+                for item in batch:
+                    try:
+                        self._settle([item])
+                    except Exception as exc:
+                        item[2].set_exception(exc)
+
+    def _settle(self, batch: list[tuple[Claim, Outcome, concurrent.futures.Future[bool]]]) -> None:
+        items = [(claim, outcome) for claim, outcome, _ in batch]
+        written = with_db_retry(partial(self._write, items), "record")
+        for (_, _, future), ok in zip(batch, written, strict=True):
+            future.set_result(ok)
 
 
 class Executor:
@@ -304,13 +311,13 @@ class Executor:
                 self.on_engine_dead()
                 raise
             for claim, outcome, written in recorded:
-                if written.result():
-                    ended[str(outcome.status)] += 1
-                else:
+                status = self._stored(claim, outcome, written)
+                if status is None:
                     log.warning(
                         "job %s: lease %d lost; result discarded", claim.job_id, claim.token
                     )
-                    ended["fenced"] += 1
+                    status = "fenced"
+                ended[status] += 1
             return {k: v for k, v in ended.items() if v}
         finally:
             if slots:
@@ -320,6 +327,25 @@ class Executor:
                 for job_id in ids:
                     self._held.pop(job_id, None)
                     self._aborts.pop(job_id, None)
+
+    def _stored(
+        self, claim: Claim, outcome: Outcome, written: concurrent.futures.Future[bool]
+    ) -> str | None:
+        """The status the job was left in (None: fenced off, nothing written).
+
+        An outcome the database refuses fails the job instead of leaving it running.
+        """
+        try:
+            return str(outcome.status) if written.result() else None
+        except Exception as exc:
+            log.exception("job %s: its outcome could not be stored; failing it", claim.job_id)
+            failed = Outcome(
+                JobStatus.FAILED,
+                None,
+                "result_not_stored",
+                f"the result could not be stored ({type(exc).__name__})",
+            )
+            return str(failed.status) if self.recorder.put(claim, failed).result() else None
 
     def _start(self, claim: Claim) -> concurrent.futures.Future[GenResult]:
         future = self.runner.submit(claim.request, deadline=claim.deadline)

@@ -162,3 +162,25 @@ def test_a_chunk_larger_than_the_worker_runs_within_its_slots(
         stop.set()
         watcher.join()
     assert 1 <= peak <= 2
+
+
+def test_nul_in_model_output_is_stored_and_a_refused_row_fails_only_its_job(
+    database: str, runner: Runner
+) -> None:
+    ok_id, bad_id = new_job("ok"), new_job("bad")
+    executor = Executor(runner, "w", get_settings())
+    ok_claim, bad_claim = executor._claim([ok_id, bad_id])
+    nul = GenResult("a\x00b", "length", 1, 3, None)
+    # An error code longer than its column is refused by PostgreSQL (SQLite stores it).
+    refused = Outcome(JobStatus.FAILED, None, "x" * 200, "a row the database may refuse")
+    written = [
+        executor.recorder.put(ok_claim, Outcome(JobStatus.SUCCEEDED, nul)),
+        executor.recorder.put(bad_claim, refused),
+    ]
+    assert executor._stored(ok_claim, Outcome(JobStatus.SUCCEEDED, nul), written[0]) == "succeeded"
+    status = executor._stored(bad_claim, refused, written[1])
+    assert row(ok_id).result_text == "a\ufffdb"
+    after = row(bad_id)
+    assert after.status == status == "failed"  # never left running
+    if database.startswith("postgresql"):
+        assert after.error_code == "result_not_stored"

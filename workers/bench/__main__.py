@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import time
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import click
@@ -17,6 +19,10 @@ from workers.bench.harness import environment, postgres_answers
 from workers.bench.scenarios import SCENARIOS, Options
 
 ALL = ("efficiency", "ladder", "mixed", "ceiling", "scaleout", "peer")
+
+
+def _interrupt(signum: int, _frame: FrameType | None) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 @click.command()
@@ -67,6 +73,8 @@ def main(
 ) -> None:
     """Run benchmark scenarios side by side (DESIGN §7) and report vllm-bench-serve metrics."""
     logging.basicConfig(level=logging.WARNING)
+    # SIGTERM unwinds like Ctrl-C, so every stack started so far is torn down.
+    signal.signal(signal.SIGTERM, _interrupt)
     names = list(ALL) if scenario == "all" else [s.strip() for s in scenario.split(",")]
     unknown = [n for n in names if n not in ALL]
     if unknown:
