@@ -128,7 +128,7 @@ def _on_task_received(request: Any = None, **_: Any) -> None:
     # slots now so that a lane without room is closed before another message is fetched.
     if _current is not None and request is not None and request.name == RUN_JOBS_TASK:
         job_ids, lane = request.args
-        _current.intake.take(lane, len(job_ids), key=request.id)
+        _current.intake.take(lane, len(set(job_ids)), key=request.id)
 
 
 @worker_shutdown.connect  # type: ignore[untyped-decorator]

@@ -171,7 +171,9 @@ class Runner:
         self._thread = threading.Thread(target=self._run_loop, name="engine-loop", daemon=True)
         self._tasks: dict[str, asyncio.Task[GenResult]] = {}
         self._abort_reasons: dict[str, str] = {}
-        self.pacer = BulkPacer(bulk_prefill_limit, bulk_busy_at)
+        # Static micro-batches run as a unit: there is no engine step to keep short.
+        pace = bulk_prefill_limit if self.batching == "continuous" else 0
+        self.pacer = BulkPacer(pace, bulk_busy_at)
 
     def _run_loop(self) -> None:
         asyncio.set_event_loop(self.loop)

@@ -88,3 +88,34 @@ def test_micro_batches_wait_for_size_or_time() -> None:
         assert max(engine.batch_sizes) == 4
     finally:
         runner.shutdown()
+
+
+def test_bulk_pacing_keeps_bulk_prefills_out_of_a_realtime_first_token() -> None:
+    engine = SimulatedEngine(CostModel.from_settings(Settings(), base_ms=2.0))
+    runner = Runner(engine, bulk_prefill_limit=2, bulk_busy_at=0)
+    runner.start()
+    try:
+        long_prompt = " ".join(["word"] * 400)
+        bulk = [
+            runner.submit(GenRequest(f"b{i}", prompt=long_prompt, max_tokens=4, priority=2))
+            for i in range(12)
+        ]
+        in_engine: list[int] = []
+
+        def on_delta(_text: str, _n: int) -> None:
+            if not in_engine:  # the realtime request's first token: who is in the engine?
+                stats = runner.engine.stats()
+                in_engine.append(stats.running + stats.waiting)
+
+        realtime = runner.submit(
+            GenRequest("rt", prompt="now", max_tokens=4, priority=0), on_delta=on_delta
+        )
+        done = [f.result(30) for f in bulk]
+        assert realtime.result(30).first_token_at is not None
+        assert all(r.completion_tokens == 4 for r in done)
+        # The realtime request shared its first step with at most the 2 bulk prefills admitted
+        # before it; unpaced, all 12 long bulk prompts would have been prefilled with it.
+        assert in_engine and in_engine[0] <= 3
+        assert runner.pacer.bulk_prefilling == 0 and runner.pacer.bulk_in_engine == 0
+    finally:
+        runner.shutdown()
