@@ -75,7 +75,7 @@ class Settings(BaseSettings):
     micro_batch_max_size: int = Field(16, description="Micro-batching: most jobs per batch.")
     micro_batch_max_wait_ms: float = Field(100.0, description="Micro-batching: longest wait.")
     bulk_prefill_limit: int = Field(
-        8, ge=0, description="Most bulk jobs in prefill at once in a worker; 0: no pacing."
+        2, ge=0, description="While realtime traffic is active, most bulk jobs in prefill; 0: off."
     )
 
     vllm_gpu_memory_utilization: float = Field(0.9, description="vLLM GPU memory fraction.")

@@ -98,16 +98,17 @@ class BulkPacer:
 
     A step that prefills many new bulk sequences (a bulk message brings 32 at once) can take
     several times as long as a decode step, and a realtime request scheduled in it, or arriving
-    during it, waits for all of it. So once the engine is busy (``busy_at`` bulk requests in
-    it; an idle engine fills unpaced), at most ``limit`` bulk requests are in prefill (submitted,
-    no first token yet) at once, which still replaces ``limit`` finished bulk sequences per step.
-    While realtime traffic is active (a realtime request in the last ``WINDOW_S``), at most
-    ``REALTIME_LIMIT``, and none while a realtime request awaits its first token. ``limit`` 0
-    turns pacing off.
+    during it, waits for all of it. So while realtime traffic is active (a realtime request in
+    the last ``WINDOW_S``) and the engine is busy (``busy_at`` bulk requests in it), at most
+    ``limit`` bulk requests are in prefill (submitted, no first token yet) at once, and none
+    enters while a realtime request awaits its first token. Without realtime traffic bulk is
+    not paced: pacing costs bulk throughput (measured: 0.925 -> 0.789 of the engine's on vLLM
+    CPU), which only buys something when there is realtime work to protect. The first realtime
+    request after a quiet spell can still share a step with a bulk message's prefills.
+    ``limit`` 0 turns pacing off.
     """
 
     WINDOW_S = 5.0
-    REALTIME_LIMIT = 2
 
     def __init__(self, limit: int, busy_at: int = 0) -> None:
         self.limit = limit
@@ -146,9 +147,8 @@ class BulkPacer:
         if self.limit <= 0 or self.bulk_in_engine < self.busy_at:
             return True
         if time.monotonic() - self.last_realtime > self.WINDOW_S:
-            return self.bulk_prefilling < self.limit
-        limit = min(self.limit, self.REALTIME_LIMIT)
-        return self.realtime_waiting == 0 and self.bulk_prefilling < limit
+            return True
+        return self.realtime_waiting == 0 and self.bulk_prefilling < self.limit
 
 
 class Runner:

@@ -95,6 +95,8 @@ def test_bulk_pacing_keeps_bulk_prefills_out_of_a_realtime_first_token() -> None
     runner = Runner(engine, bulk_prefill_limit=2, bulk_busy_at=0)
     runner.start()
     try:
+        # Realtime traffic is active: pacing applies (without it bulk enters unpaced).
+        runner.submit(GenRequest("warm", prompt="hi", max_tokens=1, priority=0)).result(30)
         long_prompt = " ".join(["word"] * 400)
         bulk = [
             runner.submit(GenRequest(f"b{i}", prompt=long_prompt, max_tokens=4, priority=2))

@@ -168,6 +168,12 @@ class BenchStack:
             list(pool.map(post, chunks))
         return start
 
+    def finished(self, ids: list[str]) -> list[str]:
+        """Which of ``ids`` are terminal."""
+        query = select(Job.id).where(Job.id.in_(ids), Job.status.in_(list(TERMINAL)))
+        with self.db().connect() as conn:
+            return list(conn.execute(query).scalars())
+
     def _count_finished(self, ids: list[str] | None = None) -> int:
         query = select(func.count()).select_from(Job).where(Job.status.in_(list(TERMINAL)))
         if ids is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -108,17 +109,40 @@ def _against_inferq(opts: Options, specs: list[Spec]) -> dict[str, Any]:
     with BenchStack(opts.database, opts.stack_env(engine="vllm"), opts.workdir) as stack:
         stack.start()
         ids: list[str] = []
+        waiting: dict[str, threading.Event] = {}
+        lock = threading.Lock()
+        stop = threading.Event()
+
+        def watch() -> None:
+            # One poller for every client (what a webhook or long poll would give them), so
+            # that finding out costs neither a per-client delay nor many queries.
+            while not stop.is_set():
+                with lock:
+                    pending = list(waiting)
+                if pending:
+                    for job_id in stack.finished(pending):
+                        with lock:
+                            waiting.pop(job_id).set()
+                time.sleep(0.01)
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
         start = time.time()
         with httpx.Client(base_url=stack.url, timeout=300) as client:
 
             def one(spec: Spec) -> None:
+                done = threading.Event()
                 job = client.post("/v1/jobs", json=spec.body()).json()
-                ids.append(job["id"])
-                stack.wait_all(1, 600, ids=[job["id"]])
+                with lock:
+                    ids.append(job["id"])
+                    waiting[job["id"]] = done
+                done.wait(600)
                 opts.progress("peer: inferq", len(ids), len(specs))
 
             with ThreadPoolExecutor(PEER_CLIENTS) as pool:
                 list(pool.map(one, specs))
+        stop.set()
+        watcher.join()
         return summarize(stack.rows(ids), start)
 
 
