@@ -10,9 +10,9 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import select, update
+from sqlalchemy import Table, insert, inspect, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -150,10 +150,16 @@ def submit_many(session: Session, tenant: str, bodies: list[JobCreate]) -> list[
         except ApiError as exc:
             exc.param = f"jobs[{i}].{exc.param}" if exc.param else f"jobs[{i}]"
             raise
+    columns = [(attr.key, attr.columns[0].name) for attr in inspect(Job).column_attrs]
+    table = cast(Table, Job.__table__)
     try:
+        # Core executemany, not the ORM unit of work: it was a third of a bulk request's cost.
+        connection = session.connection()
         for start in range(0, len(rows), INSERT_CHUNK):
-            session.add_all(rows[start : start + INSERT_CHUNK])
-            session.flush()
+            chunk = rows[start : start + INSERT_CHUNK]
+            connection.execute(
+                insert(table), [{col: getattr(job, key) for key, col in columns} for job in chunk]
+            )
         session.commit()
     except Exception:
         session.rollback()
@@ -169,7 +175,10 @@ def send(session: Session, jobs: list[tuple[str, str]]) -> None:
     failed = set(dispatch.enqueue(jobs))
     sent = [job_id for job_id, _ in jobs if job_id not in failed]
     if sent:
-        session.execute(update(Job).where(Job.id.in_(sent)).values(enqueued_at=now()))
+        table = cast(Table, Job.__table__)
+        session.connection().execute(
+            update(table).where(table.c.id.in_(sent)).values(enqueued_at=now())
+        )
         session.commit()
 
 

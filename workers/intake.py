@@ -46,6 +46,7 @@ class Intake:
         self.reserved = {lane: int(slots * reserved_share.get(lane, 0.0)) for lane in self.lanes}
         self.used = dict.fromkeys(self.lanes, 0)
         self.bulk_chunk = bulk_chunk
+        self._need = {lane: self.need(lane) for lane in self.lanes}
         self.open = set(self.lanes)  # the consumer starts on every lane
         self._applied = set(self.lanes)
         self._consumer: Any = None
@@ -103,7 +104,7 @@ class Intake:
 
     def _reconcile(self) -> None:
         with self._lock:
-            wanted = {lane for lane in self.lanes if self.room(lane) >= self.need(lane)}
+            wanted = {lane for lane in self.lanes if self.room(lane) >= self._need[lane]}
             if wanted == self.open:
                 return
             for lane in self.lanes:
