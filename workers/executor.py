@@ -278,9 +278,8 @@ class Executor:
             # worker): at most ``slots`` of them are in the engine at once.
             waiting = deque(claims)
             futures: dict[concurrent.futures.Future[GenResult], Claim] = {}
-            for _ in range(min(len(waiting), max(1, self.intake.slots))):
-                first = waiting.popleft()
-                futures[self._start(first)] = first
+            first = [waiting.popleft() for _ in range(min(len(waiting), max(1, self.intake.slots)))]
+            futures = dict(zip(self._start(first), first, strict=True))
             recorded: list[tuple[Claim, Outcome, concurrent.futures.Future[bool]]] = []
             try:
                 running = set(futures)
@@ -288,9 +287,9 @@ class Executor:
                     done, running = concurrent.futures.wait(
                         running, return_when=concurrent.futures.FIRST_COMPLETED
                     )
+                    self.intake.give(lane, len(done))
+                    slots -= len(done)
                     for future in done:
-                        self.intake.give(lane)
-                        slots -= 1
                         claim = futures[future]
                         outcome = self._outcome(claim, future)
                         if isinstance(outcome, str):
@@ -299,7 +298,7 @@ class Executor:
                             recorded.append((claim, outcome, self.recorder.put(claim, outcome)))
                         if waiting:
                             nxt = waiting.popleft()
-                            started = self._start(nxt)
+                            [started] = self._start([nxt])
                             futures[started] = nxt
                             running.add(started)
             except EngineDeadError:
@@ -347,13 +346,14 @@ class Executor:
             )
             return str(failed.status) if self.recorder.put(claim, failed).result() else None
 
-    def _start(self, claim: Claim) -> concurrent.futures.Future[GenResult]:
-        future = self.runner.submit(claim.request, deadline=claim.deadline)
+    def _start(self, claims: list[Claim]) -> list[concurrent.futures.Future[GenResult]]:
+        started = self.runner.submit_many([(c.request, c.deadline) for c in claims])
         with self._lock:
-            reason = self._aborts.get(claim.job_id)
-        if reason is not None:  # cancelled (or expired) before it reached the engine
-            self.runner.abort(claim.request.request_id, reason)
-        return future
+            reasons = [self._aborts.get(c.job_id) for c in claims]
+        for claim, reason in zip(claims, reasons, strict=True):
+            if reason is not None:  # cancelled (or expired) before it reached the engine
+                self.runner.abort(claim.request.request_id, reason)
+        return started
 
     def _outcome(self, claim: Claim, future: concurrent.futures.Future[GenResult]) -> Outcome | str:
         """The outcome to record, or why nothing is recorded (raises EngineDeadError)."""

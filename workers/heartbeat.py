@@ -16,12 +16,12 @@ import threading
 from typing import Any
 
 import redis
-from sqlalchemy import select
+from sqlalchemy import tuple_, update
 from sqlalchemy.exc import SQLAlchemyError
 
 from app import dispatch
 from app.db import session_scope
-from app.models import Job, JobStatus, job_update, now
+from app.models import Job, JobStatus, now
 from app.settings import Settings
 from workers.executor import Executor
 
@@ -63,27 +63,26 @@ class Heartbeat:
         if not held:
             return
         stamp = now()
-        lost: list[str] = []
+        # One statement for every lease: per-job updates made a heartbeat of a worker holding
+        # thousands of jobs a load of its own. A row renews only while it is still running
+        # under our token; the same statement reads cancel requests.
         with session_scope() as session:
-            for job_id, token in held.items():
-                renewed = session.execute(
-                    job_update(
-                        job_id,
-                        expect=JobStatus.RUNNING,
-                        token=token,
-                        lease_expires_at=stamp + self.settings.lease_ttl_s,
-                    )
+            rows = session.execute(
+                update(Job)
+                .where(
+                    tuple_(Job.id, Job.lease_token).in_(list(held.items())),
+                    Job.status == JobStatus.RUNNING,
                 )
-                if not renewed.rowcount:  # type: ignore[attr-defined]
-                    lost.append(job_id)
-            cancelled = session.scalars(
-                select(Job.id).where(Job.id.in_(list(held)), Job.cancel_requested_at.is_not(None))
+                .values(lease_expires_at=stamp + self.settings.lease_ttl_s)
+                .returning(Job.id, Job.cancel_requested_at)
             ).all()
-        for job_id in lost:
+        renewed = {row.id for row in rows}
+        for job_id in held.keys() - renewed:
             log.warning("lease on %s lost; aborting it here", job_id)
             self.executor.request_abort(job_id, "lease_lost")
-        for job_id in cancelled:
-            self.executor.request_abort(job_id, "cancelled")
+        for row in rows:
+            if row.cancel_requested_at is not None:
+                self.executor.request_abort(row.id, "cancelled")
 
     def announce(self) -> None:
         stats = self.executor.runner.stats()

@@ -94,6 +94,15 @@ class MicroBatcher:
                 future.set_result(None)
 
 
+# (request, deadline, on_delta, the caller's future): one request for the loop thread to start.
+_Spawn = tuple[
+    GenRequest,
+    float | None,
+    Callable[[str, int], None] | None,
+    concurrent.futures.Future[GenResult],
+]
+
+
 def _settle(future: concurrent.futures.Future[GenResult], task: asyncio.Task[GenResult]) -> None:
     """Copy a finished task's outcome to the caller's future."""
     if task.cancelled():
@@ -214,22 +223,29 @@ class Runner:
         ``on_delta(text, num_tokens)`` is called on the loop thread for every streamed piece.
         """
         future: concurrent.futures.Future[GenResult] = concurrent.futures.Future()
-        # Lighter than run_coroutine_threadsafe, whose two-way future chaining was the largest
-        # single cost of a busy worker's loop thread (py-spy, ceiling benchmark).
-        self.loop.call_soon_threadsafe(self._spawn, req, deadline, on_delta, future)
+        self.loop.call_soon_threadsafe(self._spawn, [(req, deadline, on_delta, future)])
         return future
 
-    def _spawn(
-        self,
-        req: GenRequest,
-        deadline: float | None,
-        on_delta: Callable[[str, int], None] | None,
-        future: concurrent.futures.Future[GenResult],
-    ) -> None:
-        if not future.set_running_or_notify_cancel():
-            return
-        task = self.loop.create_task(self._generate(req, deadline, on_delta))
-        task.add_done_callback(functools.partial(_settle, future))
+    def submit_many(
+        self, requests: list[tuple[GenRequest, float | None]]
+    ) -> list[concurrent.futures.Future[GenResult]]:
+        """:meth:`submit` for several requests with one wake-up of the loop thread."""
+        futures: list[concurrent.futures.Future[GenResult]] = [
+            concurrent.futures.Future() for _ in requests
+        ]
+        batch: list[_Spawn] = [
+            (req, deadline, None, f) for (req, deadline), f in zip(requests, futures, strict=True)
+        ]
+        self.loop.call_soon_threadsafe(self._spawn, batch)
+        return futures
+
+    def _spawn(self, batch: list[_Spawn]) -> None:
+        # Lighter than run_coroutine_threadsafe, whose two-way future chaining was the largest
+        # single cost of a busy worker's loop thread (py-spy, ceiling benchmark).
+        for req, deadline, on_delta, future in batch:
+            if future.set_running_or_notify_cancel():
+                task = self.loop.create_task(self._generate(req, deadline, on_delta))
+                task.add_done_callback(functools.partial(_settle, future))
 
     def abort(self, request_id: str, reason: str) -> None:
         """Stop a request from any thread; it finishes with ``abort_reason=reason``."""

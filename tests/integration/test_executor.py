@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import text, update
@@ -22,6 +23,7 @@ from tests.conftest import PostgresDatabases, database_url_for
 from workers.engines.base import GenRequest
 from workers.engines.simulated import CostModel, SimulatedEngine
 from workers.executor import Executor, Outcome
+from workers.heartbeat import Heartbeat
 from workers.runner import GenResult, Runner
 
 
@@ -184,3 +186,34 @@ def test_nul_in_model_output_is_stored_and_a_refused_row_fails_only_its_job(
     assert after.status == status == "failed"  # never left running
     if database.startswith("postgresql"):
         assert after.error_code == "result_not_stored"
+
+
+class RecordingExecutor(Executor):
+    """An executor that records the aborts its heartbeat asks for."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.aborted: list[tuple[str, str]] = []
+
+    def request_abort(self, job_id: str, reason: str) -> bool:
+        self.aborted.append((job_id, reason))
+        return True
+
+
+def test_one_heartbeat_renews_every_lease_and_spots_lost_and_cancelled_jobs(
+    database: str, runner: Runner
+) -> None:
+    ids = [new_job(f"held {i}") for i in range(3)]
+    executor = RecordingExecutor(runner, "w", get_settings())
+    for claim in executor._claim(ids):
+        executor._held[claim.job_id] = claim.token
+    before = row(ids[0]).lease_expires_at
+    assert before is not None
+    with db.session_scope() as session:  # ids[1] was re-claimed elsewhere; ids[2] cancelled
+        session.execute(update(Job).where(Job.id == ids[1]).values(lease_token=Job.lease_token + 1))
+        session.execute(update(Job).where(Job.id == ids[2]).values(cancel_requested_at=1.0))
+    time.sleep(0.01)
+    Heartbeat(executor, get_settings(), {}).renew()
+    assert (row(ids[0]).lease_expires_at or 0) > before
+    assert row(ids[1]).lease_expires_at == before  # not ours any more: untouched
+    assert sorted(executor.aborted) == sorted([(ids[1], "lease_lost"), (ids[2], "cancelled")])
