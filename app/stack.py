@@ -79,6 +79,34 @@ class Child:
             return ""
 
 
+def wait_ready(
+    what: str,
+    timeout_s: float,
+    ready: Callable[[], bool],
+    child: Child,
+    *,
+    poll_s: float = 0.5,
+    stopping: Callable[[], bool] = lambda: False,
+) -> None:
+    """Poll ``ready()`` until it is true; StackError if ``child`` exits or time runs out.
+
+    Connection errors from ``ready`` count as "not yet": the service is still coming up.
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if stopping():
+            raise StackError("stopping")
+        if not child.alive():
+            raise StackError(f"{what} exited during start-up; its log:\n{child.tail()}")
+        try:
+            if ready():
+                return
+        except (redis.RedisError, httpx.HTTPError, OSError):
+            pass
+        time.sleep(poll_s)
+    raise StackError(f"{what} was not ready after {timeout_s:.0f}s; its log:\n{child.tail()}")
+
+
 def _signal_group(pid: int, sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, sig)
@@ -201,19 +229,7 @@ class Stack:
         self.children.append(child)
 
     def _wait(self, what: str, timeout_s: float, ready: Callable[[], bool], child: Child) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self._stopping:
-                raise StackError("stopping")
-            if not child.alive():
-                raise StackError(f"{what} exited during start-up; its log:\n{child.tail()}")
-            try:
-                if ready():
-                    return
-            except (redis.RedisError, httpx.HTTPError, OSError):
-                pass
-            time.sleep(0.5)
-        raise StackError(f"{what} was not ready after {timeout_s:.0f}s; its log:\n{child.tail()}")
+        wait_ready(what, timeout_s, ready, child, stopping=lambda: self._stopping)
 
     def stop(self) -> None:
         self._stopping = True

@@ -224,12 +224,7 @@ class Executor:
         self.on_engine_dead = on_engine_dead
         self.worker_id = worker_id
         self.settings = settings
-        self.intake = intake or Intake(
-            settings.lanes,
-            settings.worker_concurrency,
-            settings.lane_reserved_share,
-            settings.bulk_chunk_size,
-        )
+        self.intake = intake or Intake.from_settings(settings)
         self.recorder = Recorder(self._record_many)
         self._lock = threading.Lock()
         # job id -> lease token (None until claimed); membership is set before the claim so
@@ -278,11 +273,9 @@ class Executor:
             # worker): at most ``slots`` of them are in the engine at once.
             waiting = deque(claims)
             futures: dict[concurrent.futures.Future[GenResult], Claim] = {}
-            first = [waiting.popleft() for _ in range(min(len(waiting), max(1, self.intake.slots)))]
-            futures = dict(zip(self._start(first), first, strict=True))
+            running = self._start_from(waiting, max(1, self.intake.slots), futures)
             recorded: list[tuple[Claim, Outcome, concurrent.futures.Future[bool]]] = []
             try:
-                running = set(futures)
                 while running:
                     done, running = concurrent.futures.wait(
                         running, return_when=concurrent.futures.FIRST_COMPLETED
@@ -296,11 +289,7 @@ class Executor:
                             ended[outcome] += 1
                         else:
                             recorded.append((claim, outcome, self.recorder.put(claim, outcome)))
-                        if waiting:
-                            nxt = waiting.popleft()
-                            [started] = self._start([nxt])
-                            futures[started] = nxt
-                            running.add(started)
+                    running |= self._start_from(waiting, len(done), futures)
             except EngineDeadError:
                 unfinished = [c for f, c in futures.items() if not f.done() or f.exception()]
                 unfinished += list(waiting)
@@ -346,14 +335,24 @@ class Executor:
             )
             return str(failed.status) if self.recorder.put(claim, failed).result() else None
 
-    def _start(self, claims: list[Claim]) -> list[concurrent.futures.Future[GenResult]]:
+    def _start_from(
+        self,
+        waiting: deque[Claim],
+        n: int,
+        futures: dict[concurrent.futures.Future[GenResult], Claim],
+    ) -> set[concurrent.futures.Future[GenResult]]:
+        """Put up to ``n`` waiting claims into the engine (one wake-up); returns their futures."""
+        claims = [waiting.popleft() for _ in range(min(n, len(waiting)))]
+        if not claims:
+            return set()
         started = self.runner.submit_many([(c.request, c.deadline) for c in claims])
         with self._lock:
             reasons = [self._aborts.get(c.job_id) for c in claims]
         for claim, reason in zip(claims, reasons, strict=True):
             if reason is not None:  # cancelled (or expired) before it reached the engine
                 self.runner.abort(claim.request.request_id, reason)
-        return started
+        futures.update(zip(started, claims, strict=True))
+        return set(started)
 
     def _outcome(self, claim: Claim, future: concurrent.futures.Future[GenResult]) -> Outcome | str:
         """The outcome to record, or why nothing is recorded (raises EngineDeadError)."""

@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import deque
 from typing import Any
+
+from app.settings import Settings
 
 log = logging.getLogger("inferq.intake")
 
@@ -53,8 +54,15 @@ class Intake:
         self._loop_thread: int | None = None
         self._keys: set[str] = set()
         self._lock = threading.Lock()
-        # (lane, opened?) transitions, newest last: for the worker record and tests.
-        self.transitions: deque[tuple[str, bool]] = deque(maxlen=256)
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Intake:
+        return cls(
+            settings.lanes,
+            settings.worker_concurrency,
+            settings.lane_reserved_share,
+            settings.bulk_chunk_size,
+        )
 
     def bind(self, consumer: Any) -> None:
         """Attach Celery's consumer (``worker_ready``); from now on lanes open and close."""
@@ -107,9 +115,6 @@ class Intake:
             wanted = {lane for lane in self.lanes if self.room(lane) >= self._need[lane]}
             if wanted == self.open:
                 return
-            for lane in self.lanes:
-                if (lane in wanted) != (lane in self.open):
-                    self.transitions.append((lane, lane in wanted))
             self.open = wanted
             consumer = self._consumer
         if consumer is None:

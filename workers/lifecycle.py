@@ -35,20 +35,8 @@ class InferenceWorker:
         settings = get_settings()
         self.worker_id = f"{socket.gethostname()}:{os.getpid()}"
         engine = create_engine(settings)
-        self.runner = Runner(
-            engine,
-            batching=settings.batching,
-            micro_max_size=settings.micro_batch_max_size,
-            micro_max_wait_ms=settings.micro_batch_max_wait_ms,
-            bulk_prefill_limit=settings.bulk_prefill_limit,
-            bulk_busy_at=settings.worker_concurrency // 2,
-        )
-        self.intake = Intake(
-            settings.lanes,
-            settings.worker_concurrency,
-            settings.lane_reserved_share,
-            settings.bulk_chunk_size,
-        )
+        self.runner = Runner.from_settings(engine, settings)
+        self.intake = Intake.from_settings(settings)
         self.executor = Executor(
             self.runner,
             self.worker_id,

@@ -23,12 +23,14 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from app.models import LANE_PRIORITY
+from app.settings import Settings
 from workers.engines.base import Engine, EngineStats, GenRequest
 
 log = logging.getLogger("inferq.runner")
 
-REALTIME_PRIORITY = 0
-BULK_PRIORITY = 2
+REALTIME_PRIORITY = LANE_PRIORITY["realtime"]
+BULK_PRIORITY = LANE_PRIORITY["bulk"]
 
 
 @dataclass
@@ -194,6 +196,18 @@ class Runner:
         # Static micro-batches run as a unit: there is no engine step to keep short.
         pace = bulk_prefill_limit if self.batching == "continuous" else 0
         self.pacer = BulkPacer(pace, bulk_busy_at)
+
+    @classmethod
+    def from_settings(cls, engine: Engine, settings: Settings, *, pacing: bool = True) -> Runner:
+        """The runner a worker builds; ``pacing=False`` gives the raw engine (baselines)."""
+        return cls(
+            engine,
+            batching=settings.batching,
+            micro_max_size=settings.micro_batch_max_size,
+            micro_max_wait_ms=settings.micro_batch_max_wait_ms,
+            bulk_prefill_limit=settings.bulk_prefill_limit if pacing else 0,
+            bulk_busy_at=settings.worker_concurrency // 2,
+        )
 
     def _run_loop(self) -> None:
         asyncio.set_event_loop(self.loop)

@@ -9,6 +9,7 @@ through the same :class:`~workers.runner.Runner`, with no API, queue or database
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shutil
@@ -27,35 +28,22 @@ import redis
 from sqlalchemy import create_engine, func, select, text
 from sqlalchemy.engine import Engine, make_url
 
+from app.dispatch import WORKERS_KEY_PREFIX
 from app.models import TERMINAL, Job
 from app.settings import Settings
-from app.stack import Child
+from app.stack import Child, wait_ready
 from workers.engines import create_engine as create_model_engine
 from workers.engines.base import GenRequest
 from workers.runner import Runner
 
 SUBMIT_BATCH = 250
+POLL_S = 0.2  # start-up polls: shorter than `inferq up`'s, benchmarks start many stacks
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def wait_for(check: Callable[[], bool], timeout_s: float, what: str, child: Child | None) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if child is not None and not child.alive():
-            raise RuntimeError(f"{what}: process exited; its log:\n{child.tail(40)}")
-        try:
-            if check():
-                return
-        except (redis.RedisError, httpx.HTTPError, OSError):
-            pass
-        time.sleep(0.2)
-    tail = child.tail(40) if child is not None else ""
-    raise RuntimeError(f"{what} not ready after {timeout_s:.0f}s\n{tail}")
 
 
 class BenchStack:
@@ -121,15 +109,19 @@ class BenchStack:
             ],
         )
         client = redis.Redis(port=self.redis_port)
-        wait_for(lambda: bool(client.ping()), 20, "redis", r)
+        wait_ready("redis", 20, lambda: bool(client.ping()), r, poll_s=POLL_S)
         py = sys.executable
         migrate = self.spawn("migrate", [py, "-m", "app.cli", "migrate"])
         assert migrate.proc is not None
         if migrate.proc.wait(120) != 0:
             raise RuntimeError(f"migrate failed:\n{migrate.tail()}")
         api = self.spawn("api", [py, "-m", "app.cli", "api"])
-        wait_for(
-            lambda: httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200, 60, "api", api
+        wait_ready(
+            "api",
+            60,
+            lambda: httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200,
+            api,
+            poll_s=POLL_S,
         )
         for i in range(workers):
             self.add_worker(i, worker_env)
@@ -142,9 +134,11 @@ class BenchStack:
         client = redis.Redis(port=self.redis_port)
 
         def announced() -> bool:
-            return any(f":{pid}".encode() in key for key in client.scan_iter("inferq:worker:*"))
+            return any(
+                f":{pid}".encode() in key for key in client.scan_iter(WORKERS_KEY_PREFIX + "*")
+            )
 
-        wait_for(announced, 900, f"worker{index}", child)
+        wait_ready(f"worker{index}", 900, announced, child, poll_s=POLL_S)
         return child
 
     def db(self) -> Engine:
@@ -220,10 +214,10 @@ class BenchStack:
             return [dict(row._mapping) for row in conn.execute(query)]
 
     def worker_records(self) -> list[dict[str, Any]]:
-        import json
-
         client = redis.Redis(port=self.redis_port)
-        return [json.loads(client.get(k) or b"{}") for k in client.scan_iter("inferq:worker:*")]
+        return [
+            json.loads(client.get(k) or b"{}") for k in client.scan_iter(WORKERS_KEY_PREFIX + "*")
+        ]
 
     def close(self) -> None:
         for child in reversed(self.children):
@@ -248,13 +242,7 @@ class BenchStack:
 @contextmanager
 def direct_runner(settings: Settings) -> Iterator[Runner]:
     """The configured engine in this process, behind the same runner the worker uses."""
-    runner = Runner(
-        create_model_engine(settings),
-        batching=settings.batching,
-        micro_max_size=settings.micro_batch_max_size,
-        micro_max_wait_ms=settings.micro_batch_max_wait_ms,
-        bulk_prefill_limit=0,  # the raw engine: no pacing in the baseline
-    )
+    runner = Runner.from_settings(create_model_engine(settings), settings, pacing=False)
     runner.start()
     try:
         yield runner

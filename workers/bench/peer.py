@@ -18,7 +18,8 @@ from typing import Any
 
 import httpx
 
-from workers.bench.harness import BenchStack, free_port, wait_for
+from app.stack import wait_ready
+from workers.bench.harness import POLL_S, BenchStack, free_port
 from workers.bench.metrics import summarize
 from workers.bench.scenarios import Options, Spec, workload
 from workers.engines import resolve_model
@@ -83,11 +84,12 @@ def _against_vllm_serve(opts: Options, specs: list[Spec]) -> dict[str, Any]:
     with BenchStack("sqlite", opts.stack_env(), opts.workdir) as stack:
         serve = stack.spawn("vllm-serve", argv, env)
         url = f"http://127.0.0.1:{port}"
-        wait_for(
-            lambda: httpx.get(f"{url}/health", timeout=2).status_code == 200,
-            900,
+        wait_ready(
             "vllm serve",
+            900,
+            lambda: httpx.get(f"{url}/health", timeout=2).status_code == 200,
             serve,
+            poll_s=POLL_S,
         )
         model = opts.settings(engine="vllm").model_name
         done = 0

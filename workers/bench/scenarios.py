@@ -7,7 +7,6 @@ baselines through the same engine in this process.
 
 from __future__ import annotations
 
-import json
 import random
 import time
 from collections.abc import Callable
@@ -17,6 +16,7 @@ from typing import Any
 
 import httpx
 
+from app.models import LANE_PRIORITY
 from app.settings import Settings
 from workers.bench.harness import BenchStack, direct_runner, run_direct
 from workers.bench.metrics import summarize
@@ -69,7 +69,7 @@ class Spec:
             prompt=self.prompt,
             messages=None,
             max_tokens=self.max_tokens,
-            priority={"realtime": 0, "standard": 1, "bulk": 2}[self.lane],
+            priority=LANE_PRIORITY[self.lane],
         )
 
 
@@ -292,7 +292,3 @@ SCENARIOS: dict[str, Callable[[Options], dict[str, Any]]] = {
     "ceiling": ceiling,
     "scaleout": scaleout,
 }
-
-
-def dump(results: dict[str, Any], path: Path) -> None:
-    path.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
