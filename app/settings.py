@@ -106,6 +106,13 @@ class Settings(BaseSettings):
     )
     bulk_chunk_size: int = Field(32, ge=1, description="Bulk lane: job ids per queue message.")
     bulk_max_jobs: int = Field(1000, ge=1, description="Most jobs in one POST /v1/jobs/bulk.")
+    worker_nice: int = Field(
+        10,
+        ge=0,
+        le=19,
+        description="Niceness added to a worker's own threads when its engine runs in processes "
+        "of its own (vLLM), so the engine wins the CPU; 0: off.",
+    )
     lease_ttl_s: float = Field(60.0, description="A claim's lease; renewed by heartbeats.")
     heartbeat_s: float = Field(15.0, description="How often a worker renews its leases.")
     visibility_timeout_s: int = Field(3600, description="Redis redelivery of unacked messages.")

@@ -52,6 +52,14 @@ def _interrupt(signum: int, _frame: FrameType | None) -> None:
     help="PostgreSQL admin URL: a fresh database is created for each stack and dropped after.",
 )
 @click.option("--scale", type=float, default=1.0, show_default=True, help="Job-count factor.")
+@click.option(
+    "--repeat",
+    type=click.IntRange(1, 9),
+    default=1,
+    show_default=True,
+    help="efficiency: run the direct/platform pair this many times (alternating); the median "
+    "pair is reported.",
+)
 @click.option("--json", "json_path", type=click.Path(path_type=Path), default=None)
 @click.option("--markdown", "md_path", type=click.Path(path_type=Path), default=None)
 @click.option(
@@ -66,6 +74,7 @@ def main(
     database: str,
     postgres: str,
     scale: float,
+    repeat: int,
     json_path: Path | None,
     md_path: Path | None,
     plots_dir: Path | None,
@@ -104,6 +113,7 @@ def main(
             postgres=postgres,
             workdir=workdir.resolve(),
             scale=scale,
+            repeat=repeat,
             progress=tick,
         )
         for name in names:

@@ -59,6 +59,8 @@ class Engine(Protocol):
     name: str
     model_name: str
     continuous_batching: bool
+    # The engine's compute runs in processes of its own (vLLM's EngineCore), not in this one.
+    own_processes: bool
 
     async def start(self) -> None: ...
 

@@ -38,6 +38,7 @@ def _sampling_key(req: GenRequest) -> tuple[bool, float, float]:
 class HFEngine:
     name = "hf"
     continuous_batching = False
+    own_processes = False
 
     def __init__(self, model: str | Path, model_name: str, settings: Settings) -> None:
         self.model_path = str(model)

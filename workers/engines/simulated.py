@@ -100,6 +100,7 @@ class SimulatedEngine:
 
     name = "simulated"
     continuous_batching = True
+    own_processes = False
 
     def __init__(self, cost: CostModel, model_name: str = "simulated") -> None:
         self.cost = cost

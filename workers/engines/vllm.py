@@ -77,6 +77,7 @@ def _stat_logger_factory(holder: _StatsHolder) -> Any:
 class VLLMEngine:
     name = "vllm"
     continuous_batching = True
+    own_processes = True
 
     def __init__(self, model: str | Path, model_name: str, settings: Settings) -> None:
         self.model = str(model)
