@@ -84,6 +84,15 @@ def worker(
     os.execv(sys.executable, [sys.executable, "-m", "workers.main"])  # noqa: S606
 
 
+@main.command()
+@click.option("--concurrency", type=int, default=None, help="Deliveries made at once.")
+def ops(concurrency: int | None) -> None:
+    """Run the ops worker: webhook delivery, periodic sweeps and Celery beat."""
+    _set_env(ops_concurrency=concurrency)
+    get_settings()
+    os.execv(sys.executable, [sys.executable, "-m", "workers.ops"])  # noqa: S606
+
+
 @main.command(
     context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
     add_help_option=False,

@@ -25,6 +25,12 @@ from app.settings import LANES, Settings, get_settings
 log = logging.getLogger("inferq.dispatch")
 
 RUN_JOBS_TASK = "inferq.run_jobs"
+DELIVER_WEBHOOK_TASK = "inferq.deliver_webhook"
+SWEEP_WEBHOOKS_TASK = "inferq.sweep_webhooks"
+# Queues of the ops worker (`inferq ops`): deliveries, and the periodic sweeps beat sends.
+WEBHOOK_QUEUE = "webhooks"
+MAINTENANCE_QUEUE = "maintenance"
+QUEUES: tuple[str, ...] = (*LANES, WEBHOOK_QUEUE, MAINTENANCE_QUEUE)
 CONTROL_CHANNEL = "inferq:control"
 WORKERS_KEY_PREFIX = "inferq:worker:"
 BROKER_POLL_S = 0.05
@@ -34,7 +40,7 @@ _producer: Celery | None = None
 _redis: redis.Redis | None = None
 
 
-def task_queues(names: Iterable[str] = LANES) -> list[Queue]:
+def task_queues(names: Iterable[str] = QUEUES) -> list[Queue]:
     """Queues in strict priority order: a worker polls them in exactly this order."""
     return [Queue(name, Exchange(name, type="direct"), routing_key=name) for name in names]
 
@@ -143,6 +149,23 @@ def enqueue(jobs: Iterable[tuple[str, str]]) -> list[str]:
                 log.exception("could not enqueue %d job(s) on %s", len(ids), lane)
                 failed.extend(ids)
     return failed
+
+
+def deliver_webhooks(event_ids: Iterable[str]) -> list[str]:
+    """Send one delivery message per committed webhook event; returns the ids not sent."""
+    app = _celery()
+    ids = list(event_ids)
+    with app.producer_or_acquire() as producer:
+        for i, event_id in enumerate(ids):
+            try:
+                app.send_task(
+                    DELIVER_WEBHOOK_TASK, args=[event_id], queue=WEBHOOK_QUEUE, producer=producer
+                )
+            except Exception:
+                # The broker is down: the rest would fail the same way, slowly.
+                log.exception("could not enqueue %d webhook event(s)", len(ids) - i)
+                return ids[i:]
+    return []
 
 
 def publish_control(action: str, **fields: Any) -> int:

@@ -16,7 +16,7 @@ from sqlalchemy import Table, insert, inspect, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from app import dispatch
+from app import dispatch, outbox, webhooks
 from app.errors import ApiError
 from app.models import TERMINAL, IdempotencyKey, Job, JobStatus, job_update, new_id, now
 from app.schemas import JobCreate
@@ -42,9 +42,24 @@ def check_model(requested: str | None) -> str:
     return served
 
 
-def build_job(tenant: str, body: JobCreate, *, batch_id: str | None = None) -> Job:
+def check_webhook_url(url: str | None, checked: set[str] | None = None) -> None:
+    """Refuse a webhook_url the ops worker would not call (422); ``checked`` skips repeats."""
+    if url is None or (checked is not None and url in checked):
+        return
+    try:
+        webhooks.check_url(url, get_settings().webhook_allow_private)
+    except webhooks.WebhookUrlError as exc:
+        raise ApiError(422, "webhook_url_refused", str(exc), param="webhook_url") from None
+    if checked is not None:
+        checked.add(url)
+
+
+def build_job(
+    tenant: str, body: JobCreate, *, batch_id: str | None = None, checked: set[str] | None = None
+) -> Job:
     """A new queued job row for ``body`` (not yet added to a session)."""
     settings = get_settings()
+    check_webhook_url(body.webhook_url, checked)
     created = now()
     params: dict[str, Any] = body.params.model_dump()
     params["max_tokens"] = params["max_tokens"] or settings.default_max_tokens
@@ -144,9 +159,10 @@ INSERT_CHUNK = 500
 def submit_many(session: Session, tenant: str, bodies: list[JobCreate]) -> list[Job]:
     """Insert many queued jobs in one transaction (in chunks): all of them or none."""
     rows = []
+    checked: set[str] = set()
     for i, body in enumerate(bodies):
         try:
-            rows.append(build_job(tenant, body))
+            rows.append(build_job(tenant, body, checked=checked))
         except ApiError as exc:
             exc.param = f"jobs[{i}].{exc.param}" if exc.param else f"jobs[{i}]"
             raise
@@ -226,8 +242,12 @@ def cancel(session: Session, tenant: str, job_id: str) -> tuple[Job, bool]:
                 cancel_requested_at=stamp,
             )
         )
+        events: list[str] = []
+        if done.rowcount:  # type: ignore[attr-defined]
+            events = outbox.record_job_events(session.connection(), [job_id], stamp)
         session.commit()
         if done.rowcount:  # type: ignore[attr-defined]
+            outbox.announce(events)
             session.refresh(job)
             return job, False
         session.refresh(job)  # a worker claimed it meanwhile: cancel it as running

@@ -14,7 +14,18 @@ from collections.abc import Collection
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import JSON, Double, ForeignKey, Index, Integer, String, Text, Update, update
+from sqlalchemy import (
+    JSON,
+    Boolean,
+    Double,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    Update,
+    update,
+)
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -179,3 +190,63 @@ class IdempotencyKey(Base):
     job_id: Mapped[str] = mapped_column(String(40), ForeignKey("jobs.id", ondelete="CASCADE"))
     created_at: Mapped[float] = mapped_column(Double)
     expires_at: Mapped[float] = mapped_column(Double, index=True)
+
+
+class WebhookStatus(StrEnum):
+    PENDING = "pending"  # an attempt is due at next_attempt_at (or under way)
+    DELIVERED = "delivered"
+    FAILED = "failed"  # the last attempt of the schedule failed
+
+
+class WebhookEvent(Base):
+    """One event to one URL (the outbox row), written in the transaction that caused it.
+
+    ``id`` is the ``webhook-id`` header: the same on every attempt and redelivery.
+    ``next_attempt_at`` doubles as the attempt lease: a delivery moves it past its own timeout
+    before it sends, so a sweep re-sends an attempt whose ops worker died.
+    """
+
+    __tablename__ = "webhook_events"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(64))
+    type: Mapped[str] = mapped_column(String(32))
+    job_id: Mapped[str | None] = mapped_column(
+        String(40), ForeignKey("jobs.id", ondelete="CASCADE"), nullable=True, index=True
+    )
+    batch_id: Mapped[str | None] = mapped_column(String(40), nullable=True, index=True)
+    url: Mapped[str] = mapped_column(Text)
+    occurred_at: Mapped[float] = mapped_column(Double)
+    # The exact bytes sent, fixed at the first attempt so that every retry is identical.
+    body: Mapped[str | None] = mapped_column(Text, nullable=True)
+    status: Mapped[str] = mapped_column(String(16))
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    # Attempts made in the current round of the schedule (a redelivery starts a new round).
+    round_attempts: Mapped[int] = mapped_column(Integer, default=0)
+    next_attempt_at: Mapped[float | None] = mapped_column(Double, nullable=True)
+    dispatched_at: Mapped[float | None] = mapped_column(Double, nullable=True)
+    created_at: Mapped[float] = mapped_column(Double)
+    updated_at: Mapped[float] = mapped_column(Double)
+
+    __table_args__ = (Index("ix_webhook_events_due", "status", "next_attempt_at"),)
+
+
+class WebhookAttempt(Base):
+    """One HTTP attempt to deliver an event, whatever its outcome."""
+
+    __tablename__ = "webhook_attempts"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    event_id: Mapped[str] = mapped_column(
+        String(40), ForeignKey("webhook_events.id", ondelete="CASCADE"), index=True
+    )
+    number: Mapped[int] = mapped_column(Integer)
+    kind: Mapped[str] = mapped_column(String(16))  # scheduled | redelivery
+    url: Mapped[str] = mapped_column(Text)
+    address: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    started_at: Mapped[float] = mapped_column(Double)
+    latency_ms: Mapped[float | None] = mapped_column(Double, nullable=True)
+    status_code: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    ok: Mapped[bool] = mapped_column(Boolean)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    response_body: Mapped[str | None] = mapped_column(Text, nullable=True)

@@ -17,7 +17,7 @@ from pydantic import (
     field_validator,
 )
 
-from app.models import Job, Lane
+from app.models import Job, Lane, WebhookAttempt, WebhookEvent
 from app.settings import get_settings
 
 
@@ -246,3 +246,65 @@ class ErrorDetail(BaseModel):
 
 class ErrorBody(BaseModel):
     error: ErrorDetail
+
+
+class WebhookEventOut(BaseModel):
+    id: str  # the webhook-id header of every attempt
+    object: Literal["webhook_event"] = "webhook_event"
+    type: str
+    url: str
+    status: str
+    attempts: int
+    next_attempt_at: int | None
+    created_at: int
+
+    @classmethod
+    def from_row(cls, event: WebhookEvent) -> WebhookEventOut:
+        return cls(
+            id=event.id,
+            type=event.type,
+            url=event.url,
+            status=event.status,
+            attempts=event.attempts,
+            next_attempt_at=_secs(event.next_attempt_at),
+            created_at=int(event.created_at),
+        )
+
+
+class WebhookDeliveryOut(BaseModel):
+    id: str
+    object: Literal["webhook_delivery"] = "webhook_delivery"
+    webhook_id: str
+    attempt: int
+    kind: str
+    url: str
+    address: str | None
+    created_at: float
+    latency_ms: float | None
+    status_code: int | None
+    ok: bool
+    error: str | None
+    response_body: str | None
+
+    @classmethod
+    def from_row(cls, attempt: WebhookAttempt) -> WebhookDeliveryOut:
+        return cls(
+            id=attempt.id,
+            webhook_id=attempt.event_id,
+            attempt=attempt.number,
+            kind=attempt.kind,
+            url=attempt.url,
+            address=attempt.address,
+            created_at=attempt.started_at,
+            latency_ms=attempt.latency_ms,
+            status_code=attempt.status_code,
+            ok=attempt.ok,
+            error=attempt.error,
+            response_body=attempt.response_body,
+        )
+
+
+class WebhookDeliveryList(BaseModel):
+    object: Literal["list"] = "list"
+    event: WebhookEventOut | None
+    data: list[WebhookDeliveryOut]

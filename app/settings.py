@@ -117,6 +117,30 @@ class Settings(BaseSettings):
     heartbeat_s: float = Field(15.0, description="How often a worker renews its leases.")
     visibility_timeout_s: int = Field(3600, description="Redis redelivery of unacked messages.")
 
+    # --- webhooks (delivered by `inferq ops`) ---------------------------------------------
+    webhook_secret: SecretStr | None = Field(
+        None,
+        description="Signing secret (whsec_...); empty: one is made once in data_dir.",
+    )
+    webhook_secret_previous: SecretStr | None = Field(
+        None, description="The secret being rotated out: both signatures are sent meanwhile."
+    )
+    webhook_retry_schedule: str = Field(
+        "5,300,1800,7200,18000,36000,36000",
+        description="Seconds between delivery attempts after the first (comma separated).",
+    )
+    webhook_timeout_s: float = Field(15.0, gt=0, description="A 2xx must arrive within this.")
+    webhook_allow_private: bool = Field(
+        False, description="Allow webhook URLs on private, loopback and link-local addresses."
+    )
+    webhook_response_max_bytes: int = Field(
+        1024, ge=0, description="Most bytes of a receiver's response read and recorded."
+    )
+    webhook_sweep_interval_s: float = Field(
+        5.0, gt=0, description="How often the ops worker looks for due deliveries."
+    )
+    ops_concurrency: int = Field(8, ge=1, description="Deliveries one ops worker makes at once.")
+
     @model_validator(mode="after")
     def _check(self) -> Settings:
         if not self.heartbeat_s < self.lease_ttl_s < self.visibility_timeout_s:
@@ -132,6 +156,7 @@ class Settings(BaseSettings):
             raise ValueError(f"lane_reserved_share takes lanes {LANES} with shares >= 0")
         if sum(shares.values()) >= 1:
             raise ValueError("lane_reserved_share must add up to less than 1")
+        self.webhook_retry_delays  # noqa: B018 - parses the schedule, raising on a bad one
         return self
 
     @property
@@ -148,6 +173,20 @@ class Settings(BaseSettings):
     @property
     def lanes(self) -> list[str]:
         return [lane.strip() for lane in self.worker_lanes.split(",") if lane.strip()]
+
+    @property
+    def webhook_retry_delays(self) -> list[float]:
+        """Seconds to wait before each retry; the first attempt is immediate."""
+        try:
+            delays = [float(x) for x in self.webhook_retry_schedule.split(",") if x.strip()]
+        except ValueError:
+            delays = [-1.0]
+        if any(d < 0 for d in delays):
+            raise ValueError(
+                "webhook_retry_schedule takes seconds >= 0, comma separated "
+                f"(got {self.webhook_retry_schedule!r})"
+            )
+        return delays
 
     @property
     def base_url(self) -> str:

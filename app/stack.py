@@ -1,9 +1,10 @@
 """`inferq up`: the whole stack on this machine, as supervised child processes.
 
 It starts a private ``redis-server`` when nothing answers at ``INFERQ_REDIS_URL`` (and says so),
-migrates the database, makes a dev API key, starts the API and one inference worker, waits until
-both are ready, prints how to reach them, and stops every child - process groups included, so
-vLLM's engine processes go too - on Ctrl-C, SIGTERM, or when any child dies.
+migrates the database, makes a dev API key, starts the API, the ops worker (webhooks, sweeps,
+beat) and one inference worker, waits until the API and the worker are ready, prints how to
+reach them, and stops every child - process groups included, so vLLM's engine processes go
+too - on Ctrl-C, SIGTERM, or when any child dies.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from app import dispatch
 from app.auth import create_key, tenant_for_key
 from app.db import migrate, session_scope
 from app.settings import Settings
+from app.webhooks import SECRET_FILE, load_secret
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
@@ -223,6 +225,14 @@ class Stack:
         self._wait("the worker", 900, announced, child)
         return found
 
+    def start_ops(self) -> str:
+        """The ops worker; returns where receivers find the signing secret."""
+        load_secret(self.settings)  # made here so the banner can point at it
+        self._spawn(Child("ops", [sys.executable, "-m", "app.cli", "ops"], self.logs / "ops.log"))
+        if self.settings.webhook_secret is not None:
+            return "INFERQ_WEBHOOK_SECRET"
+        return str(self.data_dir / SECRET_FILE)
+
     # --- supervision ---------------------------------------------------------------------
     def _spawn(self, child: Child) -> None:
         child.start()
@@ -247,8 +257,9 @@ class Stack:
             migrate()
             key = self.dev_key() if self.settings.require_auth else "(auth disabled)"
             api = self.start_api()
+            secret = self.start_ops()
             worker = self.start_worker()
-            self._banner(api, key, worker, redis_line)
+            self._banner(api, key, worker, redis_line, secret)
             while all(child.alive() for child in self.children):
                 time.sleep(0.5)
             dead = next(child for child in self.children if not child.alive())
@@ -263,7 +274,9 @@ class Stack:
         finally:
             self.stop()
 
-    def _banner(self, api: str, key: str, worker: dict[str, object], redis_line: str) -> None:
+    def _banner(
+        self, api: str, key: str, worker: dict[str, object], redis_line: str, secret: str
+    ) -> None:
         engine = worker.get("engine")
         label = " (SIMULATED engine: no real model)" if engine == "simulated" else ""
         _say(
@@ -274,6 +287,7 @@ class Stack:
             f"{worker.get('batching')} batching\n"
             f"  database  {self.settings.sqlalchemy_url}\n"
             f"  redis     {redis_line}\n"
+            f"  webhooks  signed with the secret in {secret}\n"
             f"  logs      {self.logs}\n\n"
             "Try:\n"
             f"  curl -s {api}/v1/jobs -H 'Authorization: Bearer {key}' "

@@ -7,12 +7,14 @@ worker's engine processes never outlive a test.
 from __future__ import annotations
 
 import contextlib
+import http.server
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -172,6 +174,25 @@ class Stack:
             raise AssertionError(f"{exc}\n{proc.tail()}") from exc
         return proc
 
+    def start_ops(self, **settings: Any) -> Proc:
+        """The ops worker (webhooks, sweeps, beat); ready once its Celery worker is up."""
+        env = {**self.env, **{f"INFERQ_{k.upper()}": str(v) for k, v in settings.items()}}
+        proc = Proc(
+            "ops", [sys.executable, "-m", "app.cli", "ops"], env, self.tmp / "logs" / "ops.log"
+        )
+        self.procs.append(proc)
+
+        def ready() -> bool:
+            if not proc.alive():
+                raise AssertionError(f"ops worker exited:\n{proc.tail()}")
+            return " ready." in proc.log.read_text(errors="replace")
+
+        try:
+            wait_until(ready, 60, "the ops worker to start", every=0.25)
+        except TimeoutError as exc:
+            raise AssertionError(f"{exc}\n{proc.tail()}") from exc
+        return proc
+
     def worker_record(self, pid: int) -> dict[str, Any] | None:
         client = redis.Redis.from_url(self.redis_url)
         for key in client.scan_iter("inferq:worker:*"):
@@ -231,14 +252,81 @@ def running_stack(
     *,
     workers: int = 1,
     engine: str = "simulated",
+    ops: bool = False,
     **settings: Any,
 ) -> Iterator[Stack]:
     stack = Stack(tmp, database_url, redis_url, **settings)
     try:
         stack.migrate()
         stack.start_api()
+        if ops:
+            stack.start_ops()
         for _ in range(workers):
             stack.start_worker(engine=engine)
         yield stack
     finally:
         stack.stop()
+
+
+class Receiver:
+    """A webhook receiver on loopback, independent of inferq: it records every request.
+
+    The path decides the answer: ``/ok``; ``/fail/N`` (500 for the first N requests to that
+    path, then 200); ``/redirect`` (302 to /ok); ``/slow/S`` (sleeps S seconds, then 200);
+    ``/big`` (200 with a 1 MiB body).
+    """
+
+    def __init__(self) -> None:
+        self.requests: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+        receiver = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("content-length", 0)))
+                with receiver._lock:
+                    receiver.requests.append(
+                        {
+                            "path": self.path,
+                            "headers": {k.lower(): v for k, v in self.headers.items()},
+                            "body": body,
+                        }
+                    )
+                    seen = sum(1 for r in receiver.requests if r["path"] == self.path)
+                parts = self.path.strip("/").split("/")
+                code, payload, extra = 200, b"thanks", {}
+                if parts[0] == "fail" and seen <= int(parts[1]):
+                    code, payload = 500, b"not now"
+                elif parts[0] == "redirect":
+                    code, extra = 302, {"location": "/ok"}
+                elif parts[0] == "slow":
+                    time.sleep(float(parts[1]))
+                elif parts[0] == "big":
+                    payload = b"x" * (1 << 20)
+                self.send_response(code)
+                for name, value in extra.items():
+                    self.send_header(name, value)
+                self.send_header("content-length", str(len(payload)))
+                self.end_headers()
+                with contextlib.suppress(OSError):  # the client may have given up (timeout)
+                    self.wfile.write(payload)
+
+            def log_message(self, *_: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def url(self, path: str, host: str = "localhost") -> str:
+        return f"http://{host}:{self.port}{path}"
+
+    def received(self, path: str) -> list[dict[str, Any]]:
+        with self._lock:
+            return [r for r in self.requests if r["path"] == path]
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

@@ -6,20 +6,27 @@
 - Prefetch multiplier 1 with the threads pool: a worker reserves no more messages than it has
   threads, so the backlog stays in Redis where other workers and the API can see it.
 - Results live in the database, never in a Celery result backend.
+- The ops worker consumes ``webhooks`` and ``maintenance`` and runs beat; inference workers
+  consume only lanes.
 """
 
 from __future__ import annotations
 
 from celery import Celery
 
-from app.dispatch import broker_transport_options, task_queues
-from app.settings import LANES, get_settings
+from app.dispatch import (
+    MAINTENANCE_QUEUE,
+    SWEEP_WEBHOOKS_TASK,
+    broker_transport_options,
+    task_queues,
+)
+from app.settings import get_settings
 
 settings = get_settings()
 
 celery_app = Celery("inferq", broker=settings.redis_url, include=["workers.tasks"])
 celery_app.conf.update(
-    task_queues=task_queues(LANES),
+    task_queues=task_queues(),
     task_default_queue="standard",
     broker_transport_options=broker_transport_options(settings),
     broker_connection_retry_on_startup=True,
@@ -35,4 +42,13 @@ celery_app.conf.update(
     worker_cancel_long_running_tasks_on_connection_loss=False,
     task_serializer="json",
     accept_content=["json"],
+    # Beat runs inside the ops worker (`inferq ops`). A sweep that waited longer than its
+    # interval is dropped: the next one does the same work.
+    beat_schedule={
+        "sweep-webhooks": {
+            "task": SWEEP_WEBHOOKS_TASK,
+            "schedule": settings.webhook_sweep_interval_s,
+            "options": {"queue": MAINTENANCE_QUEUE, "expires": settings.webhook_sweep_interval_s},
+        }
+    },
 )

@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 from sqlalchemy import bindparam, select, update
 from sqlalchemy.exc import InterfaceError, OperationalError
 
-from app import jobs
+from app import jobs, outbox
 from app.db import session_scope
 from app.models import LANE_PRIORITY, Job, JobStatus, can_transition, job_update, now
 from app.settings import Settings
@@ -67,6 +67,7 @@ class Claim:
     token: int
     request: GenRequest
     deadline: float | None
+    webhook: bool = False  # the job has a webhook_url: its end creates an event
 
 
 @dataclass(frozen=True)
@@ -379,7 +380,7 @@ class Executor:
         with session_scope() as session:
             # Core execution: the ORM's bulk-update bookkeeping costs more than the SQL here.
             connection = session.connection()
-            connection.execute(
+            expired = connection.execute(
                 job_update(
                     job_ids,
                     expect=JobStatus.QUEUED,
@@ -390,6 +391,9 @@ class Executor:
                     error_message="the job's timeout_s passed before it started",
                 ).where(Job.deadline_at <= stamp)
             )
+            events: list[str] = []
+            if expired.rowcount:
+                events = outbox.record_job_events(connection, job_ids, stamp)
             rows = connection.execute(
                 job_update(
                     job_ids,
@@ -410,11 +414,19 @@ class Executor:
                     Job.params,
                     Job.created_at,
                     Job.deadline_at,
+                    Job.webhook_url,
                 )
             ).all()
+        outbox.announce(events)
         order = {job_id: i for i, job_id in enumerate(job_ids)}
         return [
-            Claim(row.id, row.lease_token, request_for(row, row.lease_token), row.deadline_at)
+            Claim(
+                row.id,
+                row.lease_token,
+                request_for(row, row.lease_token),
+                row.deadline_at,
+                row.webhook_url is not None,
+            )
             for row in sorted(rows, key=lambda row: order[row.id])
         ]
 
@@ -436,11 +448,18 @@ class Executor:
                     Job.id.in_([claim.job_id for claim, _ in items])
                 )
             ).all()
-        mine = {row.id for row in rows if row.finished_at == stamp}
-        tokens = {row.id: row.lease_token for row in rows}
-        return [
-            claim.job_id in mine and tokens.get(claim.job_id) == claim.token for claim, _ in items
-        ]
+            mine = {row.id for row in rows if row.finished_at == stamp}
+            tokens = {row.id: row.lease_token for row in rows}
+            written = [
+                claim.job_id in mine and tokens.get(claim.job_id) == claim.token
+                for claim, _ in items
+            ]
+            hooked = [
+                c.job_id for (c, _), ok in zip(items, written, strict=True) if ok and c.webhook
+            ]
+            events = outbox.record_job_events(connection, hooked, stamp)
+        outbox.announce(events)
+        return written
 
     def _hand_back(self, claim: Claim) -> None:
         """Return a job this worker cannot finish to the queue, without waiting for its lease."""

@@ -7,12 +7,22 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Header, Query, Response
 from sqlalchemy.orm import Session
 
-from app import dispatch, jobs
+from app import dispatch, jobs, outbox
 from app.auth import Tenant
 from app.db import get_session
 from app.errors import ApiError
 from app.models import JobStatus, Lane
-from app.schemas import ErrorBody, JobBulkCreate, JobBulkOut, JobCreate, JobList, JobOut
+from app.schemas import (
+    ErrorBody,
+    JobBulkCreate,
+    JobBulkOut,
+    JobCreate,
+    JobList,
+    JobOut,
+    WebhookDeliveryList,
+    WebhookDeliveryOut,
+    WebhookEventOut,
+)
 from app.settings import get_settings
 
 router = APIRouter(prefix="/v1", tags=["jobs"], responses={"default": {"model": ErrorBody}})
@@ -90,3 +100,28 @@ def cancel_job(job_id: str, tenant: Tenant, session: SessionDep) -> JobOut:
         dispatch.publish_control("cancel", job_id=job.id)
         job = jobs.wait_until_terminal(session, job, get_settings().cancel_wait_s)
     return JobOut.from_row(job)
+
+
+@router.get("/jobs/{job_id}/webhook-deliveries", response_model=WebhookDeliveryList)
+def list_webhook_deliveries(
+    job_id: str, tenant: Tenant, session: SessionDep
+) -> WebhookDeliveryList:
+    """The job's webhook event (if any) and every delivery attempt made for it, oldest first."""
+    job = jobs.get(session, tenant, job_id)
+    event = outbox.job_event(session, job)
+    if event is None:
+        return WebhookDeliveryList(event=None, data=[])
+    rows = outbox.attempts(session, event)
+    return WebhookDeliveryList(
+        event=WebhookEventOut.from_row(event),
+        data=[WebhookDeliveryOut.from_row(a) for a in rows],
+    )
+
+
+@router.post(
+    "/jobs/{job_id}/webhook-deliveries/redeliver", status_code=202, response_model=WebhookEventOut
+)
+def redeliver_webhook(job_id: str, tenant: Tenant, session: SessionDep) -> WebhookEventOut:
+    """Send the job's event again (same webhook-id), with a fresh retry schedule."""
+    job = jobs.get(session, tenant, job_id)
+    return WebhookEventOut.from_row(outbox.redeliver(session, job))

@@ -12,14 +12,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import text, update
+import redis
+from sqlalchemy import select, text, update
 
-from app import db
+from app import db, dispatch
 from app.jobs import build_job
-from app.models import Job, JobStatus
+from app.models import Job, JobStatus, WebhookEvent
+from app.outbox import event_id_for_job
 from app.schemas import JobCreate
 from app.settings import get_settings
-from tests.conftest import PostgresDatabases, database_url_for
+from tests.conftest import PostgresDatabases, database_url_for, fresh_redis_url
 from workers.engines.base import GenRequest
 from workers.engines.simulated import CostModel, SimulatedEngine
 from workers.executor import Executor, Outcome
@@ -36,6 +38,10 @@ def database(
 ) -> Iterator[str]:
     url = database_url_for(request.param, tmp_path, postgres)
     monkeypatch.setenv("INFERQ_DATABASE_URL", url)
+    # Webhook events are announced on Redis: a database of this test's own, fresh clients.
+    monkeypatch.setenv("INFERQ_REDIS_URL", fresh_redis_url())
+    monkeypatch.setattr(dispatch, "_producer", None)
+    monkeypatch.setattr(dispatch, "_redis", None)
     get_settings.cache_clear()
     db.dispose()
     db.migrate()
@@ -52,9 +58,10 @@ def runner() -> Iterator[Runner]:
     runner.shutdown()
 
 
-def new_job(prompt: str = "hello") -> str:
+def new_job(prompt: str = "hello", webhook_url: str | None = None) -> str:
     with db.session_scope() as session:
-        job = build_job("t", JobCreate(prompt=prompt, params={"max_tokens": 4}))
+        body = JobCreate(prompt=prompt, params={"max_tokens": 4}, webhook_url=webhook_url)
+        job = build_job("t", body)
         session.add(job)
         return job.id
 
@@ -66,8 +73,14 @@ def row(job_id: str) -> Job:
         return job
 
 
+def events(job_id: str) -> list[tuple[str, str]]:
+    with db.session_scope() as session:
+        query = select(WebhookEvent.id, WebhookEvent.type).where(WebhookEvent.job_id == job_id)
+        return [(r.id, r.type) for r in session.execute(query)]
+
+
 def test_a_worker_that_lost_its_lease_changes_nothing(database: str, runner: Runner) -> None:
-    job_id = new_job()
+    job_id = new_job(webhook_url="https://8.8.8.8/hook")
     a = Executor(runner, "worker-a", get_settings())
     b = Executor(runner, "worker-b", get_settings())
     [claim_a] = a._claim([job_id])
@@ -84,6 +97,25 @@ def test_a_worker_that_lost_its_lease_changes_nothing(database: str, runner: Run
     after = row(job_id)
     assert after.result_text == winner.result_text != "a late zombie result"
     assert after.status == JobStatus.SUCCEEDED and after.finished_at == winner.finished_at
+    # One event, B's: the fenced-off write sent nothing.
+    assert events(job_id) == [(event_id_for_job(job_id), "job.succeeded")]
+    assert redis.Redis.from_url(get_settings().redis_url).llen("webhooks") == 1
+
+
+def test_a_job_found_overdue_at_claim_expires_with_its_event(database: str, runner: Runner) -> None:
+    with db.session_scope() as session:
+        body = JobCreate(prompt="late", timeout_s=0.05, webhook_url="https://8.8.8.8/hook")
+        job = build_job("t", body)
+        session.add(job)
+    plain = new_job()  # claimed in the same transaction; it has no webhook_url
+    time.sleep(0.1)
+    assert Executor(runner, "w", get_settings()).execute([job.id, plain], "bulk") == {
+        "skipped": 1,
+        "succeeded": 1,
+    }
+    assert row(job.id).status == JobStatus.EXPIRED
+    assert events(job.id) == [(event_id_for_job(job.id), "job.expired")]
+    assert events(plain) == []
 
 
 def test_duplicate_and_late_messages_claim_nothing(database: str, runner: Runner) -> None:

@@ -28,6 +28,8 @@ def test_migrate_creates_the_schema_on_empty_postgres(
         "api_keys",
         "jobs",
         "idempotency_keys",
+        "webhook_events",
+        "webhook_attempts",
     }
     with engine.connect() as conn:
         head = conn.execute(text("SELECT version_num FROM alembic_version")).scalar()

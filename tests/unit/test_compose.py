@@ -29,6 +29,7 @@ def test_services_and_their_guarantees() -> None:
         "postgres",
         "migrate",
         "api",
+        "ops",
         "worker",
         "worker-cpu",
         "flower",
@@ -44,6 +45,8 @@ def test_services_and_their_guarantees() -> None:
     assert gpu["driver"] == "nvidia" and "gpu" in gpu["capabilities"]
     assert services["worker"]["command"][:3] == ["inferq", "worker", "--engine"]
     assert services["worker-cpu"]["profiles"] == ["cpu"]
+    assert services["ops"]["command"] == ["inferq", "ops"]
+    assert any(v.endswith(":/data") for v in services["ops"]["volumes"])
     flower = services["flower"]
     assert all(port.startswith("127.0.0.1:") for port in flower["ports"])
     assert any(arg.startswith("--basic-auth=") for arg in flower["command"])

@@ -49,7 +49,12 @@ def create_engine(settings: Settings) -> Engine:
     if name == "simulated":
         from workers.engines.simulated import CostModel, SimulatedEngine
 
-        return SimulatedEngine(CostModel.from_settings(settings), model_name=settings.model_name)
+        return SimulatedEngine(
+            CostModel.from_settings(settings),
+            model_name=settings.model_name,
+            # Llama-3.1-8B's context, the model the cost model is calibrated to.
+            max_model_len=settings.max_model_len or 131_072,
+        )
     model, served = resolve_model(settings)
     if name == "vllm":
         from workers.engines.vllm import VLLMEngine

@@ -33,7 +33,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from app.settings import Settings
-from workers.engines.base import EngineStats, GenChunk, GenRequest, apply_stop, prompt_text
+from workers.engines.base import (
+    EngineRequestError,
+    EngineStats,
+    GenChunk,
+    GenRequest,
+    apply_stop,
+    prompt_text,
+)
 
 _WORDS = tuple(
     (
@@ -102,9 +109,13 @@ class SimulatedEngine:
     continuous_batching = True
     own_processes = False
 
-    def __init__(self, cost: CostModel, model_name: str = "simulated") -> None:
+    def __init__(
+        self, cost: CostModel, model_name: str = "simulated", max_model_len: int = 131_072
+    ) -> None:
         self.cost = cost
         self.model_name = model_name
+        # Like vLLM, a prompt longer than the context fails its own request only.
+        self.max_model_len = max_model_len
         self._waiting: list[tuple[int, int, _Seq]] = []
         self._running: list[_Seq] = []
         self._by_id: dict[str, _Seq] = {}
@@ -124,6 +135,11 @@ class SimulatedEngine:
         text = prompt_text(req)
         digest = hashlib.sha256(f"{req.seed or 0}\x00{text}".encode()).digest()
         tokens = count_tokens(text)
+        if tokens > self.max_model_len:
+            raise EngineRequestError(
+                "context_length_exceeded",
+                f"the prompt has {tokens} tokens; this model's context is {self.max_model_len}",
+            )
         seq = _Seq(req, tokens, tokens, random.Random(int.from_bytes(digest[:8], "big")))
         self._by_id[req.request_id] = seq
         heapq.heappush(self._waiting, (req.priority, next(self._order), seq))

@@ -1,0 +1,142 @@
+"""Webhook events as an outbox: written in the transaction of the change that causes them.
+
+Every place that moves a job to a terminal state (the API's cancel, a worker's claim that
+finds the deadline passed, a worker's outcome write, the reaper) runs
+:func:`record_job_events` in the same transaction, with the ``finished_at`` stamp it wrote: an
+event exists if and only if the transition committed, and a write that was fenced off creates
+none. After the commit the events are announced to the ops worker (:func:`announce`); an
+announcement that fails is made by the ops worker's sweep instead, like a job whose enqueue
+failed.
+
+A job ends once, so it has at most one event; its id (the ``webhook-id``) is derived from the
+job id, which makes the insert a single ``INSERT ... SELECT`` on SQLite and PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection
+
+from sqlalchemy import Insert, String, bindparam, func, insert, literal, select, update
+from sqlalchemy.engine import Connection
+from sqlalchemy.orm import Session
+
+from app import dispatch
+from app.db import session_scope
+from app.errors import ApiError
+from app.models import TERMINAL, Job, WebhookAttempt, WebhookEvent, WebhookStatus, now
+from app.webhooks import JOB_EVENT_PREFIX
+
+log = logging.getLogger("inferq.outbox")
+
+EVENT_PREFIX = "msg_"
+
+
+def event_id_for_job(job_id: str) -> str:
+    return EVENT_PREFIX + job_id.removeprefix("job_")
+
+
+def job_events(job_ids: Collection[str], stamp: float) -> Insert:
+    """Insert the events of the jobs among ``job_ids`` that this transaction finished.
+
+    "This transaction" is told by ``finished_at == stamp``; jobs without a webhook_url get
+    none. Returns the new event ids.
+    """
+    suffix = func.substr(Job.id, len("job_") + 1)
+    source = select(
+        literal(EVENT_PREFIX, String) + suffix,
+        Job.tenant,
+        literal(JOB_EVENT_PREFIX, String) + Job.status,
+        Job.id,
+        Job.webhook_url,
+        Job.finished_at,
+        literal(str(WebhookStatus.PENDING), String),
+        literal(0),
+        literal(0),
+        Job.finished_at,
+        Job.finished_at,
+        Job.finished_at,
+    ).where(
+        Job.id.in_(list(job_ids)),
+        Job.webhook_url.is_not(None),
+        Job.status.in_(list(TERMINAL)),
+        Job.finished_at == stamp,
+    )
+    columns = [
+        "id",
+        "tenant",
+        "type",
+        "job_id",
+        "url",
+        "occurred_at",
+        "status",
+        "attempts",
+        "round_attempts",
+        "next_attempt_at",
+        "created_at",
+        "updated_at",
+    ]
+    return insert(WebhookEvent).from_select(columns, source).returning(WebhookEvent.id)
+
+
+def record_job_events(connection: Connection, job_ids: Collection[str], stamp: float) -> list[str]:
+    if not job_ids:
+        return []
+    return list(connection.execute(job_events(job_ids, stamp)).scalars())
+
+
+MARK_DISPATCHED = (
+    update(WebhookEvent)
+    .where(WebhookEvent.id == bindparam("b_id"))
+    .values(dispatched_at=bindparam("b_at"))
+)
+
+
+def announce(event_ids: list[str]) -> None:
+    """Tell the ops worker about committed events, and stamp the ones that went out.
+
+    Never raises for a broker or database failure: the sweep finds what was not stamped.
+    """
+    if not event_ids:
+        return
+    try:
+        failed = set(dispatch.deliver_webhooks(event_ids))
+        stamp = now()
+        sent = [{"b_id": i, "b_at": stamp} for i in event_ids if i not in failed]
+        if sent:
+            with session_scope() as session:
+                session.connection().execute(MARK_DISPATCHED, sent)
+    except Exception:
+        log.exception("announcing %d webhook event(s) failed; the sweep will", len(event_ids))
+
+
+def job_event(session: Session, job: Job) -> WebhookEvent | None:
+    return session.scalars(select(WebhookEvent).where(WebhookEvent.job_id == job.id)).first()
+
+
+def attempts(session: Session, event: WebhookEvent) -> list[WebhookAttempt]:
+    query = select(WebhookAttempt).where(WebhookAttempt.event_id == event.id)
+    return list(session.scalars(query.order_by(WebhookAttempt.number, WebhookAttempt.started_at)))
+
+
+def redeliver(session: Session, job: Job) -> WebhookEvent:
+    """Send a finished job's event again, same ``webhook-id``, with a fresh retry schedule."""
+    if job.webhook_url is None:
+        raise ApiError(409, "no_webhook", "this job has no webhook_url", param="id")
+    if job.status not in TERMINAL or job.finished_at is None:
+        raise ApiError(409, "job_not_finished", "the job has no event until it ends", param="id")
+    event = job_event(session, job)
+    if event is None:
+        # Finished before it had an event (e.g. before webhooks existed): create it now.
+        record_job_events(session.connection(), [job.id], job.finished_at)
+        event = job_event(session, job)
+        assert event is not None
+    stamp = now()
+    event.status = WebhookStatus.PENDING
+    event.round_attempts = 0
+    event.next_attempt_at = stamp
+    event.updated_at = stamp
+    session.commit()
+    announce([event.id])
+    session.refresh(event)
+    return event

@@ -1,0 +1,253 @@
+"""Webhook delivery on the ops worker: one attempt per message, every attempt recorded.
+
+An attempt first claims the event: a compare-and-set that counts the attempt and moves
+``next_attempt_at`` past the attempt's own timeout (the attempt's lease). A duplicate message,
+or a sweep that raced the first announcement, finds nothing to claim. If the ops worker dies
+mid-attempt, the lease runs out and the sweep sends the event again.
+
+The HTTP request goes to the address that passed the URL policy at this very attempt (the
+``Host`` header and TLS server name keep the URL's host), redirects are not followed, the
+whole exchange must end with a 2xx within ``webhook_timeout_s``, and at most
+``webhook_response_max_bytes`` of the answer are read. Failures are scheduled in the database
+(``next_attempt_at``); beat's periodic :func:`sweep` sends whatever is due, so there are no
+long Celery countdowns and a Redis restart loses no retry.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from ipaddress import IPv6Address
+from urllib.parse import urlsplit, urlunsplit
+
+import httpx
+from sqlalchemy import or_, select, update
+from sqlalchemy.orm import Session
+
+from app import dispatch, webhooks
+from app.db import session_scope
+from app.models import Job, WebhookAttempt, WebhookEvent, WebhookStatus, new_id, now
+from app.schemas import JobOut
+from app.settings import Settings
+from workers.executor import with_db_retry
+
+log = logging.getLogger("inferq.delivery")
+
+# How far past its timeout an attempt's lease reaches before a sweep may send it again.
+LEASE_MARGIN_S = 15.0
+# An announced event nobody claimed this long after it was due is announced again (its
+# message was lost, e.g. Redis was wiped).
+REDISPATCH_S = 60.0
+SWEEP_LIMIT = 1000
+
+
+@dataclass(frozen=True)
+class Claimed:
+    event_id: str
+    url: str
+    body: str
+    number: int  # attempts of this event so far, this one included
+    round_number: int  # attempts in the current round of the schedule
+    kind: str  # scheduled | redelivery
+
+
+@dataclass(frozen=True)
+class Sent:
+    ok: bool
+    status_code: int | None = None
+    error: str | None = None
+    response_body: str | None = None
+    latency_ms: float | None = None
+    address: str | None = None
+
+
+def deliver(event_id: str, settings: Settings) -> str:
+    """Make one attempt to deliver an event; returns what became of it."""
+    claimed = with_db_retry(lambda: _claim(event_id, settings), "webhook claim")
+    if claimed is None:
+        return "skipped"
+    sent = send(claimed.url, claimed.event_id, claimed.body, settings)
+    if not sent.ok:
+        log.info("webhook %s attempt %d failed: %s", event_id, claimed.number, sent.error or "?")
+    return with_db_retry(lambda: _record(claimed, sent, settings), "webhook record")
+
+
+def _claim(event_id: str, settings: Settings) -> Claimed | None:
+    stamp = now()
+    with session_scope() as session:
+        row = session.execute(
+            update(WebhookEvent)
+            .where(
+                WebhookEvent.id == event_id,
+                WebhookEvent.status == WebhookStatus.PENDING,
+                WebhookEvent.next_attempt_at <= stamp,
+            )
+            .values(
+                attempts=WebhookEvent.attempts + 1,
+                round_attempts=WebhookEvent.round_attempts + 1,
+                next_attempt_at=stamp + settings.webhook_timeout_s + LEASE_MARGIN_S,
+                updated_at=stamp,
+            )
+            .returning(
+                WebhookEvent.url,
+                WebhookEvent.type,
+                WebhookEvent.occurred_at,
+                WebhookEvent.job_id,
+                WebhookEvent.body,
+                WebhookEvent.attempts,
+                WebhookEvent.round_attempts,
+            )
+        ).first()
+        if row is None:
+            return None
+        body = row.body
+        if body is None:
+            # Rendered once, at the first attempt: every retry sends the same bytes.
+            body = _render(session, row.type, row.occurred_at, row.job_id)
+            session.execute(
+                update(WebhookEvent).where(WebhookEvent.id == event_id).values(body=body)
+            )
+    kind = "redelivery" if row.round_attempts == 1 and row.attempts > 1 else "scheduled"
+    return Claimed(event_id, row.url, body, row.attempts, row.round_attempts, kind)
+
+
+def _render(session: Session, event_type: str, occurred_at: float, job_id: str | None) -> str:
+    job = session.get(Job, job_id) if job_id is not None else None
+    data = JobOut.from_row(job).model_dump(mode="json") if job is not None else {"id": job_id}
+    return webhooks.render(event_type, occurred_at, data)
+
+
+def _pinned_url(url: str, target: webhooks.Target) -> tuple[str, str]:
+    """``url`` with its host replaced by the checked address, and the Host header to send."""
+    parts = urlsplit(url)
+    address = target.addresses[0]
+    host = f"[{address}]" if isinstance(address, IPv6Address) else str(address)
+    userinfo = parts.netloc.rpartition("@")[0]
+    netloc = f"{userinfo}@{host}:{target.port}" if userinfo else f"{host}:{target.port}"
+    host_header = parts.netloc.rpartition("@")[2]
+    return urlunsplit((parts.scheme, netloc, parts.path or "/", parts.query, "")), host_header
+
+
+def send(url: str, event_id: str, body: str, settings: Settings) -> Sent:
+    """One HTTP attempt; never raises."""
+    try:
+        target = webhooks.check_url(url, settings.webhook_allow_private)
+    except webhooks.WebhookUrlError as exc:
+        return Sent(False, error=f"refused: {exc}")
+    pinned, host_header = _pinned_url(url, target)
+    headers = webhooks.signed_headers(
+        event_id, body, time.time(), webhooks.signing_secrets(settings)
+    )
+    headers["host"] = host_header
+    headers["accept-encoding"] = "identity"  # the recorded bytes are the bytes read
+    extensions = {"sni_hostname": target.host} if target.scheme == "https" else {}
+    limit = settings.webhook_timeout_s
+    cap = settings.webhook_response_max_bytes
+    start = time.monotonic()
+    address = str(target.addresses[0])
+    try:
+        # trust_env=False: no proxy from the environment, which would undo the address pinning.
+        with (
+            httpx.Client(timeout=limit, follow_redirects=False, trust_env=False) as client,
+            client.stream(
+                "POST", pinned, content=body.encode(), headers=headers, extensions=extensions
+            ) as response,
+        ):
+            chunks: list[bytes] = []
+            size = 0
+            for chunk in response.iter_raw():
+                chunks.append(chunk)
+                size += len(chunk)
+                if size >= cap or time.monotonic() - start > limit:
+                    break
+            latency = (time.monotonic() - start) * 1000
+            text = b"".join(chunks)[:cap].decode("utf-8", errors="replace")
+            code = response.status_code
+    except httpx.TimeoutException:
+        return Sent(False, error="timeout", latency_ms=limit * 1000, address=address)
+    except httpx.HTTPError as exc:
+        latency = (time.monotonic() - start) * 1000
+        return Sent(
+            False, error=f"{type(exc).__name__}: {exc}", latency_ms=latency, address=address
+        )
+    if latency > limit * 1000:
+        return Sent(False, code, "timeout", text, latency, address)
+    if 200 <= code < 300:
+        return Sent(True, code, None, text, latency, address)
+    error = f"HTTP {code}" + (" (redirects are not followed)" if 300 <= code < 400 else "")
+    return Sent(False, code, error, text, latency, address)
+
+
+def _record(claimed: Claimed, sent: Sent, settings: Settings) -> str:
+    stamp = now()
+    values: dict[str, float | None]
+    if sent.ok:
+        outcome, values = WebhookStatus.DELIVERED, {"next_attempt_at": None}
+    else:
+        delay = webhooks.retry_delay(settings, claimed.round_number)
+        if delay is None:
+            outcome, values = WebhookStatus.FAILED, {"next_attempt_at": None}
+        else:
+            outcome, values = WebhookStatus.PENDING, {"next_attempt_at": stamp + delay}
+    with session_scope() as session:
+        session.add(
+            WebhookAttempt(
+                id=new_id("wha"),
+                event_id=claimed.event_id,
+                number=claimed.number,
+                kind=claimed.kind,
+                url=claimed.url,
+                address=sent.address,
+                started_at=stamp - (sent.latency_ms or 0) / 1000,
+                latency_ms=sent.latency_ms,
+                status_code=sent.status_code,
+                ok=sent.ok,
+                error=sent.error,
+                response_body=sent.response_body,
+            )
+        )
+        # Fenced by the attempt number: a newer attempt (this one's lease ran out) decides.
+        session.execute(
+            update(WebhookEvent)
+            .where(
+                WebhookEvent.id == claimed.event_id,
+                WebhookEvent.attempts == claimed.number,
+                WebhookEvent.status == WebhookStatus.PENDING,
+            )
+            .values(status=outcome, updated_at=stamp, **values)
+        )
+    return "delivered" if sent.ok else ("failed" if outcome == WebhookStatus.FAILED else "retry")
+
+
+def sweep() -> int:
+    """Announce due events that have no message on their way; returns how many."""
+    stamp = now()
+    with session_scope() as session:
+        query = (
+            select(WebhookEvent.id)
+            .where(
+                WebhookEvent.status == WebhookStatus.PENDING,
+                WebhookEvent.next_attempt_at <= stamp,
+                or_(
+                    WebhookEvent.dispatched_at.is_(None),
+                    WebhookEvent.dispatched_at < WebhookEvent.next_attempt_at,
+                    WebhookEvent.dispatched_at < stamp - REDISPATCH_S,
+                ),
+            )
+            .order_by(WebhookEvent.next_attempt_at)
+            .limit(SWEEP_LIMIT)
+        )
+        if session.get_bind().dialect.name == "postgresql":
+            # Several ops workers may sweep at once: each takes different rows.
+            query = query.with_for_update(skip_locked=True)
+        ids = list(session.scalars(query))
+        if not ids:
+            return 0
+        failed = set(dispatch.deliver_webhooks(ids))
+        sent = [event_id for event_id in ids if event_id not in failed]
+        if sent:
+            session.execute(
+                update(WebhookEvent).where(WebhookEvent.id.in_(sent)).values(dispatched_at=stamp)
+            )
+    return len(sent)
