@@ -86,9 +86,12 @@ def worker(
 
 @main.command()
 @click.option("--concurrency", type=int, default=None, help="Deliveries made at once.")
-def ops(concurrency: int | None) -> None:
+@click.option(
+    "--beat/--no-beat", default=None, help="Run Celery beat here (default INFERQ_OPS_BEAT: yes)."
+)
+def ops(concurrency: int | None, beat: bool | None) -> None:
     """Run the ops worker: webhook delivery, periodic sweeps and Celery beat."""
-    _set_env(ops_concurrency=concurrency)
+    _set_env(ops_concurrency=concurrency, ops_beat=None if beat is None else str(beat).lower())
     get_settings()
     os.execv(sys.executable, [sys.executable, "-m", "workers.ops"])  # noqa: S606
 

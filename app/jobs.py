@@ -49,6 +49,10 @@ def check_webhook_url(url: str | None, checked: set[str] | None = None) -> None:
     try:
         webhooks.check_url(url, get_settings().webhook_allow_private)
     except webhooks.WebhookUrlError as exc:
+        if exc.temporary:  # DNS did not answer: the URL may well be fine
+            raise ApiError(
+                503, "dns_unavailable", str(exc), param="webhook_url", headers={"Retry-After": "5"}
+            ) from None
         raise ApiError(422, "webhook_url_refused", str(exc), param="webhook_url") from None
     if checked is not None:
         checked.add(url)

@@ -14,7 +14,10 @@ job id, which makes the insert a single ``INSERT ... SELECT`` on SQLite and Post
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import queue
+import threading
 from collections.abc import Collection
 
 from sqlalchemy import Insert, String, bindparam, func, insert, literal, select, update
@@ -30,6 +33,7 @@ from app.webhooks import JOB_EVENT_PREFIX
 log = logging.getLogger("inferq.outbox")
 
 EVENT_PREFIX = "msg_"
+SWEEP_BATCH = 1000  # most events announced at once
 
 
 def event_id_for_job(job_id: str) -> str:
@@ -110,6 +114,31 @@ def announce(event_ids: list[str]) -> None:
         log.exception("announcing %d webhook event(s) failed; the sweep will", len(event_ids))
 
 
+class Announcer:
+    """Announces events from a thread of its own, so the caller never waits on the broker.
+
+    The inference worker's result writer uses it: a slow or absent Redis must not hold up
+    the recording of job outcomes.
+    """
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[list[str]] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name="announcer", daemon=True)
+        self._thread.start()
+
+    def put(self, event_ids: list[str]) -> None:
+        if event_ids:
+            self._queue.put(event_ids)
+
+    def _loop(self) -> None:
+        while True:
+            ids = self._queue.get()
+            with contextlib.suppress(queue.Empty):
+                while len(ids) < SWEEP_BATCH:
+                    ids += self._queue.get_nowait()
+            announce(ids)
+
+
 def job_event(session: Session, job: Job) -> WebhookEvent | None:
     return session.scalars(select(WebhookEvent).where(WebhookEvent.job_id == job.id)).first()
 
@@ -119,6 +148,20 @@ def attempts(session: Session, event: WebhookEvent) -> list[WebhookAttempt]:
     return list(session.scalars(query.order_by(WebhookAttempt.number, WebhookAttempt.started_at)))
 
 
+def _in_flight(session: Session, event: WebhookEvent) -> bool:
+    """An attempt was claimed and has not been recorded yet, and its lease still runs."""
+    recorded = session.scalar(
+        select(func.count()).select_from(WebhookAttempt).where(WebhookAttempt.event_id == event.id)
+    )
+    lease = event.next_attempt_at
+    return (
+        event.status == WebhookStatus.PENDING
+        and event.attempts > (recorded or 0)
+        and lease is not None
+        and lease > now()
+    )
+
+
 def redeliver(session: Session, job: Job) -> WebhookEvent:
     """Send a finished job's event again, same ``webhook-id``, with a fresh retry schedule."""
     if job.webhook_url is None:
@@ -126,6 +169,13 @@ def redeliver(session: Session, job: Job) -> WebhookEvent:
     if job.status not in TERMINAL or job.finished_at is None:
         raise ApiError(409, "job_not_finished", "the job has no event until it ends", param="id")
     event = job_event(session, job)
+    if event is not None and _in_flight(session, event):
+        raise ApiError(
+            409,
+            "delivery_in_progress",
+            "an attempt to deliver this event is under way; retry when it has ended",
+            param="id",
+        )
     if event is None:
         # Finished before it had an event (e.g. before webhooks existed): create it now.
         record_job_events(session.connection(), [job.id], job.finished_at)

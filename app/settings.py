@@ -140,6 +140,7 @@ class Settings(BaseSettings):
         5.0, gt=0, description="How often the ops worker looks for due deliveries."
     )
     ops_concurrency: int = Field(8, ge=1, description="Deliveries one ops worker makes at once.")
+    ops_beat: bool = Field(True, description="The ops worker runs beat (one per deployment).")
 
     @model_validator(mode="after")
     def _check(self) -> Settings:

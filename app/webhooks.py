@@ -20,6 +20,7 @@ import json
 import os
 import secrets
 import socket
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -37,7 +38,11 @@ SECRET_FILE = "webhook_secret"  # noqa: S105 - a file name, not a secret
 
 
 class WebhookUrlError(ValueError):
-    """A webhook URL that inferq will not call."""
+    """A webhook URL that inferq will not call (``temporary``: DNS did not answer now)."""
+
+    def __init__(self, message: str, *, temporary: bool = False) -> None:
+        super().__init__(message)
+        self.temporary = temporary
 
 
 @dataclass(frozen=True)
@@ -51,13 +56,23 @@ class Target:
     addresses: tuple[IPAddress, ...]
 
 
+GLOBAL_UNICAST_V6 = ipaddress.IPv6Network("2000::/3")
+
+
 def is_public(address: IPAddress) -> bool:
-    """True for globally routable unicast addresses only."""
+    """True for globally routable unicast addresses only.
+
+    IPv6 must be global unicast (2000::/3), which leaves out IPv4-compatible, NAT64
+    (64:ff9b::/96, 64:ff9b:1::/48) and site-local forms that can reach IPv4 or internal hosts;
+    IPv4-mapped, 6to4 and Teredo addresses are judged by the IPv4 address they carry.
+    """
     if isinstance(address, ipaddress.IPv6Address):
-        # ::ffff:10.0.0.1 and 2002:a00:1::/48 (6to4) reach IPv4 hosts: judge those.
-        embedded = address.ipv4_mapped or address.sixtofour
-        if embedded is not None:
-            return is_public(embedded)
+        if address.ipv4_mapped is not None:
+            return is_public(address.ipv4_mapped)
+        if address not in GLOBAL_UNICAST_V6:
+            return False
+        if address.sixtofour is not None:
+            return is_public(address.sixtofour)
         if address.teredo is not None:
             return all(is_public(a) for a in address.teredo)
     return address.is_global and not address.is_multicast
@@ -65,7 +80,10 @@ def is_public(address: IPAddress) -> bool:
 
 def check_url(url: str, allow_private: bool) -> Target:
     """Resolve ``url``'s host and apply the policy; raises :class:`WebhookUrlError`."""
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:  # e.g. an unbalanced "[" in the host
+        raise WebhookUrlError(f"webhook_url is not a valid URL: {exc}") from None
     if parts.scheme not in ("http", "https"):
         raise WebhookUrlError("webhook_url must be an http(s) URL")
     host = parts.hostname
@@ -80,6 +98,11 @@ def check_url(url: str, allow_private: bool) -> Target:
     except ValueError:
         try:
             infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except socket.gaierror as exc:
+            raise WebhookUrlError(
+                f"webhook_url host {host!r} does not resolve: {exc}",
+                temporary=exc.errno == socket.EAI_AGAIN,
+            ) from None
         except (OSError, UnicodeError) as exc:
             raise WebhookUrlError(f"webhook_url host {host!r} does not resolve: {exc}") from None
         found = dict.fromkeys(ipaddress.ip_address(info[4][0]) for info in infos)
@@ -107,13 +130,17 @@ def load_secret(settings: Settings) -> str:
         pass
     path.parent.mkdir(parents=True, exist_ok=True)
     secret = "whsec_" + base64.b64encode(secrets.token_bytes(32)).decode()
+    # Written whole to a private temporary file, then linked into place: a process starting at
+    # the same moment either wins the link or reads a complete file, never an empty one.
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".webhook_secret.")
     try:
-        # O_EXCL: when several processes start at once, the first file written wins.
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secret + "\n")
+        os.link(tmp, path)
     except FileExistsError:
         return path.read_text().strip()
-    with os.fdopen(fd, "w") as f:
-        f.write(secret + "\n")
+    finally:
+        os.unlink(tmp)
     return secret
 
 

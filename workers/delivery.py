@@ -15,11 +15,10 @@ long Celery countdowns and a Redis restart loses no retry.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from ipaddress import IPv6Address
-from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 from sqlalchemy import or_, select, update
@@ -28,6 +27,7 @@ from sqlalchemy.orm import Session
 from app import dispatch, webhooks
 from app.db import session_scope
 from app.models import Job, WebhookAttempt, WebhookEvent, WebhookStatus, new_id, now
+from app.outbox import SWEEP_BATCH
 from app.schemas import JobOut
 from app.settings import Settings
 from workers.executor import with_db_retry
@@ -39,7 +39,6 @@ LEASE_MARGIN_S = 15.0
 # An announced event nobody claimed this long after it was due is announced again (its
 # message was lost, e.g. Redis was wiped).
 REDISPATCH_S = 60.0
-SWEEP_LIMIT = 1000
 
 
 @dataclass(frozen=True)
@@ -118,65 +117,85 @@ def _render(session: Session, event_type: str, occurred_at: float, job_id: str |
     return webhooks.render(event_type, occurred_at, data)
 
 
-def _pinned_url(url: str, target: webhooks.Target) -> tuple[str, str]:
-    """``url`` with its host replaced by the checked address, and the Host header to send."""
-    parts = urlsplit(url)
-    address = target.addresses[0]
-    host = f"[{address}]" if isinstance(address, IPv6Address) else str(address)
-    userinfo = parts.netloc.rpartition("@")[0]
-    netloc = f"{userinfo}@{host}:{target.port}" if userinfo else f"{host}:{target.port}"
-    host_header = parts.netloc.rpartition("@")[2]
-    return urlunsplit((parts.scheme, netloc, parts.path or "/", parts.query, "")), host_header
-
-
 def send(url: str, event_id: str, body: str, settings: Settings) -> Sent:
-    """One HTTP attempt; never raises."""
-    try:
-        target = webhooks.check_url(url, settings.webhook_allow_private)
-    except webhooks.WebhookUrlError as exc:
-        return Sent(False, error=f"refused: {exc}")
-    pinned, host_header = _pinned_url(url, target)
-    headers = webhooks.signed_headers(
-        event_id, body, time.time(), webhooks.signing_secrets(settings)
-    )
-    headers["host"] = host_header
-    headers["accept-encoding"] = "identity"  # the recorded bytes are the bytes read
-    extensions = {"sni_hostname": target.host} if target.scheme == "https" else {}
-    limit = settings.webhook_timeout_s
-    cap = settings.webhook_response_max_bytes
+    """One HTTP attempt under one deadline for everything (DNS included); never raises."""
     start = time.monotonic()
-    address = str(target.addresses[0])
     try:
-        # trust_env=False: no proxy from the environment, which would undo the address pinning.
-        with (
-            httpx.Client(timeout=limit, follow_redirects=False, trust_env=False) as client,
-            client.stream(
-                "POST", pinned, content=body.encode(), headers=headers, extensions=extensions
-            ) as response,
-        ):
-            chunks: list[bytes] = []
-            size = 0
-            for chunk in response.iter_raw():
-                chunks.append(chunk)
-                size += len(chunk)
-                if size >= cap or time.monotonic() - start > limit:
+        return asyncio.run(_send(url, event_id, body, settings, start))
+    except Exception as exc:  # a URL httpx cannot build, or anything else unforeseen
+        log.exception("webhook %s: the attempt could not be made", event_id)
+        latency = (time.monotonic() - start) * 1000
+        return Sent(False, error=f"{type(exc).__name__}: {exc}", latency_ms=latency)
+
+
+async def _send(url: str, event_id: str, body: str, settings: Settings, start: float) -> Sent:
+    limit = settings.webhook_timeout_s
+    address: str | None = None
+    try:
+        async with asyncio.timeout(limit):
+            try:
+                # Resolved again now: what was checked at submit time may point elsewhere today.
+                target = await asyncio.to_thread(
+                    webhooks.check_url, url, settings.webhook_allow_private
+                )
+            except webhooks.WebhookUrlError as exc:
+                return Sent(False, error=f"refused: {exc}")
+            headers = webhooks.signed_headers(
+                event_id, body, time.time(), webhooks.signing_secrets(settings)
+            )
+            headers["accept-encoding"] = "identity"  # the recorded bytes are the bytes read
+            parsed = httpx.URL(url)
+            headers["host"] = parsed.netloc.decode("ascii")  # IDNA-encoded by httpx
+            sni = parsed.raw_host.decode("ascii")
+            extensions = {"sni_hostname": sni} if target.scheme == "https" else {}
+            # No proxy from the environment (it would undo the pinning), no redirects.
+            async with httpx.AsyncClient(follow_redirects=False, trust_env=False) as client:
+                for i, ip in enumerate(target.addresses):
+                    address = str(ip)
+                    request = client.build_request(
+                        "POST",
+                        parsed.copy_with(host=address),
+                        content=body.encode(),
+                        headers=headers,
+                        extensions=extensions,
+                    )
+                    try:
+                        response = await client.send(request, stream=True)
+                    except httpx.ConnectError:
+                        if i + 1 < len(target.addresses):
+                            continue  # e.g. an IPv6 address this host cannot reach
+                        raise
+                    try:
+                        code, text = (
+                            response.status_code,
+                            await _read_capped(response, settings.webhook_response_max_bytes),
+                        )
+                    finally:
+                        await response.aclose()
                     break
-            latency = (time.monotonic() - start) * 1000
-            text = b"".join(chunks)[:cap].decode("utf-8", errors="replace")
-            code = response.status_code
-    except httpx.TimeoutException:
+    except TimeoutError:
         return Sent(False, error="timeout", latency_ms=limit * 1000, address=address)
     except httpx.HTTPError as exc:
         latency = (time.monotonic() - start) * 1000
         return Sent(
             False, error=f"{type(exc).__name__}: {exc}", latency_ms=latency, address=address
         )
-    if latency > limit * 1000:
-        return Sent(False, code, "timeout", text, latency, address)
+    latency = (time.monotonic() - start) * 1000
     if 200 <= code < 300:
         return Sent(True, code, None, text, latency, address)
     error = f"HTTP {code}" + (" (redirects are not followed)" if 300 <= code < 400 else "")
     return Sent(False, code, error, text, latency, address)
+
+
+async def _read_capped(response: httpx.Response, cap: int) -> str:
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in response.aiter_raw():
+        chunks.append(chunk)
+        size += len(chunk)
+        if size >= cap:
+            break
+    return b"".join(chunks)[:cap].decode("utf-8", errors="replace")
 
 
 def _record(claimed: Claimed, sent: Sent, settings: Settings) -> str:
@@ -221,7 +240,12 @@ def _record(claimed: Claimed, sent: Sent, settings: Settings) -> str:
 
 
 def sweep() -> int:
-    """Announce due events that have no message on their way; returns how many."""
+    """Announce due events that have no message on their way; returns how many.
+
+    The events are marked as announced in one short transaction (on PostgreSQL, rows another
+    ops worker's sweep holds are skipped), and only then sent, so no lock is held while the
+    broker is talked to; the ones that could not be sent are unmarked again.
+    """
     stamp = now()
     with session_scope() as session:
         query = (
@@ -236,18 +260,23 @@ def sweep() -> int:
                 ),
             )
             .order_by(WebhookEvent.next_attempt_at)
-            .limit(SWEEP_LIMIT)
+            .limit(SWEEP_BATCH)
         )
         if session.get_bind().dialect.name == "postgresql":
-            # Several ops workers may sweep at once: each takes different rows.
             query = query.with_for_update(skip_locked=True)
         ids = list(session.scalars(query))
-        if not ids:
-            return 0
-        failed = set(dispatch.deliver_webhooks(ids))
-        sent = [event_id for event_id in ids if event_id not in failed]
-        if sent:
+        if ids:
             session.execute(
-                update(WebhookEvent).where(WebhookEvent.id.in_(sent)).values(dispatched_at=stamp)
+                update(WebhookEvent).where(WebhookEvent.id.in_(ids)).values(dispatched_at=stamp)
             )
-    return len(sent)
+    if not ids:
+        return 0
+    failed = dispatch.deliver_webhooks(ids)
+    if failed:
+        with session_scope() as session:
+            session.execute(
+                update(WebhookEvent)
+                .where(WebhookEvent.id.in_(failed), WebhookEvent.dispatched_at == stamp)
+                .values(dispatched_at=None)
+            )
+    return len(ids) - len(failed)

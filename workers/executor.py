@@ -227,6 +227,7 @@ class Executor:
         self.settings = settings
         self.intake = intake or Intake.from_settings(settings)
         self.recorder = Recorder(self._record_many)
+        self.announcer = outbox.Announcer()
         self._lock = threading.Lock()
         # job id -> lease token (None until claimed); membership is set before the claim so
         # that a cancel published right after the claim commits is not missed.
@@ -417,7 +418,7 @@ class Executor:
                     Job.webhook_url,
                 )
             ).all()
-        outbox.announce(events)
+        self.announcer.put(events)
         order = {job_id: i for i, job_id in enumerate(job_ids)}
         return [
             Claim(
@@ -458,7 +459,7 @@ class Executor:
                 c.job_id for (c, _), ok in zip(items, written, strict=True) if ok and c.webhook
             ]
             events = outbox.record_job_events(connection, hooked, stamp)
-        outbox.announce(events)
+        self.announcer.put(events)
         return written
 
     def _hand_back(self, claim: Claim) -> None:

@@ -3,7 +3,8 @@
 It delivers webhooks (queue ``webhooks``), runs the periodic sweeps (queue ``maintenance``)
 and embeds Celery beat, which sends those sweeps. It holds no engine and no GPU. Several ops
 workers may run: deliveries and sweeps are claims in the database, so a duplicate sweep or
-message does no harm; beat's schedule file lives in ``data_dir``.
+message does no harm. Beat belongs in one of them only (``inferq ops --no-beat`` for the
+others, ``INFERQ_OPS_BEAT``); its schedule file lives in ``data_dir``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from app.webhooks import load_secret
 
 def main() -> None:
     settings = get_settings()
+    beat = settings.ops_beat
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -31,10 +33,14 @@ def main() -> None:
             "worker",
             "--pool=threads",
             f"--concurrency={settings.ops_concurrency}",
-            f"--queues={WEBHOOK_QUEUE},{MAINTENANCE_QUEUE}",
+            # Sweeps first: strict order, and a sweep must not wait behind a delivery backlog.
+            f"--queues={MAINTENANCE_QUEUE},{WEBHOOK_QUEUE}",
             f"--hostname=inferq-ops-{os.getpid()}@{socket.gethostname()}",
-            "--beat",
-            f"--schedule={settings.data_dir / 'celerybeat-schedule'}",
+            *(
+                ["--beat", f"--schedule={settings.data_dir / 'celerybeat-schedule'}"]
+                if beat
+                else []
+            ),
             "--loglevel=INFO",
             "--without-mingle",
             "--without-gossip",

@@ -152,6 +152,21 @@ def test_last_attempt_fails_the_event_and_redeliver_sends_it_again(
     assert ids == {found["event"]["id"]}
 
 
+def test_redeliver_waits_for_an_attempt_under_way(stack: Stack, receiver: Receiver) -> None:
+    path = f"/slow/1.2/{secrets.token_hex(4)}"
+    job = _submit(stack, receiver.url(path))
+    wait_until(lambda: receiver.received(path), 30, "the first attempt to arrive")
+    with stack.client() as c:
+        r = c.post(f"/v1/jobs/{job['id']}/webhook-deliveries/redeliver")
+        assert r.status_code == 409 and r.json()["error"]["code"] == "delivery_in_progress"
+        found = _settled(stack, job["id"], 1)
+        assert found["event"]["status"] == "delivered"
+        assert c.post(f"/v1/jobs/{job['id']}/webhook-deliveries/redeliver").status_code == 202
+    again = _settled(stack, job["id"], 2)
+    assert [a["kind"] for a in again["data"]] == ["scheduled", "redelivery"]
+    assert len(receiver.received(path)) == 2
+
+
 def test_redirects_slow_answers_and_large_bodies(stack: Stack, receiver: Receiver) -> None:
     tag = secrets.token_hex(4)
     redirect = _submit(stack, receiver.url(f"/redirect/{tag}"))

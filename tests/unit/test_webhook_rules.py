@@ -31,6 +31,13 @@ REFUSED = [
     "::ffff:169.254.169.254",
     "2002:7f00:1::1",  # 6to4 of 127.0.0.1
     "ff02::1",
+    "64:ff9b::a9fe:a9fe",  # NAT64 of 169.254.169.254
+    "64:ff9b::7f00:1",
+    "64:ff9b:1::1",
+    "::127.0.0.1",  # IPv4-compatible
+    "::ffff:0:7f00:1",
+    "fec0::1",  # site-local
+    "2001::7f00:1",  # Teredo; its embedded server and client are not public
 ]
 ALLOWED = ["8.8.8.8", "1.1.1.1", "2606:4700:4700::1111", "::ffff:8.8.8.8"]
 
@@ -69,6 +76,8 @@ def test_hostnames_are_judged_by_what_they_resolve_to() -> None:
         ("http:///nohost", "no host"),
         ("http://8.8.8.8:99999/", "port"),
         ("http://no-such-host.invalid/", "does not resolve"),
+        ("http://[::1/", "not a valid URL"),
+        ("http://[evil.example]/", "not a valid URL"),
     ],
 )
 def test_malformed_urls_are_refused(url: str, why: str) -> None:
