@@ -284,6 +284,11 @@ class Executor:
                     )
                     self.intake.give(lane, len(done))
                     slots -= len(done)
+                    with self._lock:
+                        # Out of the engine: no lease to renew (the outcome write is fenced by
+                        # its token), so a heartbeat does not take it for a lost lease.
+                        for future in done:
+                            self._held[futures[future].job_id] = None
                     for future in done:
                         claim = futures[future]
                         outcome = self._outcome(claim, future)

@@ -67,15 +67,21 @@ class Heartbeat:
         # thousands of jobs a load of its own. A row renews only while it is still running
         # under our token; the same statement reads cancel requests.
         with session_scope() as session:
-            rows = session.execute(
-                update(Job)
-                .where(
-                    tuple_(Job.id, Job.lease_token).in_(list(held.items())),
-                    Job.status == JobStatus.RUNNING,
+            # Core execution: the ORM's bulk-update machinery cost ~0.1 s of CPU per renewal of
+            # a few hundred leases.
+            rows = (
+                session.connection()
+                .execute(
+                    update(Job)
+                    .where(
+                        tuple_(Job.id, Job.lease_token).in_(list(held.items())),
+                        Job.status == JobStatus.RUNNING,
+                    )
+                    .values(lease_expires_at=stamp + self.settings.lease_ttl_s)
+                    .returning(Job.id, Job.cancel_requested_at)
                 )
-                .values(lease_expires_at=stamp + self.settings.lease_ttl_s)
-                .returning(Job.id, Job.cancel_requested_at)
-            ).all()
+                .all()
+            )
         renewed = {row.id for row in rows}
         for job_id in held.keys() - renewed:
             log.warning("lease on %s lost; aborting it here", job_id)

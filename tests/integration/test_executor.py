@@ -252,3 +252,29 @@ def test_one_heartbeat_renews_every_lease_and_spots_lost_and_cancelled_jobs(
     assert (row(ids[0]).lease_expires_at or 0) > before
     assert row(ids[1]).lease_expires_at == before  # not ours any more: untouched
     assert sorted(executor.aborted) == sorted([(ids[1], "lease_lost"), (ids[2], "cancelled")])
+
+
+def test_a_job_that_left_the_engine_is_not_taken_for_a_lost_lease(
+    database: str, runner: Runner
+) -> None:
+    """A chunk's short job ends long before its long one; heartbeats meanwhile abort nothing."""
+    with db.session_scope() as session:
+        jobs = [
+            build_job("t", JobCreate(prompt="short", params={"max_tokens": 2})),
+            build_job("t", JobCreate(prompt="long", params={"max_tokens": 3000})),
+        ]
+        session.add_all(jobs)
+    short, long = (job.id for job in jobs)
+    executor = RecordingExecutor(runner, "w", get_settings())
+    worker = threading.Thread(target=executor.execute, args=([short, long], "bulk"))
+    worker.start()
+    try:
+        wait_until(lambda: row(short).status == JobStatus.SUCCEEDED, 10, "the short job")
+        assert row(long).status == JobStatus.RUNNING
+        assert set(executor.held()) == {long}
+        Heartbeat(executor, get_settings(), {}).renew()
+        assert executor.aborted == []
+    finally:
+        Executor.request_abort(executor, long, "cancelled")  # the real one: stop it now
+        worker.join(10)
+    assert row(long).status == JobStatus.CANCELLED
