@@ -246,14 +246,13 @@ def cancel(session: Session, tenant: str, job_id: str) -> tuple[Job, bool]:
                 cancel_requested_at=stamp,
             )
         )
-        events: list[str] = []
         if done.rowcount:  # type: ignore[attr-defined]
             events = outbox.record_job_events(session.connection(), [job_id], stamp)
-        session.commit()
-        if done.rowcount:  # type: ignore[attr-defined]
+            session.commit()
             outbox.announce(events)
             session.refresh(job)
             return job, False
+        session.commit()
         session.refresh(job)  # a worker claimed it meanwhile: cancel it as running
     if job.status == JobStatus.RUNNING:
         session.execute(

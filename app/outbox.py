@@ -20,7 +20,7 @@ import queue
 import threading
 from collections.abc import Collection
 
-from sqlalchemy import Insert, String, bindparam, func, insert, literal, select, update
+from sqlalchemy import Insert, String, func, insert, literal, select, update
 from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
@@ -89,13 +89,6 @@ def record_job_events(connection: Connection, job_ids: Collection[str], stamp: f
     return list(connection.execute(job_events(job_ids, stamp)).scalars())
 
 
-MARK_DISPATCHED = (
-    update(WebhookEvent)
-    .where(WebhookEvent.id == bindparam("b_id"))
-    .values(dispatched_at=bindparam("b_at"))
-)
-
-
 def announce(event_ids: list[str]) -> None:
     """Tell the ops worker about committed events, and stamp the ones that went out.
 
@@ -105,11 +98,14 @@ def announce(event_ids: list[str]) -> None:
         return
     try:
         failed = set(dispatch.deliver_webhooks(event_ids))
-        stamp = now()
-        sent = [{"b_id": i, "b_at": stamp} for i in event_ids if i not in failed]
+        sent = [event_id for event_id in event_ids if event_id not in failed]
         if sent:
             with session_scope() as session:
-                session.connection().execute(MARK_DISPATCHED, sent)
+                session.execute(
+                    update(WebhookEvent)
+                    .where(WebhookEvent.id.in_(sent))
+                    .values(dispatched_at=now())
+                )
     except Exception:
         log.exception("announcing %d webhook event(s) failed; the sweep will", len(event_ids))
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import secrets
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -82,6 +84,21 @@ def database_url_for(backend: str, tmp: Path, postgres: PostgresDatabases) -> st
     return f"sqlite:///{tmp / 'inferq.db'}"
 
 
+@contextlib.contextmanager
+def backend_stack_for(
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    postgres: PostgresDatabases,
+    name: str,
+    **settings: Any,
+) -> Iterator[Stack]:
+    """A running stack on the database ``request.param`` names (sqlite or postgres)."""
+    tmp = tmp_path_factory.mktemp(f"{name}-{request.param}")
+    url = database_url_for(request.param, tmp, postgres)
+    with running_stack(tmp, url, fresh_redis_url(), **settings) as stack:
+        yield stack
+
+
 @pytest.fixture(scope="module", params=["sqlite", "postgres"])
 def backend_stack(
     request: pytest.FixtureRequest,
@@ -89,7 +106,5 @@ def backend_stack(
     postgres: PostgresDatabases,
 ) -> Iterator[Stack]:
     """API + one simulated worker, on SQLite and on PostgreSQL (shared by a module's tests)."""
-    tmp = tmp_path_factory.mktemp(f"stack-{request.param}")
-    url = database_url_for(request.param, tmp, postgres)
-    with running_stack(tmp, url, fresh_redis_url(), sim_time_scale=0.2) as stack:
-        yield stack
+    with backend_stack_for(request, tmp_path_factory, postgres, "stack", sim_time_scale=0.2) as s:
+        yield s

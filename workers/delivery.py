@@ -169,11 +169,9 @@ async def _send(url: str, event_id: str, body: str, settings: Settings, start: f
                         if i + 1 < len(target.addresses):
                             continue  # e.g. an IPv6 address this host cannot reach
                         raise
+                    code = response.status_code
                     try:
-                        code, text = (
-                            response.status_code,
-                            await _read_capped(response, settings.webhook_response_max_bytes),
-                        )
+                        text = await _read_capped(response, settings.webhook_response_max_bytes)
                     finally:
                         await response.aclose()
                     break

@@ -14,7 +14,7 @@ import pytest
 from standardwebhooks import Webhook
 
 from app.settings import Settings
-from tests.conftest import PostgresDatabases, database_url_for, fresh_redis_url
+from tests.conftest import PostgresDatabases, backend_stack_for, fresh_redis_url
 from tests.support import Receiver, Stack, running_stack, wait_until
 from workers import delivery
 
@@ -41,11 +41,11 @@ def stack(
     tmp_path_factory: pytest.TempPathFactory,
     postgres: PostgresDatabases,
 ) -> Iterator[Stack]:
-    tmp = tmp_path_factory.mktemp(f"webhooks-{request.param}")
-    with running_stack(
-        tmp,
-        database_url_for(request.param, tmp, postgres),
-        fresh_redis_url(),
+    with backend_stack_for(
+        request,
+        tmp_path_factory,
+        postgres,
+        "webhooks",
         ops=True,
         sim_time_scale=0.2,
         max_model_len=2000,
