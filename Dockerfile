@@ -22,7 +22,7 @@ COPY workers workers
 COPY migrations migrations
 RUN VENV=/opt/venv .ci/install "${EXTRAS}" \
     && useradd --create-home inferq \
-    && mkdir -p /data /cache && chown inferq /data /cache
+    && mkdir -p /data /cache /files && chown inferq /data /cache /files
 
 USER inferq
 EXPOSE 8000

@@ -27,6 +27,8 @@ log = logging.getLogger("inferq.dispatch")
 RUN_JOBS_TASK = "inferq.run_jobs"
 DELIVER_WEBHOOK_TASK = "inferq.deliver_webhook"
 SWEEP_WEBHOOKS_TASK = "inferq.sweep_webhooks"
+START_BATCH_TASK = "inferq.start_batch"
+SWEEP_BATCHES_TASK = "inferq.sweep_batches"
 # Queues of the ops worker (`inferq ops`): deliveries, and the periodic sweeps beat sends.
 WEBHOOK_QUEUE = "webhooks"
 MAINTENANCE_QUEUE = "maintenance"
@@ -166,6 +168,16 @@ def deliver_webhooks(event_ids: Iterable[str]) -> list[str]:
                 log.exception("could not enqueue %d webhook event(s)", len(ids) - i)
                 return ids[i:]
     return []
+
+
+def start_batch(batch_id: str) -> bool:
+    """Ask the ops worker to validate a batch's file and start its jobs; False if not sent."""
+    try:
+        _celery().send_task(START_BATCH_TASK, args=[batch_id], queue=MAINTENANCE_QUEUE)
+    except Exception:
+        log.exception("could not enqueue batch %s; the batch sweep will", batch_id)
+        return False
+    return True
 
 
 def publish_control(action: str, **fields: Any) -> int:

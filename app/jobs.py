@@ -13,6 +13,7 @@ import time
 from typing import Any, cast
 
 from sqlalchemy import Table, insert, inspect, select, update
+from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -28,6 +29,17 @@ MAX_IDEMPOTENCY_KEY = 255
 def _fingerprint(body: JobCreate) -> str:
     canonical = json.dumps(body.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def require_broker() -> None:
+    """Refuse work up front when Redis is down, so a 202 is never a job that cannot start."""
+    if not dispatch.redis_ok():
+        raise ApiError(
+            503,
+            "broker_unavailable",
+            "the queue (Redis) is unavailable; retry later",
+            headers={"Retry-After": "5"},
+        )
 
 
 def check_model(requested: str | None) -> str:
@@ -58,36 +70,40 @@ def check_webhook_url(url: str | None, checked: set[str] | None = None) -> None:
         checked.add(url)
 
 
-def build_job(
-    tenant: str, body: JobCreate, *, batch_id: str | None = None, checked: set[str] | None = None
-) -> Job:
-    """A new queued job row for ``body`` (not yet added to a session)."""
+def job_values(
+    tenant: str,
+    body: JobCreate,
+    *,
+    checked: set[str] | None = None,
+    relay: str | None = None,
+) -> dict[str, Any]:
+    """The attributes of a new queued job for ``body``: ``Job(**values)`` or an insert."""
     settings = get_settings()
     check_webhook_url(body.webhook_url, checked)
     created = now()
     params: dict[str, Any] = body.params.model_dump()
     params["max_tokens"] = params["max_tokens"] or settings.default_max_tokens
-    return Job(
-        id=new_id("job"),
-        tenant=tenant,
-        lane=body.lane.value,
-        model=check_model(body.model),
-        prompt=body.prompt,
-        messages=[m.model_dump(exclude_none=True) for m in body.messages]
+    return {
+        "id": new_id("job"),
+        "tenant": tenant,
+        "lane": body.lane.value,
+        "model": check_model(body.model),
+        "prompt": body.prompt,
+        "messages": [m.model_dump(exclude_none=True) for m in body.messages]
         if body.messages is not None
         else None,
-        params=params,
-        webhook_url=body.webhook_url,
-        meta=dict(body.metadata),
-        batch_id=batch_id,
-        status=JobStatus.QUEUED,
-        attempts=0,
-        lease_token=0,
-        timeout_s=body.timeout_s,
-        deadline_at=created + body.timeout_s if body.timeout_s else None,
-        created_at=created,
-        updated_at=created,
-    )
+        "params": params,
+        "webhook_url": body.webhook_url,
+        "meta": dict(body.metadata),
+        "relay": relay,
+        "status": JobStatus.QUEUED,
+        "attempts": 0,
+        "lease_token": 0,
+        "timeout_s": body.timeout_s,
+        "deadline_at": created + body.timeout_s if body.timeout_s else None,
+        "created_at": created,
+        "updated_at": created,
+    }
 
 
 def _replay(session: Session, tenant: str, key: str, fingerprint: str) -> Job | None:
@@ -111,7 +127,12 @@ def _replay(session: Session, tenant: str, key: str, fingerprint: str) -> Job | 
 
 
 def submit(
-    session: Session, tenant: str, body: JobCreate, idempotency_key: str | None = None
+    session: Session,
+    tenant: str,
+    body: JobCreate,
+    idempotency_key: str | None = None,
+    *,
+    relay: str | None = None,
 ) -> tuple[Job, bool]:
     """Insert a queued job. Returns (job, created); created is False for an idempotent replay."""
     if idempotency_key is not None and not 0 < len(idempotency_key) <= MAX_IDEMPOTENCY_KEY:
@@ -121,7 +142,7 @@ def submit(
             f"Idempotency-Key must be 1 to {MAX_IDEMPOTENCY_KEY} characters",
             param="Idempotency-Key",
         )
-    job = build_job(tenant, body)
+    job = Job(**job_values(tenant, body, relay=relay))
     if idempotency_key is None:
         session.add(job)
         session.commit()
@@ -162,29 +183,33 @@ INSERT_CHUNK = 500
 
 def submit_many(session: Session, tenant: str, bodies: list[JobCreate]) -> list[Job]:
     """Insert many queued jobs in one transaction (in chunks): all of them or none."""
-    rows = []
+    values = []
     checked: set[str] = set()
     for i, body in enumerate(bodies):
         try:
-            rows.append(build_job(tenant, body, checked=checked))
+            values.append(job_values(tenant, body, checked=checked))
         except ApiError as exc:
             exc.param = f"jobs[{i}].{exc.param}" if exc.param else f"jobs[{i}]"
             raise
-    columns = [(attr.key, attr.columns[0].name) for attr in inspect(Job).column_attrs]
-    table = cast(Table, Job.__table__)
     try:
-        # Core executemany, not the ORM unit of work: it was a third of a bulk request's cost.
-        connection = session.connection()
-        for start in range(0, len(rows), INSERT_CHUNK):
-            chunk = rows[start : start + INSERT_CHUNK]
-            connection.execute(
-                insert(table), [{col: getattr(job, key) for key, col in columns} for job in chunk]
-            )
+        insert_rows(session.connection(), values)
         session.commit()
     except Exception:
         session.rollback()
         raise
-    return rows
+    return [Job(**v) for v in values]
+
+
+def insert_rows(connection: Connection, values: list[dict[str, Any]]) -> None:
+    """Insert new jobs (:func:`job_values`) in the caller's transaction, in chunks."""
+    if not values:
+        return
+    names = {attr.key: attr.columns[0].name for attr in inspect(Job).column_attrs}
+    table = cast(Table, Job.__table__)
+    # Core executemany, not the ORM unit of work: it was a third of a bulk request's cost.
+    for start in range(0, len(values), INSERT_CHUNK):
+        chunk = values[start : start + INSERT_CHUNK]
+        connection.execute(insert(table), [{names[k]: v for k, v in row.items()} for row in chunk])
 
 
 def send(session: Session, jobs: list[tuple[str, str]]) -> None:
@@ -232,7 +257,7 @@ def list_page(
 
 
 def cancel(session: Session, tenant: str, job_id: str) -> tuple[Job, bool]:
-    """Cancel a job. Returns (job, signal_workers): True when a running job must be aborted."""
+    """Cancel a job. Returns (job, running): True when the workers were told to abort it."""
     job = get(session, tenant, job_id)
     stamp = now()
     if job.status == JobStatus.QUEUED:
@@ -262,7 +287,10 @@ def cancel(session: Session, tenant: str, job_id: str) -> tuple[Job, bool]:
         )
         session.commit()
         session.refresh(job)
-        return job, job.status == JobStatus.RUNNING
+        if job.status == JobStatus.RUNNING:
+            dispatch.publish_control("cancel", job_id=job.id)
+            return job, True
+        return job, False
     session.commit()
     return job, False
 

@@ -8,24 +8,32 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app import __version__, errors
-from app.routes import health, jobs
+from app.routes import batches, health, jobs, openai
 from app.settings import get_settings
+
+# Multipart framing around an uploaded file: its size is checked exactly by app/files.py.
+UPLOAD_OVERHEAD = 64 * 1024
 
 
 class BodyLimit:
-    """413 before any parsing: by Content-Length, or while the body streams in."""
+    """413 before any parsing: by Content-Length, or while the body streams in.
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    ``paths`` gives some paths a limit of their own (file uploads are far larger than JSON).
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int, paths: dict[str, int] | None = None) -> None:
         self.app = app
-        self.max_bytes = max_bytes
+        self.default = max_bytes
+        self.paths = paths or {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit = self.paths.get(scope["path"], self.default)
         length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            await self._reject(send)
+        if length is not None and length.isdigit() and int(length) > limit:
+            await self._reject(send, limit)
             return
         seen = 0
         too_large = False
@@ -35,7 +43,7 @@ class BodyLimit:
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
+                if seen > limit:
                     # Stop feeding the app; it sees a disconnect and its answer is dropped.
                     too_large = True
                     return {"type": "http.disconnect"}
@@ -51,14 +59,14 @@ class BodyLimit:
             if not too_large:
                 raise
         if too_large:
-            await self._reject(send)
+            await self._reject(send, limit)
 
-    async def _reject(self, send: Send) -> None:
+    async def _reject(self, send: Send, limit: int) -> None:
         body = json.dumps(
             errors.error_body(
                 413,
                 "request_too_large",
-                f"request body is larger than {self.max_bytes} bytes",
+                f"request body is larger than {limit} bytes",
                 None,
             )
         ).encode()
@@ -84,5 +92,12 @@ def create_app() -> FastAPI:
     errors.install(app)
     app.include_router(health.router)
     app.include_router(jobs.router)
-    app.add_middleware(BodyLimit, max_bytes=get_settings().max_body_bytes)
+    app.include_router(openai.router)
+    app.include_router(batches.router)
+    settings = get_settings()
+    app.add_middleware(
+        BodyLimit,
+        max_bytes=settings.max_body_bytes,
+        paths={"/v1/files": settings.files_max_bytes + UPLOAD_OVERHEAD},
+    )
     return app

@@ -148,6 +148,12 @@ class Job(Base):
     webhook_url: Mapped[str | None] = mapped_column(Text, nullable=True)
     meta: Mapped[dict[str, str]] = mapped_column("metadata", JSONType)
     batch_id: Mapped[str | None] = mapped_column(String(40), nullable=True, index=True)
+    # A batch line's custom_id and its line number in the input file (1-based).
+    custom_id: Mapped[str | None] = mapped_column(String(512), nullable=True)
+    batch_line: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    # What the worker relays through Redis while the job runs (app/relay.py): None, "end"
+    # (a caller waits for the outcome) or "tokens" (a caller streams the output).
+    relay: Mapped[str | None] = mapped_column(String(8), nullable=True)
 
     status: Mapped[str] = mapped_column(String(16))
     attempts: Mapped[int] = mapped_column(Integer, default=0)
@@ -250,3 +256,73 @@ class WebhookAttempt(Base):
     ok: Mapped[bool] = mapped_column(Boolean)
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
     response_body: Mapped[str | None] = mapped_column(Text, nullable=True)
+
+
+class File(Base):
+    """An uploaded batch input or a generated batch output; the bytes live in app/storage.py."""
+
+    __tablename__ = "files"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(64))
+    purpose: Mapped[str] = mapped_column(String(32))  # batch | batch_output
+    filename: Mapped[str] = mapped_column(String(255))
+    bytes: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[float] = mapped_column(Double)
+
+    __table_args__ = (Index("ix_files_tenant_id", "tenant", "id"),)
+
+
+class BatchStatus(StrEnum):
+    VALIDATING = "validating"
+    FAILED = "failed"
+    IN_PROGRESS = "in_progress"
+    FINALIZING = "finalizing"
+    COMPLETED = "completed"
+    EXPIRED = "expired"
+    CANCELLING = "cancelling"
+    CANCELLED = "cancelled"
+
+
+BATCH_TERMINAL: frozenset[str] = frozenset(
+    {BatchStatus.FAILED, BatchStatus.COMPLETED, BatchStatus.EXPIRED, BatchStatus.CANCELLED}
+)
+
+
+class Batch(Base):
+    """An OpenAI-style batch: one input file whose lines run as bulk jobs (``jobs.batch_id``)."""
+
+    __tablename__ = "batches"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(64))
+    endpoint: Mapped[str] = mapped_column(String(64))
+    input_file_id: Mapped[str] = mapped_column(String(40))
+    completion_window: Mapped[str] = mapped_column(String(16))
+    status: Mapped[str] = mapped_column(String(16))
+    output_file_id: Mapped[str | None] = mapped_column(String(40), nullable=True)
+    error_file_id: Mapped[str | None] = mapped_column(String(40), nullable=True)
+    # Validation errors of the input file: [{"code", "message", "param", "line"}].
+    errors: Mapped[list[dict[str, Any]] | None] = mapped_column(JSONType, nullable=True)
+    meta: Mapped[dict[str, str]] = mapped_column("metadata", JSONType)
+    webhook_url: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # Counts are kept live from the jobs while the batch runs and frozen when it ends.
+    request_total: Mapped[int] = mapped_column(Integer, default=0)
+    request_completed: Mapped[int] = mapped_column(Integer, default=0)
+    request_failed: Mapped[int] = mapped_column(Integer, default=0)
+
+    created_at: Mapped[float] = mapped_column(Double)
+    expires_at: Mapped[float] = mapped_column(Double)
+    in_progress_at: Mapped[float | None] = mapped_column(Double, nullable=True)
+    finalizing_at: Mapped[float | None] = mapped_column(Double, nullable=True)
+    completed_at: Mapped[float | None] = mapped_column(Double, nullable=True)
+    failed_at: Mapped[float | None] = mapped_column(Double, nullable=True)
+    expired_at: Mapped[float | None] = mapped_column(Double, nullable=True)
+    cancelling_at: Mapped[float | None] = mapped_column(Double, nullable=True)
+    cancelled_at: Mapped[float | None] = mapped_column(Double, nullable=True)
+    updated_at: Mapped[float] = mapped_column(Double)
+
+    __table_args__ = (
+        Index("ix_batches_tenant_id", "tenant", "id"),
+        Index("ix_batches_status", "status"),
+    )

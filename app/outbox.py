@@ -19,6 +19,7 @@ import logging
 import queue
 import threading
 from collections.abc import Collection
+from typing import Any
 
 from sqlalchemy import Insert, String, func, insert, literal, select, update
 from sqlalchemy.engine import Connection
@@ -27,8 +28,18 @@ from sqlalchemy.orm import Session
 from app import dispatch
 from app.db import session_scope
 from app.errors import ApiError
-from app.models import TERMINAL, Job, WebhookAttempt, WebhookEvent, WebhookStatus, now
-from app.webhooks import JOB_EVENT_PREFIX
+from app.models import (
+    BATCH_TERMINAL,
+    TERMINAL,
+    Batch,
+    Job,
+    WebhookAttempt,
+    WebhookEvent,
+    WebhookStatus,
+    now,
+)
+from app.schemas import BatchOut, JobOut
+from app.webhooks import BATCH_EVENT_PREFIX, JOB_EVENT_PREFIX
 
 log = logging.getLogger("inferq.outbox")
 
@@ -87,6 +98,57 @@ def record_job_events(connection: Connection, job_ids: Collection[str], stamp: f
     if not job_ids:
         return []
     return list(connection.execute(job_events(job_ids, stamp)).scalars())
+
+
+def record_batch_event(connection: Connection, batch_id: str, stamp: float) -> list[str]:
+    """The ``batch.<status>`` event of a batch that has just ended (if it has a webhook_url)."""
+    source = select(
+        literal(EVENT_PREFIX, String) + Batch.id,
+        Batch.tenant,
+        literal(BATCH_EVENT_PREFIX, String) + Batch.status,
+        Batch.id,
+        Batch.webhook_url,
+        literal(stamp),
+        literal(str(WebhookStatus.PENDING), String),
+        literal(0),
+        literal(0),
+        literal(stamp),
+        literal(stamp),
+        literal(stamp),
+    ).where(
+        Batch.id == batch_id,
+        Batch.webhook_url.is_not(None),
+        Batch.status.in_(list(BATCH_TERMINAL)),
+    )
+    columns = [
+        "id",
+        "tenant",
+        "type",
+        "batch_id",
+        "url",
+        "occurred_at",
+        "status",
+        "attempts",
+        "round_attempts",
+        "next_attempt_at",
+        "created_at",
+        "updated_at",
+    ]
+    statement = insert(WebhookEvent).from_select(columns, source).returning(WebhookEvent.id)
+    return list(connection.execute(statement).scalars())
+
+
+def event_data(session: Session, job_id: str | None, batch_id: str | None) -> dict[str, Any]:
+    """The ``data`` of an event: the job or batch exactly as the API returns it."""
+    if job_id is not None:
+        job = session.get(Job, job_id)
+        if job is not None:
+            return JobOut.from_row(job).model_dump(mode="json")
+    if batch_id is not None:
+        batch = session.get(Batch, batch_id)
+        if batch is not None:
+            return BatchOut.from_row(batch).model_dump(mode="json")
+    return {"id": job_id or batch_id}
 
 
 def announce(event_ids: list[str]) -> None:

@@ -17,20 +17,20 @@ from pydantic import (
     field_validator,
 )
 
-from app.models import Job, Lane, WebhookAttempt, WebhookEvent
+from app.models import Batch, File, Job, Lane, WebhookAttempt, WebhookEvent
 from app.settings import get_settings
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class TextPart(_Strict):
+class TextPart(StrictModel):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(_Strict):
+class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart]
     name: str | None = Field(None, max_length=64)
@@ -45,7 +45,25 @@ class ChatMessage(_Strict):
         return text
 
 
-class JobParams(_Strict):
+def check_webhook_scheme(value: str | None) -> str | None:
+    if value is not None and not value.lower().startswith(("http://", "https://")):
+        raise ValueError("webhook_url must be an http(s) URL")
+    return value
+
+
+def check_metadata(value: dict[str, str]) -> dict[str, str]:
+    s = get_settings()
+    if len(value) > s.metadata_max_pairs:
+        raise ValueError(f"at most {s.metadata_max_pairs} metadata pairs are allowed")
+    for key, item in value.items():
+        if not key or len(key) > s.metadata_max_key_chars:
+            raise ValueError(f"metadata keys must be 1 to {s.metadata_max_key_chars} chars")
+        if len(item) > s.metadata_max_value_chars:
+            raise ValueError(f"metadata values must be at most {s.metadata_max_value_chars}")
+    return value
+
+
+class JobParams(StrictModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -76,7 +94,7 @@ class JobParams(_Strict):
         return stops
 
 
-class JobCreate(_Strict):
+class JobCreate(StrictModel):
     lane: Lane = Lane.STANDARD
     model: str | None = Field(None, min_length=1, max_length=256)
     prompt: str | None = Field(None, min_length=1)
@@ -115,22 +133,12 @@ class JobCreate(_Strict):
     @field_validator("webhook_url")
     @classmethod
     def _webhook_scheme(cls, value: str | None) -> str | None:
-        if value is not None and not value.lower().startswith(("http://", "https://")):
-            raise ValueError("webhook_url must be an http(s) URL")
-        return value
+        return check_webhook_scheme(value)
 
     @field_validator("metadata")
     @classmethod
     def _metadata_bounds(cls, value: dict[str, str]) -> dict[str, str]:
-        s = get_settings()
-        if len(value) > s.metadata_max_pairs:
-            raise ValueError(f"at most {s.metadata_max_pairs} metadata pairs are allowed")
-        for key, item in value.items():
-            if not key or len(key) > s.metadata_max_key_chars:
-                raise ValueError(f"metadata keys must be 1 to {s.metadata_max_key_chars} chars")
-            if len(item) > s.metadata_max_value_chars:
-                raise ValueError(f"metadata values must be at most {s.metadata_max_value_chars}")
-        return value
+        return check_metadata(value)
 
     @field_validator("timeout_s")
     @classmethod
@@ -141,7 +149,7 @@ class JobCreate(_Strict):
         return value
 
 
-class JobBulkCreate(_Strict):
+class JobBulkCreate(StrictModel):
     """``POST /v1/jobs/bulk``: many job bodies, accepted or refused together."""
 
     jobs: list[JobCreate] = Field(min_length=1)
@@ -308,3 +316,147 @@ class WebhookDeliveryList(BaseModel):
     object: Literal["list"] = "list"
     event: WebhookEventOut | None
     data: list[WebhookDeliveryOut]
+
+
+# --- files and batches (OpenAI's Files and Batch APIs) ----------------------------------------
+
+
+class FileOut(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: str
+    status: Literal["processed"] = "processed"
+    expires_at: int | None = None
+    status_details: str | None = None
+
+    @classmethod
+    def from_row(cls, row: File) -> FileOut:
+        return cls(
+            id=row.id,
+            bytes=row.bytes,
+            created_at=int(row.created_at),
+            filename=row.filename,
+            purpose=row.purpose,
+        )
+
+
+class FileList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[FileOut]
+    has_more: bool
+    first_id: str | None
+    last_id: str | None
+
+
+class FileDeleted(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    deleted: bool = True
+
+
+class BatchCreate(StrictModel):
+    input_file_id: str = Field(min_length=1, max_length=64)
+    endpoint: str
+    completion_window: str = Field(
+        description='"24h" as with OpenAI, or any duration like "90s", "30m", "2h" up to '
+        "INFERQ_BATCH_MAX_WINDOW_S."
+    )
+    metadata: dict[str, str] | None = None
+    # inferq's addition: batch.* events are signed and delivered like job events.
+    webhook_url: str | None = Field(None, max_length=2048)
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_bounds(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        return None if value is None else check_metadata(value)
+
+    @field_validator("webhook_url")
+    @classmethod
+    def _webhook_scheme(cls, value: str | None) -> str | None:
+        return check_webhook_scheme(value)
+
+
+class BatchError(BaseModel):
+    code: str
+    message: str
+    param: str | None = None
+    line: int | None = None
+
+
+class BatchErrors(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[BatchError]
+
+
+class RequestCounts(BaseModel):
+    total: int
+    completed: int
+    failed: int
+
+
+class BatchOut(BaseModel):
+    id: str
+    object: Literal["batch"] = "batch"
+    endpoint: str
+    errors: BatchErrors | None
+    input_file_id: str
+    completion_window: str
+    status: str
+    output_file_id: str | None
+    error_file_id: str | None
+    created_at: int
+    in_progress_at: int | None
+    expires_at: int | None
+    finalizing_at: int | None
+    completed_at: int | None
+    failed_at: int | None
+    expired_at: int | None
+    cancelling_at: int | None
+    cancelled_at: int | None
+    request_counts: RequestCounts
+    metadata: dict[str, str] | None
+    webhook_url: str | None
+
+    @classmethod
+    def from_row(cls, batch: Batch, counts: RequestCounts | None = None) -> BatchOut:
+        errors = None
+        if batch.errors:
+            errors = BatchErrors(data=[BatchError(**e) for e in batch.errors])
+        return cls(
+            id=batch.id,
+            endpoint=batch.endpoint,
+            errors=errors,
+            input_file_id=batch.input_file_id,
+            completion_window=batch.completion_window,
+            status=batch.status,
+            output_file_id=batch.output_file_id,
+            error_file_id=batch.error_file_id,
+            created_at=int(batch.created_at),
+            in_progress_at=_secs(batch.in_progress_at),
+            expires_at=_secs(batch.expires_at),
+            finalizing_at=_secs(batch.finalizing_at),
+            completed_at=_secs(batch.completed_at),
+            failed_at=_secs(batch.failed_at),
+            expired_at=_secs(batch.expired_at),
+            cancelling_at=_secs(batch.cancelling_at),
+            cancelled_at=_secs(batch.cancelled_at),
+            request_counts=counts
+            or RequestCounts(
+                total=batch.request_total,
+                completed=batch.request_completed,
+                failed=batch.request_failed,
+            ),
+            metadata=batch.meta or None,
+            webhook_url=batch.webhook_url,
+        )
+
+
+class BatchList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[BatchOut]
+    has_more: bool
+    first_id: str | None
+    last_id: str | None

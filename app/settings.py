@@ -140,6 +140,24 @@ class Settings(BaseSettings):
         5.0, gt=0, description="How often the ops worker looks for due deliveries."
     )
     ops_concurrency: int = Field(8, ge=1, description="Deliveries one ops worker makes at once.")
+
+    # --- OpenAI surface: streaming, files and batches ---------------------------------------
+    relay_ttl_s: float = Field(
+        600.0, gt=0, description="How long a job's relayed tokens stay readable in Redis."
+    )
+    files_dir: Path | None = Field(
+        None, description="Where uploaded and generated files are stored; empty: data_dir/files."
+    )
+    files_max_bytes: int = Field(
+        200 * 1024 * 1024, ge=1, description="Largest file POST /v1/files accepts (413 above)."
+    )
+    batch_max_lines: int = Field(50_000, ge=1, description="Most requests in one batch file.")
+    batch_max_window_s: float = Field(
+        86_400.0, gt=0, description="Longest completion_window a batch may ask for."
+    )
+    batch_sweep_interval_s: float = Field(
+        2.0, gt=0, description="How often the ops worker finalizes finished and expired batches."
+    )
     ops_beat: bool = Field(True, description="The ops worker runs beat (one per deployment).")
 
     @model_validator(mode="after")
@@ -188,6 +206,10 @@ class Settings(BaseSettings):
                 f"(got {self.webhook_retry_schedule!r})"
             )
         return delays
+
+    @property
+    def storage_dir(self) -> Path:
+        return self.files_dir or self.data_dir / "files"
 
     @property
     def base_url(self) -> str:

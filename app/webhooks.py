@@ -34,6 +34,7 @@ from app.settings import Settings
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 JOB_EVENT_PREFIX = "job."
+BATCH_EVENT_PREFIX = "batch."
 SECRET_FILE = "webhook_secret"  # noqa: S105 - a file name, not a secret
 
 

@@ -24,13 +24,11 @@ from dataclasses import dataclass
 
 import httpx
 from sqlalchemy import or_, select, update
-from sqlalchemy.orm import Session
 
-from app import dispatch, webhooks
+from app import dispatch, outbox, webhooks
 from app.db import session_scope
-from app.models import Job, WebhookAttempt, WebhookEvent, WebhookStatus, new_id, now
+from app.models import WebhookAttempt, WebhookEvent, WebhookStatus, new_id, now
 from app.outbox import SWEEP_BATCH
-from app.schemas import JobOut
 from app.settings import Settings
 from workers.executor import with_db_retry
 
@@ -95,6 +93,7 @@ def _claim(event_id: str, settings: Settings) -> Claimed | None:
                 WebhookEvent.type,
                 WebhookEvent.occurred_at,
                 WebhookEvent.job_id,
+                WebhookEvent.batch_id,
                 WebhookEvent.body,
                 WebhookEvent.attempts,
                 WebhookEvent.round_attempts,
@@ -105,18 +104,13 @@ def _claim(event_id: str, settings: Settings) -> Claimed | None:
         body = row.body
         if body is None:
             # Rendered once, at the first attempt: every retry sends the same bytes.
-            body = _render(session, row.type, row.occurred_at, row.job_id)
+            data = outbox.event_data(session, row.job_id, row.batch_id)
+            body = webhooks.render(row.type, row.occurred_at, data)
             session.execute(
                 update(WebhookEvent).where(WebhookEvent.id == event_id).values(body=body)
             )
     kind = "redelivery" if row.round_attempts == 1 and row.attempts > 1 else "scheduled"
     return Claimed(event_id, row.url, body, row.attempts, row.round_attempts, kind)
-
-
-def _render(session: Session, event_type: str, occurred_at: float, job_id: str | None) -> str:
-    job = session.get(Job, job_id) if job_id is not None else None
-    data = JobOut.from_row(job).model_dump(mode="json") if job is not None else {"id": job_id}
-    return webhooks.render(event_type, occurred_at, data)
 
 
 def send(url: str, event_id: str, body: str, settings: Settings) -> Sent:

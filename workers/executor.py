@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 from sqlalchemy import bindparam, select, update
 from sqlalchemy.exc import InterfaceError, OperationalError
 
-from app import jobs, outbox
+from app import dispatch, jobs, outbox, relay
 from app.db import session_scope
 from app.models import LANE_PRIORITY, Job, JobStatus, can_transition, job_update, now
 from app.settings import Settings
@@ -68,6 +68,7 @@ class Claim:
     request: GenRequest
     deadline: float | None
     webhook: bool = False  # the job has a webhook_url: its end creates an event
+    relay: str | None = None  # a caller waits on app/relay.py: "end" or "tokens"
 
 
 @dataclass(frozen=True)
@@ -228,6 +229,7 @@ class Executor:
         self.intake = intake or Intake.from_settings(settings)
         self.recorder = Recorder(self._record_many)
         self.announcer = outbox.Announcer()
+        self.relay = relay.Publisher(dispatch.redis_client())
         self._lock = threading.Lock()
         # job id -> lease token (None until claimed); membership is set before the claim so
         # that a cancel published right after the claim commits is not missed.
@@ -295,7 +297,10 @@ class Executor:
                         if isinstance(outcome, str):
                             ended[outcome] += 1
                         else:
-                            recorded.append((claim, outcome, self.recorder.put(claim, outcome)))
+                            written = self.recorder.put(claim, outcome)
+                            if claim.relay is not None:
+                                written.add_done_callback(partial(self._relay_end, claim))
+                            recorded.append((claim, outcome, written))
                     running |= self._start_from(waiting, len(done), futures)
             except EngineDeadError:
                 unfinished = [c for f, c in futures.items() if not f.done() or f.exception()]
@@ -352,7 +357,9 @@ class Executor:
         claims = [waiting.popleft() for _ in range(min(n, len(waiting)))]
         if not claims:
             return set()
-        started = self.runner.submit_many([(c.request, c.deadline) for c in claims])
+        started = self.runner.submit_many(
+            [(c.request, c.deadline, self._relay_pieces(c)) for c in claims]
+        )
         with self._lock:
             reasons = [self._aborts.get(c.job_id) for c in claims]
         for claim, reason in zip(claims, reasons, strict=True):
@@ -360,6 +367,18 @@ class Executor:
                 self.runner.abort(claim.request.request_id, reason)
         futures.update(zip(started, claims, strict=True))
         return set(started)
+
+    def _relay_pieces(self, claim: Claim) -> Callable[[str, int], None] | None:
+        """The engine's output pieces of a streamed job go to its caller (on the loop thread)."""
+        if claim.relay != "tokens":
+            return None
+        job_id, token, publish = claim.job_id, claim.token, self.relay.piece
+        return lambda text, _tokens: publish(job_id, token, text) if text else None
+
+    def _relay_end(self, claim: Claim, written: concurrent.futures.Future[bool]) -> None:
+        """The outcome is committed (or fenced off): a waiting caller may read the row now."""
+        if not written.cancelled() and written.exception() is None and written.result():
+            self.relay.end(claim.job_id, claim.token)
 
     def _outcome(self, claim: Claim, future: concurrent.futures.Future[GenResult]) -> Outcome | str:
         """The outcome to record, or why nothing is recorded (raises EngineDeadError)."""
@@ -421,6 +440,7 @@ class Executor:
                     Job.created_at,
                     Job.deadline_at,
                     Job.webhook_url,
+                    Job.relay,
                 )
             ).all()
         self.announcer.put(events)
@@ -432,6 +452,7 @@ class Executor:
                 request_for(row, row.lease_token),
                 row.deadline_at,
                 row.webhook_url is not None,
+                row.relay,
             )
             for row in sorted(rows, key=lambda row: order[row.id])
         ]

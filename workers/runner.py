@@ -267,14 +267,16 @@ class Runner:
         return future
 
     def submit_many(
-        self, requests: list[tuple[GenRequest, float | None]]
+        self,
+        requests: list[tuple[GenRequest, float | None, Callable[[str, int], None] | None]],
     ) -> list[concurrent.futures.Future[GenResult]]:
-        """:meth:`submit` for several requests with one wake-up of the loop thread."""
+        """:meth:`submit` for several (request, deadline, on_delta) with one loop wake-up."""
         futures: list[concurrent.futures.Future[GenResult]] = [
             concurrent.futures.Future() for _ in requests
         ]
         batch: list[_Spawn] = [
-            (req, deadline, None, f) for (req, deadline), f in zip(requests, futures, strict=True)
+            (req, deadline, on_delta, f)
+            for (req, deadline, on_delta), f in zip(requests, futures, strict=True)
         ]
         self.loop.call_soon_threadsafe(self._spawn, batch)
         return futures

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from celery import Task
 
-from app.dispatch import DELIVER_WEBHOOK_TASK, RUN_JOBS_TASK, SWEEP_WEBHOOKS_TASK
+from app import batches
+from app.dispatch import (
+    DELIVER_WEBHOOK_TASK,
+    RUN_JOBS_TASK,
+    START_BATCH_TASK,
+    SWEEP_BATCHES_TASK,
+    SWEEP_WEBHOOKS_TASK,
+)
 from app.settings import get_settings
 from workers import delivery, lifecycle
 from workers.celery_app import celery_app
@@ -26,3 +33,15 @@ def deliver_webhook(event_id: str) -> str:
 def sweep_webhooks() -> int:
     """Announce webhook events whose next attempt is due (beat, ops worker)."""
     return delivery.sweep()
+
+
+@celery_app.task(name=START_BATCH_TASK)  # type: ignore[untyped-decorator]
+def start_batch(batch_id: str) -> str:
+    """Validate a batch's input file and start its jobs, or fail it (ops worker)."""
+    return batches.start(batch_id)
+
+
+@celery_app.task(name=SWEEP_BATCHES_TASK)  # type: ignore[untyped-decorator]
+def sweep_batches() -> int:
+    """Expire overdue batches and finalize finished ones (beat, ops worker)."""
+    return batches.sweep()

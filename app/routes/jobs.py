@@ -7,7 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Header, Query, Response
 from sqlalchemy.orm import Session
 
-from app import dispatch, jobs, outbox
+from app import jobs, outbox
 from app.auth import Tenant
 from app.db import get_session
 from app.errors import ApiError
@@ -29,17 +29,6 @@ router = APIRouter(prefix="/v1", tags=["jobs"], responses={"default": {"model": 
 SessionDep = Annotated[Session, Depends(get_session)]
 
 
-def require_broker() -> None:
-    """Refuse work up front when Redis is down, so a 202 is never a job that cannot start."""
-    if not dispatch.redis_ok():
-        raise ApiError(
-            503,
-            "broker_unavailable",
-            "the queue (Redis) is unavailable; retry later",
-            headers={"Retry-After": "5"},
-        )
-
-
 @router.post("/jobs", status_code=202, response_model=JobOut)
 def create_job(
     body: JobCreate,
@@ -49,7 +38,7 @@ def create_job(
     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None,
 ) -> JobOut:
     """Submit a job. 202 means the job is committed and will reach a terminal state."""
-    require_broker()
+    jobs.require_broker()
     job, created = jobs.submit(session, tenant, body, idempotency_key)
     if created:
         jobs.send(session, [(job.id, job.lane)])
@@ -61,7 +50,7 @@ def create_job(
 @router.post("/jobs/bulk", status_code=202, response_model=JobBulkOut)
 def create_jobs(body: JobBulkCreate, tenant: Tenant, session: SessionDep) -> JobBulkOut:
     """Submit many jobs at once: all are committed, or none (a 4xx names the bad one)."""
-    require_broker()
+    jobs.require_broker()
     rows = jobs.submit_many(session, tenant, body.jobs)
     jobs.send(session, [(job.id, job.lane) for job in rows])
     return JobBulkOut(data=[JobOut.from_row(job) for job in rows])
@@ -95,9 +84,8 @@ def list_jobs(
 @router.post("/jobs/{job_id}/cancel", response_model=JobOut)
 def cancel_job(job_id: str, tenant: Tenant, session: SessionDep) -> JobOut:
     """Cancel a job: queued jobs never run, running jobs are aborted in the engine."""
-    job, signal = jobs.cancel(session, tenant, job_id)
-    if signal:
-        dispatch.publish_control("cancel", job_id=job.id)
+    job, running = jobs.cancel(session, tenant, job_id)
+    if running:
         job = jobs.wait_until_terminal(session, job, get_settings().cancel_wait_s)
     return JobOut.from_row(job)
 

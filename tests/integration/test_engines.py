@@ -14,6 +14,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from openai import OpenAI
 
 from tests.conftest import fresh_redis_url
 from tests.support import Stack, wait_until
@@ -119,6 +120,31 @@ def test_vllm_engine_runs_jobs_in_every_lane(vllm_stack: tuple[Stack, int]) -> N
     assert record["engine"] == "vllm" and record["model"] == "inferq-demo"
     assert record["batching"] == "continuous"
     check_results(run_lanes(stack))
+
+
+def test_vllm_streams_chat_completions(vllm_stack: tuple[Stack, int]) -> None:
+    """Tokens relayed from the real engine reach the official client piece by piece."""
+    stack, _ = vllm_stack
+    client = OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    chunks = list(
+        client.chat.completions.create(
+            model="inferq-demo",
+            messages=[{"role": "user", "content": "Hello!"}],
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    pieces = [
+        c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content
+    ]
+    assert len(pieces) > 1
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 24
+    job = stack.wait_job(chunks[0].id)
+    assert job["status"] == "succeeded" and "".join(pieces) == job["result"]["text"]
+    plain = client.completions.create(model="inferq-demo", prompt="def f(x):", max_tokens=8)
+    assert plain.usage is not None and plain.usage.completion_tokens == 8
 
 
 def test_vllm_worker_stops_its_engine_processes(vllm_stack: tuple[Stack, int]) -> None:

@@ -16,7 +16,7 @@ import redis
 from sqlalchemy import select, text, update
 
 from app import db, dispatch
-from app.jobs import build_job
+from app.jobs import job_values
 from app.models import Job, JobStatus, WebhookEvent
 from app.outbox import event_id_for_job
 from app.schemas import JobCreate
@@ -62,7 +62,7 @@ def runner() -> Iterator[Runner]:
 def new_job(prompt: str = "hello", webhook_url: str | None = None) -> str:
     with db.session_scope() as session:
         body = JobCreate(prompt=prompt, params={"max_tokens": 4}, webhook_url=webhook_url)
-        job = build_job("t", body)
+        job = Job(**job_values("t", body))
         session.add(job)
         return job.id
 
@@ -108,7 +108,7 @@ def test_a_worker_that_lost_its_lease_changes_nothing(database: str, runner: Run
 def test_a_job_found_overdue_at_claim_expires_with_its_event(database: str, runner: Runner) -> None:
     with db.session_scope() as session:
         body = JobCreate(prompt="late", timeout_s=0.05, webhook_url="https://8.8.8.8/hook")
-        job = build_job("t", body)
+        job = Job(**job_values("t", body))
         session.add(job)
     plain = new_job()  # claimed in the same transaction; it has no webhook_url
     time.sleep(0.1)
@@ -260,8 +260,8 @@ def test_a_job_that_left_the_engine_is_not_taken_for_a_lost_lease(
     """A chunk's short job ends long before its long one; heartbeats meanwhile abort nothing."""
     with db.session_scope() as session:
         jobs = [
-            build_job("t", JobCreate(prompt="short", params={"max_tokens": 2})),
-            build_job("t", JobCreate(prompt="long", params={"max_tokens": 3000})),
+            Job(**job_values("t", JobCreate(prompt="short", params={"max_tokens": 2}))),
+            Job(**job_values("t", JobCreate(prompt="long", params={"max_tokens": 3000}))),
         ]
         session.add_all(jobs)
     short, long = (job.id for job in jobs)

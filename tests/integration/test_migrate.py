@@ -30,6 +30,8 @@ def test_migrate_creates_the_schema_on_empty_postgres(
         "idempotency_keys",
         "webhook_events",
         "webhook_attempts",
+        "files",
+        "batches",
     }
     with engine.connect() as conn:
         head = conn.execute(text("SELECT version_num FROM alembic_version")).scalar()

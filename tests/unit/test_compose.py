@@ -47,6 +47,9 @@ def test_services_and_their_guarantees() -> None:
     assert services["worker-cpu"]["profiles"] == ["cpu"]
     assert services["ops"]["command"] == ["inferq", "ops"]
     assert any(v.endswith(":/data") for v in services["ops"]["volumes"])
+    # Uploaded batch files are written by the API and read by the ops worker.
+    files_volume = {v for v in services["api"]["volumes"] if v.endswith(":/files")}
+    assert files_volume and files_volume <= set(services["ops"]["volumes"])
     flower = services["flower"]
     assert all(port.startswith("127.0.0.1:") for port in flower["ports"])
     assert any(arg.startswith("--basic-auth=") for arg in flower["command"])

@@ -18,7 +18,7 @@ from workers.bench import report
 from workers.bench.harness import environment, postgres_answers
 from workers.bench.scenarios import SCENARIOS, Options
 
-ALL = ("efficiency", "ladder", "mixed", "ceiling", "scaleout", "peer")
+ALL = ("efficiency", "ladder", "mixed", "ceiling", "scaleout", "batchfile", "peer")
 
 
 def _interrupt(signum: int, _frame: FrameType | None) -> None:

@@ -141,6 +141,12 @@ class BenchStack:
         wait_ready(f"worker{index}", 900, announced, child, poll_s=POLL_S)
         return child
 
+    def add_ops(self) -> Child:
+        """The ops worker (batches, webhooks, beat); ready once its Celery worker says so."""
+        child = self.spawn("ops", [sys.executable, "-m", "app.cli", "ops"])
+        wait_ready("ops", 120, lambda: " ready." in child.tail(200), child, poll_s=POLL_S)
+        return child
+
     def db(self) -> Engine:
         if self._db is None:
             self._db = create_engine(self.database_url)

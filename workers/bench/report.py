@@ -84,6 +84,19 @@ def markdown(results: dict[str, Any]) -> str:
             metrics = result.get(variant) or {}
             cells = " | ".join(_fmt(metrics.get(key)) for key, _ in COLUMNS)
             lines.append(f"| {scenario} | {variant} | {cells} |")
+    batch = results.get("batchfile")
+    if batch and "skipped" not in batch:
+        memory = batch["memory_mb"]
+        lines += [
+            "",
+            "| batchfile | lines | file MB | upload s | validate + start s | lines/s "
+            "| API RSS growth MB | ops RSS growth MB |",
+            "|---|---|---|---|---|---|---|---|",
+            f"| {batch['database']} | {batch['lines']:,} | {_fmt(batch['file_mb'])} "
+            f"| {_fmt(batch['upload_s'])} | {_fmt(batch['validate_and_start_s'])} "
+            f"| {_fmt(batch['lines_per_s'])} | {_fmt(memory['api']['growth'])} "
+            f"| {_fmt(memory['ops']['growth'])} |",
+        ]
     machine = results.get("machine", {})
     lines += [
         "",

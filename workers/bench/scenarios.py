@@ -7,6 +7,7 @@ baselines through the same engine in this process.
 
 from __future__ import annotations
 
+import json
 import random
 import time
 from collections.abc import Callable
@@ -296,10 +297,89 @@ def scaleout(opts: Options) -> dict[str, Any]:
     }
 
 
+def _rss_mb(pid: int) -> dict[str, float]:
+    """Resident memory now and at its peak (Linux ``VmRSS`` / ``VmHWM``), in MiB."""
+    fields = {}
+    for row in Path(f"/proc/{pid}/status").read_text().splitlines():
+        name, _, value = row.partition(":")
+        if name in ("VmRSS", "VmHWM"):
+            fields[name] = int(value.split()[0]) / 1024
+    return {"rss_mb": fields["VmRSS"], "peak_mb": fields["VmHWM"]}
+
+
+def batchfile(opts: Options) -> dict[str, Any]:
+    """A large batch input file: upload, validation and the start of its jobs, and memory.
+
+    No inference worker runs: what is measured is the file's way in (API upload, the ops
+    worker's two streaming passes and the insert of one job per line), not generation.
+    """
+    n = max(8, int(50_000 * opts.scale))
+    prompt = " ".join(_VOCAB[i % len(_VOCAB)] for i in range(160))  # ~1 KB per line
+    with BenchStack(opts.postgres, opts.stack_env(), opts.workdir) as stack:
+        stack.start(workers=0)
+        ops = stack.add_ops()
+        api = next(c for c in stack.children if c.name == "api")
+        assert api.proc is not None and ops.proc is not None
+        path = stack.workdir / "input.jsonl"
+        with path.open("w") as out:
+            for i in range(n):
+                body = {
+                    "model": opts.settings().model_name,
+                    "messages": [{"role": "user", "content": f"{i} {prompt}"}],
+                    "max_tokens": 16,
+                }
+                line = {"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions"}
+                out.write(json.dumps({**line, "body": body}) + "\n")
+        size = path.stat().st_size
+        before = {"api": _rss_mb(api.proc.pid), "ops": _rss_mb(ops.proc.pid)}
+        opts.progress("batchfile: upload", 0, 3)
+        with httpx.Client(base_url=stack.url, timeout=600) as c:
+            started = time.perf_counter()
+            with path.open("rb") as f:
+                uploaded = c.post("/v1/files", files={"file": f}, data={"purpose": "batch"})
+            upload_s = time.perf_counter() - started
+            if uploaded.status_code != 200:
+                raise RuntimeError(f"upload failed: {uploaded.status_code} {uploaded.text[:300]}")
+            opts.progress("batchfile: validate and start", 1, 3)
+            created = time.perf_counter()
+            body = {
+                "input_file_id": uploaded.json()["id"],
+                "endpoint": "/v1/chat/completions",
+                "completion_window": "24h",
+            }
+            batch = c.post("/v1/batches", json=body).json()
+            while batch["status"] == "validating":
+                time.sleep(0.05)
+                batch = c.get(f"/v1/batches/{batch['id']}").json()
+            start_s = time.perf_counter() - created
+            opts.progress("batchfile: done", 3, 3)
+        after = {"api": _rss_mb(api.proc.pid), "ops": _rss_mb(ops.proc.pid)}
+    if batch["status"] != "in_progress":
+        raise RuntimeError(f"the batch did not start: {batch['status']} {batch.get('errors')}")
+    return {
+        "engine": "none (no inference worker)",
+        "lines": n,
+        "file_mb": size / 2**20,
+        "upload_s": upload_s,
+        "validate_and_start_s": start_s,
+        "lines_per_s": n / start_s,
+        "database": "postgresql",
+        "memory_mb": {
+            who: {
+                "before": before[who]["rss_mb"],
+                "peak": after[who]["peak_mb"],
+                "growth": after[who]["peak_mb"] - before[who]["rss_mb"],
+            }
+            for who in ("api", "ops")
+        },
+    }
+
+
 SCENARIOS: dict[str, Callable[[Options], dict[str, Any]]] = {
     "efficiency": efficiency,
     "ladder": ladder,
     "mixed": mixed,
     "ceiling": ceiling,
     "scaleout": scaleout,
+    "batchfile": batchfile,
 }

@@ -1,0 +1,602 @@
+"""Batches (OpenAI's Batch API): a file of requests that run as bulk jobs, and what they produce.
+
+Life of a batch::
+
+    validating ──► in_progress ──► finalizing ──► completed | expired
+        │               │
+        ▼               ▼
+      failed       cancelling ──► cancelled
+
+- ``POST /v1/batches`` writes the row (``validating``) and asks the ops worker to start it
+  (:func:`start`). The file is read twice, streaming, never whole: the first pass checks every
+  line (JSON, unique ``custom_id``, ``method`` POST, ``url`` equal to the batch's endpoint, a
+  body the endpoint itself would accept, at most ``batch_max_lines``); any error fails the
+  batch with line-numbered ``errors`` and nothing is enqueued. The second pass inserts one
+  bulk job per line and moves the batch to ``in_progress`` in the same transaction, so the
+  jobs exist exactly when the batch says so; they are enqueued after the commit, in chunks.
+- Every batch job's deadline is the batch's ``expires_at``: a worker expires or aborts it like
+  any job past its ``timeout_s``; at expiry the sweep also expires the jobs still queued.
+- Cancel marks the batch ``cancelling``, cancels its queued jobs and aborts its running ones.
+- The ops worker's beat sweep (:func:`sweep`) finalizes a batch once none of its jobs is left
+  to run: it streams the jobs into an output file (succeeded lines) and an error file (the
+  rest), freezes ``request_counts`` and moves the batch to its final status; a ``webhook_url``
+  (inferq's addition) gets the ``batch.<status>`` event in that same transaction.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Iterator
+from typing import Any, BinaryIO
+
+from pydantic import ValidationError
+from sqlalchemy import func, select, update
+from sqlalchemy.orm import Session
+
+from app import dispatch, files, jobs, outbox, storage
+from app.db import session_scope
+from app.errors import ApiError, param_path
+from app.models import (
+    BATCH_TERMINAL,
+    TERMINAL,
+    Batch,
+    BatchStatus,
+    Job,
+    JobStatus,
+    Lane,
+    can_transition,
+    new_id,
+    now,
+)
+from app.openai_compat import ENDPOINTS, REQUEST_TYPES, job_error, response_body
+from app.schemas import BatchCreate, JobCreate, RequestCounts
+from app.settings import get_settings
+
+log = logging.getLogger("inferq.batches")
+
+MAX_ERRORS = 100  # validation stops after this many bad lines
+MAX_CUSTOM_ID = 512
+SEND_CHUNK = 5000  # (job id, lane) pairs per enqueue call
+READ_PAGE = 1000  # jobs per page while writing outputs
+RESTART_AFTER_S = 60.0  # a batch left validating this long (lost message) is started again
+REFINALIZE_AFTER_S = 300.0  # a batch left finalizing this long (ops worker died) is redone
+_WINDOW = re.compile(r"^(\d+)([smh])$")
+_UNIT_S = {"s": 1, "m": 60, "h": 3600}
+
+
+def window_seconds(value: str) -> float:
+    match = _WINDOW.match(value)
+    top = get_settings().batch_max_window_s
+    seconds = int(match[1]) * _UNIT_S[match[2]] if match else 0
+    if not 0 < seconds <= top:
+        raise ApiError(
+            422,
+            "invalid_completion_window",
+            f'completion_window must be a duration such as "24h", "30m" or "90s", '
+            f"at most {int(top)} seconds (got {value!r})",
+            param="completion_window",
+        )
+    return float(seconds)
+
+
+# --- API side --------------------------------------------------------------------------------
+
+
+def create(session: Session, tenant: str, body: BatchCreate) -> Batch:
+    if body.endpoint not in ENDPOINTS:
+        raise ApiError(
+            422,
+            "invalid_endpoint",
+            f"endpoint must be one of {', '.join(ENDPOINTS)} (got {body.endpoint!r})",
+            param="endpoint",
+        )
+    window = window_seconds(body.completion_window)
+    source = files.get(session, tenant, body.input_file_id)
+    if source.purpose != "batch":
+        raise ApiError(
+            422,
+            "invalid_input_file",
+            f"file {source.id} has purpose {source.purpose!r}; a batch reads purpose 'batch'",
+            param="input_file_id",
+        )
+    jobs.check_webhook_url(body.webhook_url)
+    stamp = now()
+    batch = Batch(
+        id=new_id("batch"),
+        tenant=tenant,
+        endpoint=body.endpoint,
+        input_file_id=source.id,
+        completion_window=body.completion_window,
+        status=BatchStatus.VALIDATING,
+        meta=dict(body.metadata or {}),
+        webhook_url=body.webhook_url,
+        request_total=0,
+        request_completed=0,
+        request_failed=0,
+        created_at=stamp,
+        expires_at=stamp + window,
+        updated_at=stamp,
+    )
+    session.add(batch)
+    session.commit()
+    dispatch.start_batch(batch.id)
+    return batch
+
+
+def get(session: Session, tenant: str, batch_id: str) -> Batch:
+    batch = session.get(Batch, batch_id)
+    if batch is None or batch.tenant != tenant:
+        raise ApiError(404, "batch_not_found", f"no batch {batch_id!r}", param="batch_id")
+    return batch
+
+
+def list_page(
+    session: Session, tenant: str, *, limit: int, after: str | None
+) -> tuple[list[Batch], bool]:
+    query = select(Batch).where(Batch.tenant == tenant)
+    if after is not None:
+        query = query.where(Batch.id < after)
+    rows = list(session.scalars(query.order_by(Batch.id.desc()).limit(limit + 1)))
+    return rows[:limit], len(rows) > limit
+
+
+def counts(session: Session, batch: Batch) -> RequestCounts:
+    """Live counts while the batch runs; frozen ones once it has ended."""
+    if batch.status in BATCH_TERMINAL or batch.status == BatchStatus.VALIDATING:
+        return RequestCounts(
+            total=batch.request_total,
+            completed=batch.request_completed,
+            failed=batch.request_failed,
+        )
+    by_status = dict(
+        session.execute(
+            select(Job.status, func.count()).where(Job.batch_id == batch.id).group_by(Job.status)
+        ).all()
+    )
+    completed = by_status.get(JobStatus.SUCCEEDED, 0)
+    ended = sum(n for status, n in by_status.items() if status in TERMINAL)
+    return RequestCounts(total=batch.request_total, completed=completed, failed=ended - completed)
+
+
+def cancel(session: Session, tenant: str, batch_id: str) -> Batch:
+    """Stop a batch: queued lines never run, running ones are aborted, finished ones are kept."""
+    batch = get(session, tenant, batch_id)
+    if batch.status == BatchStatus.CANCELLING:
+        return batch
+    if batch.status not in (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS):
+        raise ApiError(
+            409,
+            "batch_not_cancellable",
+            f"a batch that is {batch.status} cannot be cancelled",
+            param="batch_id",
+        )
+    stamp = now()
+    moved = session.execute(
+        update(Batch)
+        .where(Batch.id == batch.id, Batch.status == batch.status)
+        .values(status=BatchStatus.CANCELLING, cancelling_at=stamp, updated_at=stamp)
+    )
+    if not moved.rowcount:  # type: ignore[attr-defined]
+        session.rollback()
+        session.refresh(batch)
+        return cancel(session, tenant, batch_id)  # it moved on meanwhile: judge it again
+    _stop_jobs(session, batch.id, stamp, JobStatus.CANCELLED, "batch_cancelled")
+    session.commit()
+    session.refresh(batch)
+    return batch
+
+
+def _stop_jobs(session: Session, batch_id: str, stamp: float, to: str, code: str) -> None:
+    """End a batch's queued jobs with ``to``, and tell workers to abort its running ones."""
+    assert can_transition(JobStatus.QUEUED, to)
+    why = {
+        "batch_cancelled": "the batch was cancelled",
+        "batch_expired": "the batch's completion window ended before this request ran",
+    }[code]
+    session.execute(
+        update(Job)
+        .where(Job.batch_id == batch_id, Job.status == JobStatus.QUEUED)
+        .values(
+            status=to,
+            finished_at=stamp,
+            updated_at=stamp,
+            cancel_requested_at=stamp,
+            error_code=code,
+            error_message=why,
+        )
+        .execution_options(synchronize_session=False)
+    )
+    running = list(
+        session.scalars(
+            update(Job)
+            .where(Job.batch_id == batch_id, Job.status == JobStatus.RUNNING)
+            .values(cancel_requested_at=stamp, updated_at=stamp)
+            .returning(Job.id)
+            .execution_options(synchronize_session=False)
+        )
+    )
+    for job_id in running:
+        dispatch.publish_control("cancel", job_id=job_id)
+
+
+# --- ops worker: validate and start ----------------------------------------------------------
+
+
+class LineError(Exception):
+    def __init__(self, code: str, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.param = param
+
+
+def _lines(source: BinaryIO, limit: int) -> Iterator[tuple[int, bytes | None]]:
+    """(line number, bytes) of the non-blank lines; bytes None for a line over ``limit``."""
+    number = 0
+    while True:
+        raw = source.readline(limit + 1)
+        if not raw:
+            return
+        number += 1
+        if len(raw) > limit and not raw.endswith(b"\n"):
+            while (rest := source.readline(limit)) and not rest.endswith(b"\n"):
+                pass  # skip the rest of an over-long line
+            yield number, None
+            continue
+        if raw.strip():
+            yield number, raw
+
+
+def _parse(raw: bytes | None, endpoint: str, limit: int) -> tuple[str, JobCreate]:
+    """One line's custom_id and job body; raises LineError naming what is wrong."""
+    if raw is None:
+        raise LineError("line_too_long", f"the line is longer than {limit} bytes")
+    try:
+        line = json.loads(raw)
+    except ValueError as exc:
+        raise LineError("invalid_json", f"the line is not valid JSON: {exc}") from None
+    if not isinstance(line, dict):
+        raise LineError("invalid_line", "each line must be a JSON object")
+    extra = set(line) - {"custom_id", "method", "url", "body"}
+    if extra:
+        raise LineError("invalid_line", f"unknown key {sorted(extra)[0]!r}", sorted(extra)[0])
+    custom_id = line.get("custom_id")
+    if not isinstance(custom_id, str) or not 0 < len(custom_id) <= MAX_CUSTOM_ID:
+        raise LineError(
+            "invalid_custom_id",
+            f"custom_id must be a string of 1 to {MAX_CUSTOM_ID} characters",
+            "custom_id",
+        )
+    if line.get("method") != "POST":
+        raise LineError("invalid_method", "method must be POST", "method")
+    if line.get("url") != endpoint:
+        raise LineError(
+            "mismatched_url",
+            f"url must be the batch's endpoint {endpoint} (got {line.get('url')!r})",
+            "url",
+        )
+    body = line.get("body")
+    if not isinstance(body, dict):
+        raise LineError("invalid_body", "body must be a JSON object", "body")
+    if body.get("stream"):
+        raise LineError("invalid_body", "stream is not supported in a batch", "body.stream")
+    try:
+        request = REQUEST_TYPES[endpoint].model_validate(body)
+        job = request.job()
+        jobs.check_model(job.model)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = param_path(("body", *first["loc"]))
+        message = str(first["msg"]).removeprefix("Value error, ")
+        raise LineError(str(first["type"]), f"body.{param}: {message}", f"body.{param}") from None
+    except ApiError as exc:
+        param = f"body.{exc.param}" if exc.param else "body"
+        raise LineError(exc.code, f"body: {exc.message}", param) from None
+    return custom_id, job
+
+
+def _validate(batch: Batch) -> tuple[list[dict[str, Any]], int]:
+    """First pass over the input: (errors, number of requests)."""
+    settings = get_settings()
+    limit, most = settings.max_body_bytes, settings.batch_max_lines
+    errors: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    count = 0
+    try:
+        source = storage.open_file(batch.input_file_id)
+    except FileNotFoundError:
+        return [_error("file_not_found", f"file {batch.input_file_id} was deleted", None, None)], 0
+    with source:
+        for number, raw in _lines(source, limit):
+            count += 1
+            if count > most:
+                errors.append(
+                    _error(
+                        "too_many_requests", f"a batch holds at most {most} requests", None, number
+                    )
+                )
+                break
+            try:
+                custom_id, _ = _parse(raw, batch.endpoint, limit)
+                if custom_id in seen:
+                    raise LineError(
+                        "duplicate_custom_id",
+                        f"custom_id {custom_id!r} is used by an earlier line",
+                        "custom_id",
+                    )
+                seen.add(custom_id)
+            except LineError as exc:
+                errors.append(_error(exc.code, exc.message, exc.param, number))
+                if len(errors) >= MAX_ERRORS:
+                    break
+    if not errors and count == 0:
+        errors.append(_error("empty_file", "the input file has no requests", None, None))
+    return errors, count
+
+
+def _error(code: str, message: str, param: str | None, line: int | None) -> dict[str, Any]:
+    return {"code": code, "message": message, "param": param, "line": line}
+
+
+def start(batch_id: str) -> str:
+    """Validate a ``validating`` batch and start its jobs, or fail it (ops worker)."""
+    with session_scope() as session:
+        batch = session.get(Batch, batch_id)
+        if batch is None:
+            return "missing"
+        if batch.status == BatchStatus.CANCELLING and batch.request_total == 0:
+            return "cancelled before it started"  # the sweep finalizes it
+        if batch.status != BatchStatus.VALIDATING:
+            return f"already {batch.status}"
+        session.expunge(batch)
+    errors, count = _validate(batch)
+    stamp = now()
+    if errors:
+        with session_scope() as session:
+            failed = session.execute(
+                update(Batch)
+                .where(Batch.id == batch_id, Batch.status == BatchStatus.VALIDATING)
+                .values(
+                    status=BatchStatus.FAILED,
+                    errors=errors,
+                    failed_at=stamp,
+                    updated_at=stamp,
+                )
+            ).rowcount  # type: ignore[attr-defined]
+            events = _record_event(session, batch_id, stamp) if failed else []
+        outbox.announce(events)
+        log.info("batch %s failed validation (%d errors)", batch_id, len(errors))
+        return "failed"
+    ids = _insert_jobs(batch, count, stamp)
+    if ids is None:
+        return "cancelled while validating"
+    pairs = [(job_id, str(Lane.BULK)) for job_id in ids]
+    with session_scope() as session:
+        for i in range(0, len(pairs), SEND_CHUNK):
+            jobs.send(session, pairs[i : i + SEND_CHUNK])
+    log.info("batch %s in progress: %d requests", batch_id, count)
+    return "in_progress"
+
+
+def _insert_jobs(batch: Batch, count: int, stamp: float) -> list[str] | None:
+    """Second pass: one bulk job per line, and the batch in_progress, in one transaction."""
+    limit = get_settings().max_body_bytes
+    ids: list[str] = []
+    with session_scope() as session:
+        connection = session.connection()
+        rows: list[dict[str, Any]] = []
+        with storage.open_file(batch.input_file_id) as source:
+            for number, raw in _lines(source, limit):
+                custom_id, body = _parse(raw, batch.endpoint, limit)
+                row = jobs.job_values(batch.tenant, body)
+                row.update(
+                    lane=Lane.BULK.value,
+                    batch_id=batch.id,
+                    custom_id=custom_id,
+                    batch_line=number,
+                    timeout_s=None,
+                    deadline_at=batch.expires_at,
+                )
+                ids.append(row["id"])
+                rows.append(row)
+                if len(rows) == jobs.INSERT_CHUNK:
+                    jobs.insert_rows(connection, rows)
+                    rows = []
+        jobs.insert_rows(connection, rows)
+        started = connection.execute(
+            update(Batch)
+            .where(Batch.id == batch.id, Batch.status == BatchStatus.VALIDATING)
+            .values(
+                status=BatchStatus.IN_PROGRESS,
+                in_progress_at=stamp,
+                request_total=count,
+                updated_at=stamp,
+            )
+        ).rowcount
+        if not started:
+            session.rollback()  # cancelled meanwhile: no job was ever visible
+            return None
+    return ids
+
+
+# --- ops worker: expire and finalize ----------------------------------------------------------
+
+
+def sweep() -> int:
+    """Start lost batches, expire overdue ones, finalize finished ones; returns batches moved."""
+    stamp = now()
+    moved = 0
+    with session_scope() as session:
+        rows = session.execute(
+            select(Batch.id, Batch.status, Batch.expires_at, Batch.expired_at, Batch.updated_at)
+            .where(Batch.status.not_in(list(BATCH_TERMINAL)))
+            .order_by(Batch.id)
+        ).all()
+    for row in rows:
+        try:
+            if row.status == BatchStatus.VALIDATING:
+                if row.updated_at < stamp - RESTART_AFTER_S:
+                    moved += dispatch.start_batch(row.id)
+                continue
+            if row.status == BatchStatus.FINALIZING:
+                if row.updated_at < stamp - REFINALIZE_AFTER_S:
+                    moved += finalize(row.id, redo=True)
+                continue
+            if row.status == BatchStatus.IN_PROGRESS and row.expires_at <= stamp:
+                _expire(row.id, stamp)
+            moved += finalize(row.id)
+        except Exception:
+            log.exception("sweeping batch %s failed", row.id)
+    return moved
+
+
+def _expire(batch_id: str, stamp: float) -> None:
+    with session_scope() as session:
+        marked = session.execute(
+            update(Batch)
+            .where(Batch.id == batch_id, Batch.expired_at.is_(None))
+            .values(expired_at=stamp, updated_at=stamp)
+        ).rowcount  # type: ignore[attr-defined]
+        if marked:
+            _stop_jobs(session, batch_id, stamp, JobStatus.EXPIRED, "batch_expired")
+
+
+def finalize(batch_id: str, *, redo: bool = False) -> bool:
+    """Write the outputs of a batch none of whose jobs is left to run; False if it is not done."""
+    with session_scope() as session:
+        pending = session.scalar(
+            select(func.count())
+            .select_from(Job)
+            .where(Job.batch_id == batch_id, Job.status.not_in(list(TERMINAL)))
+        )
+        if pending:
+            return False
+        batch = session.get(Batch, batch_id)
+        assert batch is not None
+        cancelled = batch.status == BatchStatus.CANCELLING
+        if not cancelled:
+            # The claim: one sweeper finalizes; the others see it moved.
+            expect = BatchStatus.FINALIZING if redo else BatchStatus.IN_PROGRESS
+            stamp = now()
+            claimed = session.execute(
+                update(Batch)
+                .where(Batch.id == batch_id, Batch.status == expect)
+                .values(status=BatchStatus.FINALIZING, finalizing_at=stamp, updated_at=stamp)
+            ).rowcount  # type: ignore[attr-defined]
+            if not claimed:
+                return False
+        session.expunge(batch)
+    output_id, error_id, completed, failed = _write_outputs(batch)
+    final = (
+        BatchStatus.CANCELLED
+        if cancelled
+        else BatchStatus.EXPIRED
+        if batch.expired_at is not None
+        else BatchStatus.COMPLETED
+    )
+    stamp = now()
+    ended_at = {
+        BatchStatus.CANCELLED: "cancelled_at",
+        BatchStatus.COMPLETED: "completed_at",
+        BatchStatus.EXPIRED: "expired_at",
+    }[final]
+    with session_scope() as session:
+        done = session.execute(
+            update(Batch)
+            .where(
+                Batch.id == batch_id,
+                Batch.status == (BatchStatus.CANCELLING if cancelled else BatchStatus.FINALIZING),
+            )
+            .values(
+                status=final,
+                output_file_id=output_id,
+                error_file_id=error_id,
+                request_completed=completed,
+                request_failed=failed,
+                updated_at=stamp,
+                **{ended_at: batch.expired_at if final == BatchStatus.EXPIRED else stamp},
+            )
+        ).rowcount  # type: ignore[attr-defined]
+        if not done:
+            for file_id in (output_id, error_id):
+                if file_id is not None:
+                    storage.delete(file_id)
+            session.rollback()
+            return False
+        for file_id, name in ((output_id, "output"), (error_id, "errors")):
+            if file_id is not None:
+                files.record_output(
+                    session,
+                    batch.tenant,
+                    file_id,
+                    f"{batch.id}_{name}.jsonl",
+                    storage.path(file_id).stat().st_size,
+                )
+        events = _record_event(session, batch_id, stamp)
+    outbox.announce(events)
+    log.info("batch %s %s: %d completed, %d failed", batch_id, final, completed, failed)
+    return True
+
+
+def _write_outputs(batch: Batch) -> tuple[str | None, str | None, int, int]:
+    """Stream the batch's jobs into an output and an error file; (ids or None, counts)."""
+    output_id, error_id = new_id("file"), new_id("file")
+    completed = failed = 0
+    with storage.writer(output_id) as out, storage.writer(error_id) as err, session_scope() as s:
+        query = (
+            select(Job)
+            .where(Job.batch_id == batch.id)
+            .order_by(Job.batch_line)
+            .execution_options(yield_per=READ_PAGE)
+        )
+        for job in s.scalars(query):
+            line = _output_line(job, batch)
+            if job.status == JobStatus.SUCCEEDED:
+                completed += 1
+                out.write(line)
+            else:
+                failed += 1
+                err.write(line)
+            s.expunge(job)
+    if not completed:
+        storage.delete(output_id)
+    if not failed:
+        storage.delete(error_id)
+    return (output_id if completed else None, error_id if failed else None, completed, failed)
+
+
+def _output_line(job: Job, batch: Batch) -> bytes:
+    """A line of OpenAI's output format: ``{id, custom_id, response, error}``."""
+    record: dict[str, Any] = {
+        "id": "batch_req_" + job.id.removeprefix("job_"),
+        "custom_id": job.custom_id,
+        "response": None,
+        "error": None,
+    }
+    if job.status == JobStatus.SUCCEEDED:
+        record["response"] = {"status_code": 200, "request_id": job.id, "body": response_body(job)}
+    elif job.status == JobStatus.CANCELLED:
+        record["error"] = {
+            "code": "batch_cancelled",
+            "message": "the batch was cancelled before this request finished",
+        }
+    elif job.status == JobStatus.EXPIRED and batch.expired_at is not None:
+        record["error"] = {
+            "code": "batch_expired",
+            "message": "this request could not be executed before the completion window expired",
+        }
+    else:
+        error = job_error(job)
+        record["response"] = {
+            "status_code": error.status,
+            "request_id": job.id,
+            "body": {"error": {"code": error.code, "message": error.message}},
+        }
+    return (json.dumps(record, separators=(",", ":")) + "\n").encode()
+
+
+def _record_event(session: Session, batch_id: str, stamp: float) -> list[str]:
+    """The batch's ``batch.<status>`` webhook event, in the caller's transaction."""
+    return outbox.record_batch_event(session.connection(), batch_id, stamp)

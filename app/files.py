@@ -1,0 +1,95 @@
+"""Files (OpenAI's Files API): uploaded batch inputs and the outputs batches produce.
+
+The row says what a file is; its bytes are in app/storage.py. An upload is stored first and its
+row committed after, so a row always has its bytes; a row that cannot be committed removes the
+bytes again. Users upload ``purpose=batch``; batches write ``batch_output`` files.
+"""
+
+from __future__ import annotations
+
+from typing import BinaryIO
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from app import storage
+from app.errors import ApiError
+from app.models import File, new_id, now
+from app.settings import get_settings
+
+UPLOAD_PURPOSES = ("batch",)
+OUTPUT_PURPOSE = "batch_output"
+
+
+def upload(session: Session, tenant: str, source: BinaryIO, filename: str, purpose: str) -> File:
+    if purpose not in UPLOAD_PURPOSES:
+        raise ApiError(
+            422,
+            "invalid_purpose",
+            f"purpose must be one of {', '.join(UPLOAD_PURPOSES)} (got {purpose!r})",
+            param="purpose",
+        )
+    file_id = new_id("file")
+    limit = get_settings().files_max_bytes
+    try:
+        size = storage.save(file_id, source, limit)
+    except storage.TooLarge:
+        raise ApiError(
+            413, "file_too_large", f"the file is larger than {limit} bytes", param="file"
+        ) from None
+    return _commit(session, tenant, file_id, filename, purpose, size)
+
+
+def record_output(session: Session, tenant: str, file_id: str, filename: str, size: int) -> File:
+    """The row of a file a batch has written with ``storage.writer(file_id)``."""
+    return _commit(session, tenant, file_id, filename, OUTPUT_PURPOSE, size)
+
+
+def _commit(
+    session: Session, tenant: str, file_id: str, filename: str, purpose: str, size: int
+) -> File:
+    row = File(
+        id=file_id,
+        tenant=tenant,
+        purpose=purpose,
+        filename=filename[:255] or file_id,
+        bytes=size,
+        created_at=now(),
+    )
+    try:
+        session.add(row)
+        session.commit()
+    except BaseException:
+        session.rollback()
+        storage.delete(file_id)
+        raise
+    return row
+
+
+def get(session: Session, tenant: str, file_id: str) -> File:
+    row = session.get(File, file_id)
+    if row is None or row.tenant != tenant:
+        raise ApiError(404, "file_not_found", f"no file {file_id!r}", param="file_id")
+    return row
+
+
+def list_page(
+    session: Session, tenant: str, *, purpose: str | None, limit: int, after: str | None
+) -> tuple[list[File], bool]:
+    """Newest first; ``after`` is the last id of the previous page."""
+    query = select(File).where(File.tenant == tenant)
+    if purpose is not None:
+        query = query.where(File.purpose == purpose)
+    if after is not None:
+        query = query.where(File.id < after)
+    rows = list(session.scalars(query.order_by(File.id.desc()).limit(limit + 1)))
+    return rows[:limit], len(rows) > limit
+
+
+def delete(session: Session, tenant: str, file_id: str) -> File:
+    """Remove the row, then the bytes (a batch that already read its input is unaffected)."""
+    row = get(session, tenant, file_id)
+    session.delete(row)
+    session.commit()
+    storage.delete(file_id)
+    return row
