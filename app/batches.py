@@ -35,7 +35,7 @@ from pydantic import ValidationError
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
-from app import dispatch, files, jobs, outbox, storage
+from app import dispatch, files, jobs, outbox, queries, storage
 from app.db import session_scope
 from app.errors import ApiError, param_path
 from app.models import (
@@ -126,20 +126,14 @@ def create(session: Session, tenant: str, body: BatchCreate) -> Batch:
 
 
 def get(session: Session, tenant: str, batch_id: str) -> Batch:
-    batch = session.get(Batch, batch_id)
-    if batch is None or batch.tenant != tenant:
-        raise ApiError(404, "batch_not_found", f"no batch {batch_id!r}", param="batch_id")
-    return batch
+    return queries.owned(session, Batch, tenant, batch_id, "batch")
 
 
 def list_page(
     session: Session, tenant: str, *, limit: int, after: str | None
 ) -> tuple[list[Batch], bool]:
     query = select(Batch).where(Batch.tenant == tenant)
-    if after is not None:
-        query = query.where(Batch.id < after)
-    rows = list(session.scalars(query.order_by(Batch.id.desc()).limit(limit + 1)))
-    return rows[:limit], len(rows) > limit
+    return queries.page(session, query, Batch.id, limit, after)
 
 
 def counts(session: Session, batch: Batch) -> RequestCounts:

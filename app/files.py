@@ -12,7 +12,7 @@ from typing import BinaryIO
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from app import storage
+from app import queries, storage
 from app.errors import ApiError
 from app.models import File, new_id, now
 from app.settings import get_settings
@@ -67,10 +67,7 @@ def _commit(
 
 
 def get(session: Session, tenant: str, file_id: str) -> File:
-    row = session.get(File, file_id)
-    if row is None or row.tenant != tenant:
-        raise ApiError(404, "file_not_found", f"no file {file_id!r}", param="file_id")
-    return row
+    return queries.owned(session, File, tenant, file_id, "file")
 
 
 def list_page(
@@ -80,10 +77,7 @@ def list_page(
     query = select(File).where(File.tenant == tenant)
     if purpose is not None:
         query = query.where(File.purpose == purpose)
-    if after is not None:
-        query = query.where(File.id < after)
-    rows = list(session.scalars(query.order_by(File.id.desc()).limit(limit + 1)))
-    return rows[:limit], len(rows) > limit
+    return queries.page(session, query, File.id, limit, after)
 
 
 def delete(session: Session, tenant: str, file_id: str) -> File:

@@ -17,7 +17,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from app import dispatch, outbox, webhooks
+from app import dispatch, outbox, queries, webhooks
 from app.errors import ApiError
 from app.models import TERMINAL, IdempotencyKey, Job, JobStatus, job_update, new_id, now
 from app.schemas import JobCreate
@@ -228,11 +228,7 @@ def send(session: Session, jobs: list[tuple[str, str]]) -> None:
 
 
 def get(session: Session, tenant: str, job_id: str) -> Job:
-    job = session.get(Job, job_id)
-    # Another tenant's job is "not found", never "forbidden": existence is not leaked.
-    if job is None or job.tenant != tenant:
-        raise ApiError(404, "job_not_found", f"no job {job_id!r}", param="id")
-    return job
+    return queries.owned(session, Job, tenant, job_id, "job")
 
 
 def list_page(
@@ -250,10 +246,7 @@ def list_page(
         query = query.where(Job.status == status)
     if lane is not None:
         query = query.where(Job.lane == lane)
-    if after is not None:
-        query = query.where(Job.id < after)
-    rows = list(session.scalars(query.order_by(Job.id.desc()).limit(limit + 1)))
-    return rows[:limit], len(rows) > limit
+    return queries.page(session, query, Job.id, limit, after)
 
 
 def cancel(session: Session, tenant: str, job_id: str) -> tuple[Job, bool]:

@@ -21,7 +21,7 @@ import threading
 from collections.abc import Collection
 from typing import Any
 
-from sqlalchemy import Insert, String, func, insert, literal, select, update
+from sqlalchemy import Insert, Select, String, func, insert, literal, select, update
 from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
@@ -77,11 +77,16 @@ def job_events(job_ids: Collection[str], stamp: float) -> Insert:
         Job.status.in_(list(TERMINAL)),
         Job.finished_at == stamp,
     )
+    return _insert_events("job_id", source)
+
+
+def _insert_events(owner: str, source: Select[*tuple[Any, ...]]) -> Insert:
+    """INSERT ... SELECT of event rows; ``source`` yields the columns below, in order."""
     columns = [
         "id",
         "tenant",
         "type",
-        "job_id",
+        owner,
         "url",
         "occurred_at",
         "status",
@@ -120,22 +125,7 @@ def record_batch_event(connection: Connection, batch_id: str, stamp: float) -> l
         Batch.webhook_url.is_not(None),
         Batch.status.in_(list(BATCH_TERMINAL)),
     )
-    columns = [
-        "id",
-        "tenant",
-        "type",
-        "batch_id",
-        "url",
-        "occurred_at",
-        "status",
-        "attempts",
-        "round_attempts",
-        "next_attempt_at",
-        "created_at",
-        "updated_at",
-    ]
-    statement = insert(WebhookEvent).from_select(columns, source).returning(WebhookEvent.id)
-    return list(connection.execute(statement).scalars())
+    return list(connection.execute(_insert_events("batch_id", source)).scalars())
 
 
 def event_data(session: Session, job_id: str | None, batch_id: str | None) -> dict[str, Any]:

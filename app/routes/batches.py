@@ -11,7 +11,6 @@ from sqlalchemy.orm import Session
 from app import batches, files, jobs, storage
 from app.auth import Tenant
 from app.db import get_session
-from app.errors import ApiError
 from app.schemas import (
     BatchCreate,
     BatchList,
@@ -21,17 +20,9 @@ from app.schemas import (
     FileList,
     FileOut,
 )
-from app.settings import get_settings
 
 router = APIRouter(prefix="/v1", tags=["batches"], responses={"default": {"model": ErrorBody}})
 SessionDep = Annotated[Session, Depends(get_session)]
-
-
-def _limit(limit: int) -> int:
-    top = get_settings().list_max_limit
-    if limit > top:
-        raise ApiError(422, "limit_too_large", f"limit must be at most {top}", param="limit")
-    return limit
 
 
 # --- files -------------------------------------------------------------------------------------
@@ -58,9 +49,7 @@ def list_files(
     after: str | None = None,
 ) -> FileList:
     """Files, newest first; pass the last id as ``after`` for the next page."""
-    rows, has_more = files.list_page(
-        session, tenant, purpose=purpose, limit=_limit(limit), after=after
-    )
+    rows, has_more = files.list_page(session, tenant, purpose=purpose, limit=limit, after=after)
     return FileList(
         data=[FileOut.from_row(r) for r in rows],
         has_more=has_more,
@@ -107,7 +96,7 @@ def list_batches(
     after: str | None = None,
 ) -> BatchList:
     """Batches, newest first; pass the last id as ``after`` for the next page."""
-    rows, has_more = batches.list_page(session, tenant, limit=_limit(limit), after=after)
+    rows, has_more = batches.list_page(session, tenant, limit=limit, after=after)
     return BatchList(
         data=[BatchOut.from_row(b, batches.counts(session, b)) for b in rows],
         has_more=has_more,

@@ -1,17 +1,17 @@
 """The ``peer`` scenario: the same workload against ``vllm serve`` and against inferq.
 
 Both sides run the same model (the configured one, or the demo model) with the same vLLM
-engine arguments, one after the other on this machine. ``vllm serve`` gets the workload as
-streaming ``/v1/completions`` requests from ``PEER_CLIENTS`` concurrent clients (TTFT and ITL
-seen by the client); inferq gets it as jobs submitted by the same number of concurrent clients
-that each wait for their job before sending the next (TTFT from the worker's first-token stamp).
+engine arguments, one after the other on this machine, and get the same client: streaming
+``/v1/completions`` requests from ``PEER_CLIENTS`` concurrent clients, each sending its next
+request when the previous one has ended. TTFT, ITL and E2EL are what the client sees. On
+inferq every request is a realtime job (stored, queued, leased, recorded) whose tokens are
+relayed from the worker through Redis.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -78,6 +78,25 @@ def _stream_one(client: httpx.Client, model: str, spec: Spec) -> dict[str, Any]:
     }
 
 
+def _stream_all(
+    opts: Options, url: str, model: str, specs: list[Spec], what: str
+) -> dict[str, Any]:
+    """``PEER_CLIENTS`` concurrent clients, each streaming one completion after another."""
+    done = 0
+    with httpx.Client(base_url=url, timeout=300) as client:
+
+        def one(spec: Spec) -> dict[str, Any]:
+            nonlocal done
+            record = _stream_one(client, model, spec)
+            done += 1
+            opts.progress(what, done, len(specs))
+            return record
+
+        with ThreadPoolExecutor(PEER_CLIENTS) as pool:
+            records = list(pool.map(one, specs))
+    return summarize(records)
+
+
 def _against_vllm_serve(opts: Options, specs: list[Spec]) -> dict[str, Any]:
     port = free_port()
     argv, env = _serve_argv(opts, port)
@@ -92,60 +111,16 @@ def _against_vllm_serve(opts: Options, specs: list[Spec]) -> dict[str, Any]:
             poll_s=POLL_S,
         )
         model = opts.settings(engine="vllm").model_name
-        done = 0
-        with httpx.Client(base_url=url, timeout=300) as client:
-
-            def one(spec: Spec) -> dict[str, Any]:
-                nonlocal done
-                record = _stream_one(client, model, spec)
-                done += 1
-                opts.progress("peer: vllm serve", done, len(specs))
-                return record
-
-            with ThreadPoolExecutor(PEER_CLIENTS) as pool:
-                records = list(pool.map(one, specs))
-    return summarize(records)
+        return _stream_all(opts, url, model, specs, "peer: vllm serve")
 
 
 def _against_inferq(opts: Options, specs: list[Spec]) -> dict[str, Any]:
     with BenchStack(opts.database, opts.stack_env(engine="vllm"), opts.workdir) as stack:
         stack.start()
-        ids: list[str] = []
-        waiting: dict[str, threading.Event] = {}
-        lock = threading.Lock()
-        stop = threading.Event()
-
-        def watch() -> None:
-            # One poller for every client (what a webhook or long poll would give them), so
-            # that finding out costs neither a per-client delay nor many queries.
-            while not stop.is_set():
-                with lock:
-                    pending = list(waiting)
-                if pending:
-                    for job_id in stack.finished(pending):
-                        with lock:
-                            waiting.pop(job_id).set()
-                time.sleep(0.01)
-
-        watcher = threading.Thread(target=watch, daemon=True)
-        watcher.start()
-        start = time.time()
-        with httpx.Client(base_url=stack.url, timeout=300) as client:
-
-            def one(spec: Spec) -> None:
-                done = threading.Event()
-                job = client.post("/v1/jobs", json=spec.body()).json()
-                with lock:
-                    ids.append(job["id"])
-                    waiting[job["id"]] = done
-                done.wait(600)
-                opts.progress("peer: inferq", len(ids), len(specs))
-
-            with ThreadPoolExecutor(PEER_CLIENTS) as pool:
-                list(pool.map(one, specs))
-        stop.set()
-        watcher.join()
-        return summarize(stack.rows(ids), start)
+        model = opts.settings(engine="vllm").model_name
+        # The same client as for vllm serve: each call is a realtime job whose tokens the
+        # worker relays through Redis as the engine produces them.
+        return _stream_all(opts, stack.url, model, specs, "peer: inferq")
 
 
 def peer(opts: Options) -> dict[str, Any]:
