@@ -282,6 +282,7 @@ class Stack:
         _say(
             "\ninferq is up\n"
             f"  API       {api}   (OpenAPI docs: {api}/docs)\n"
+            f"  OpenAI    base_url={api}/v1   (chat/completions, files, batches)\n"
             f"  API key   {key}\n"
             f"  engine    {engine}{label}, model {worker.get('model')}, "
             f"{worker.get('batching')} batching\n"

@@ -24,6 +24,8 @@ SECRET = "whsec_" + "MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
 MODEL = DEMO_MODEL_NAME
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+MAX_LINES = 2100  # INFERQ_BATCH_MAX_LINES here (50,000 by default)
+MAX_FILE_BYTES = 1_000_000  # INFERQ_FILES_MAX_BYTES here (200 MB by default)
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +50,8 @@ def stack(
         sim_time_scale=0.2,
         max_model_len=2000,
         batch_sweep_interval_s=0.3,
+        batch_max_lines=MAX_LINES,
+        files_max_bytes=MAX_FILE_BYTES,
         webhook_allow_private="true",
         webhook_secret=SECRET,
         webhook_sweep_interval_s=0.3,
@@ -374,3 +378,19 @@ def test_large_file_is_validated_and_started(client: OpenAI, stack: Stack) -> No
     done = wait_batch(client, batch.id, {"completed"}, timeout=120)
     assert done.request_counts.completed == 2000
     assert len(output_lines(client, done.output_file_id)) == 2000
+
+
+def test_file_and_line_limits(client: OpenAI, stack: Stack) -> None:
+    with pytest.raises(openai.APIStatusError) as refused:
+        client.files.create(
+            file=("big.jsonl", io.BytesIO(b"x" * (MAX_FILE_BYTES + 1))), purpose="batch"
+        )
+    assert refused.value.status_code == 413
+    small = [line(f"n{i}", "x", 1) for i in range(MAX_LINES + 1)]
+    batch = client.batches.create(
+        input_file_id=upload(client, small), endpoint=CHAT, completion_window="24h"
+    )
+    failed = wait_batch(client, batch.id, {"failed", "in_progress", "completed"})
+    assert failed.status == "failed" and failed.errors is not None
+    assert [(e.code, e.line) for e in failed.errors.data] == [("too_many_requests", MAX_LINES + 1)]
+    assert stack.scalar("SELECT count(*) FROM jobs WHERE batch_id = :b", b=batch.id) == 0
