@@ -482,7 +482,6 @@ def finalize(batch_id: str, *, redo: bool = False) -> bool:
             if not claimed:
                 return False
         session.expunge(batch)
-    output_id, error_id, completed, failed = _write_outputs(batch)
     final = (
         BatchStatus.CANCELLED
         if cancelled
@@ -490,6 +489,7 @@ def finalize(batch_id: str, *, redo: bool = False) -> bool:
         if batch.expired_at is not None
         else BatchStatus.COMPLETED
     )
+    output_id, error_id, completed, failed = _write_outputs(batch, final)
     stamp = now()
     ended_at = {
         BatchStatus.CANCELLED: "cancelled_at",
@@ -534,7 +534,7 @@ def finalize(batch_id: str, *, redo: bool = False) -> bool:
     return True
 
 
-def _write_outputs(batch: Batch) -> tuple[str | None, str | None, int, int]:
+def _write_outputs(batch: Batch, final: str) -> tuple[str | None, str | None, int, int]:
     """Stream the batch's jobs into an output and an error file; (ids or None, counts)."""
     output_id, error_id = new_id("file"), new_id("file")
     completed = failed = 0
@@ -546,7 +546,7 @@ def _write_outputs(batch: Batch) -> tuple[str | None, str | None, int, int]:
             .execution_options(yield_per=READ_PAGE)
         )
         for job in s.scalars(query):
-            line = _output_line(job, batch)
+            line = _output_line(job, final)
             if job.status == JobStatus.SUCCEEDED:
                 completed += 1
                 out.write(line)
@@ -561,7 +561,20 @@ def _write_outputs(batch: Batch) -> tuple[str | None, str | None, int, int]:
     return (output_id if completed else None, error_id if failed else None, completed, failed)
 
 
-def _output_line(job: Job, batch: Batch) -> bytes:
+# Lines the batch itself stopped (queued ones ended, running ones aborted), by how it ended.
+STOPPED_LINES: dict[str, tuple[str, str]] = {
+    BatchStatus.CANCELLED: (
+        "batch_cancelled",
+        "the batch was cancelled before this request finished",
+    ),
+    BatchStatus.EXPIRED: (
+        "batch_expired",
+        "this request could not be executed before the completion window expired",
+    ),
+}
+
+
+def _output_line(job: Job, final: str) -> bytes:
     """A line of OpenAI's output format: ``{id, custom_id, response, error}``."""
     record: dict[str, Any] = {
         "id": "batch_req_" + job.id.removeprefix("job_"),
@@ -569,18 +582,12 @@ def _output_line(job: Job, batch: Batch) -> bytes:
         "response": None,
         "error": None,
     }
+    stopped = STOPPED_LINES.get(final)
     if job.status == JobStatus.SUCCEEDED:
         record["response"] = {"status_code": 200, "request_id": job.id, "body": response_body(job)}
-    elif job.status == JobStatus.CANCELLED:
-        record["error"] = {
-            "code": "batch_cancelled",
-            "message": "the batch was cancelled before this request finished",
-        }
-    elif job.status == JobStatus.EXPIRED and batch.expired_at is not None:
-        record["error"] = {
-            "code": "batch_expired",
-            "message": "this request could not be executed before the completion window expired",
-        }
+    elif stopped is not None and job.status in (JobStatus.CANCELLED, JobStatus.EXPIRED):
+        # Aborted by the batch's cancel or by its deadline, whichever reached the job first.
+        record["error"] = {"code": stopped[0], "message": stopped[1]}
     else:
         error = job_error(job)
         record["response"] = {
