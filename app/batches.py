@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from typing import Any, BinaryIO
 
 from pydantic import ValidationError
-from sqlalchemy import func, select, update
+from sqlalchemy import func, or_, select, update
 from sqlalchemy.orm import Session
 
 from app import dispatch, files, jobs, outbox, queries, storage
@@ -60,8 +60,10 @@ MAX_ERRORS = 100  # validation stops after this many bad lines
 MAX_CUSTOM_ID = 512
 SEND_CHUNK = 5000  # (job id, lane) pairs per enqueue call
 READ_PAGE = 1000  # jobs per page while writing outputs
-RESTART_AFTER_S = 60.0  # a batch left validating this long (lost message) is started again
-REFINALIZE_AFTER_S = 300.0  # a batch left finalizing this long (ops worker died) is redone
+RESTART_AFTER_S = 60.0  # a batch nobody started this long after creation (lost message)
+LEASE_S = 300.0  # an ops worker's hold on a batch it validates or finalizes
+# Statuses in which a batch is finalized once none of its jobs is left to run.
+FINALIZABLE = (BatchStatus.IN_PROGRESS, BatchStatus.CANCELLING, BatchStatus.FINALIZING)
 _WINDOW = re.compile(r"^(\d+)([smh])$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600}
 
@@ -176,14 +178,18 @@ def cancel(session: Session, tenant: str, batch_id: str) -> Batch:
         session.rollback()
         session.refresh(batch)
         return cancel(session, tenant, batch_id)  # it moved on meanwhile: judge it again
-    _stop_jobs(session, batch.id, stamp, JobStatus.CANCELLED, "batch_cancelled")
+    running = _stop_jobs(session, batch.id, stamp, JobStatus.CANCELLED, "batch_cancelled")
     session.commit()
+    _abort(running)
     session.refresh(batch)
     return batch
 
 
-def _stop_jobs(session: Session, batch_id: str, stamp: float, to: str, code: str) -> None:
-    """End a batch's queued jobs with ``to``, and tell workers to abort its running ones."""
+def _stop_jobs(session: Session, batch_id: str, stamp: float, to: str, code: str) -> list[str]:
+    """End a batch's queued jobs with ``to`` and mark its running ones to be cancelled.
+
+    Returns the running ones: the caller tells workers to abort them once this commits.
+    """
     assert can_transition(JobStatus.QUEUED, to)
     why = {
         "batch_cancelled": "the batch was cancelled",
@@ -211,7 +217,12 @@ def _stop_jobs(session: Session, batch_id: str, stamp: float, to: str, code: str
             .execution_options(synchronize_session=False)
         )
     )
-    for job_id in running:
+    return running
+
+
+def _abort(job_ids: list[str]) -> None:
+    """Tell the workers to abort these running jobs now (their heartbeats would, later)."""
+    for job_id in job_ids:
         dispatch.publish_control("cancel", job_id=job_id)
 
 
@@ -334,16 +345,37 @@ def _error(code: str, message: str, param: str | None, line: int | None) -> dict
     return {"code": code, "message": message, "param": param, "line": line}
 
 
+def _claim(session: Session, batch_id: str, expect: str, stamp: float, **values: Any) -> bool:
+    """Take the batch for this ops worker while it is ``expect`` and nobody holds it."""
+    taken = session.execute(
+        update(Batch)
+        .where(
+            Batch.id == batch_id,
+            Batch.status == expect,
+            or_(Batch.claimed_at.is_(None), Batch.claimed_at < stamp - LEASE_S),
+        )
+        .values(claimed_at=stamp, updated_at=stamp, **values)
+    ).rowcount  # type: ignore[attr-defined]
+    return bool(taken)
+
+
+def _release(batch_id: str, claim: float) -> None:
+    with session_scope() as session:
+        session.execute(
+            update(Batch)
+            .where(Batch.id == batch_id, Batch.claimed_at == claim)
+            .values(claimed_at=None)
+        )
+
+
 def start(batch_id: str) -> str:
     """Validate a ``validating`` batch and start its jobs, or fail it (ops worker)."""
+    claim = now()
     with session_scope() as session:
+        if not _claim(session, batch_id, BatchStatus.VALIDATING, claim):
+            return "not validating, or another ops worker has it"
         batch = session.get(Batch, batch_id)
-        if batch is None:
-            return "missing"
-        if batch.status == BatchStatus.CANCELLING and batch.request_total == 0:
-            return "cancelled before it started"  # the sweep finalizes it
-        if batch.status != BatchStatus.VALIDATING:
-            return f"already {batch.status}"
+        assert batch is not None
         session.expunge(batch)
     errors, count = _validate(batch)
     stamp = now()
@@ -351,20 +383,26 @@ def start(batch_id: str) -> str:
         with session_scope() as session:
             failed = session.execute(
                 update(Batch)
-                .where(Batch.id == batch_id, Batch.status == BatchStatus.VALIDATING)
+                .where(Batch.id == batch_id, Batch.claimed_at == claim)
+                .where(Batch.status == BatchStatus.VALIDATING)
                 .values(
                     status=BatchStatus.FAILED,
                     errors=errors,
                     failed_at=stamp,
                     updated_at=stamp,
+                    claimed_at=None,
                 )
             ).rowcount  # type: ignore[attr-defined]
             events = _record_event(session, batch_id, stamp) if failed else []
+        if not failed:
+            _release(batch_id, claim)  # cancelled meanwhile: the sweep finalizes it
+            return "cancelled while validating"
         outbox.announce(events)
         log.info("batch %s failed validation (%d errors)", batch_id, len(errors))
         return "failed"
-    ids = _insert_jobs(batch, count, stamp)
+    ids = _insert_jobs(batch, count, stamp, claim)
     if ids is None:
+        _release(batch_id, claim)
         return "cancelled while validating"
     pairs = [(job_id, str(Lane.BULK)) for job_id in ids]
     with session_scope() as session:
@@ -374,7 +412,7 @@ def start(batch_id: str) -> str:
     return "in_progress"
 
 
-def _insert_jobs(batch: Batch, count: int, stamp: float) -> list[str] | None:
+def _insert_jobs(batch: Batch, count: int, stamp: float, claim: float) -> list[str] | None:
     """Second pass: one bulk job per line, and the batch in_progress, in one transaction."""
     limit = get_settings().max_body_bytes
     ids: list[str] = []
@@ -402,11 +440,13 @@ def _insert_jobs(batch: Batch, count: int, stamp: float) -> list[str] | None:
         started = connection.execute(
             update(Batch)
             .where(Batch.id == batch.id, Batch.status == BatchStatus.VALIDATING)
+            .where(Batch.claimed_at == claim)
             .values(
                 status=BatchStatus.IN_PROGRESS,
                 in_progress_at=stamp,
                 request_total=count,
                 updated_at=stamp,
+                claimed_at=None,
             )
         ).rowcount
         if not started:
@@ -419,74 +459,88 @@ def _insert_jobs(batch: Batch, count: int, stamp: float) -> list[str] | None:
 
 
 def sweep() -> int:
-    """Start lost batches, expire overdue ones, finalize finished ones; returns batches moved."""
+    """Start lost batches, finalize finished ones, expire overdue ones; returns batches moved."""
     stamp = now()
     moved = 0
     with session_scope() as session:
         rows = session.execute(
-            select(Batch.id, Batch.status, Batch.expires_at, Batch.expired_at, Batch.updated_at)
+            select(Batch.id, Batch.status, Batch.expires_at, Batch.created_at, Batch.claimed_at)
             .where(Batch.status.not_in(list(BATCH_TERMINAL)))
             .order_by(Batch.id)
         ).all()
     for row in rows:
         try:
             if row.status == BatchStatus.VALIDATING:
-                if row.updated_at < stamp - RESTART_AFTER_S:
+                lost = row.claimed_at is None and row.created_at < stamp - RESTART_AFTER_S
+                if lost or (row.claimed_at is not None and row.claimed_at < stamp - LEASE_S):
                     moved += dispatch.start_batch(row.id)
                 continue
-            if row.status == BatchStatus.FINALIZING:
-                if row.updated_at < stamp - REFINALIZE_AFTER_S:
-                    moved += finalize(row.id, redo=True)
-                continue
-            if row.status == BatchStatus.IN_PROGRESS and row.expires_at <= stamp:
+            if finalize(row.id):
+                moved += 1
+            elif row.status == BatchStatus.IN_PROGRESS and row.expires_at <= stamp:
                 _expire(row.id, stamp)
-            moved += finalize(row.id)
         except Exception:
             log.exception("sweeping batch %s failed", row.id)
     return moved
 
 
 def _expire(batch_id: str, stamp: float) -> None:
+    """The window has passed with lines left: stop them; the batch ends ``expired``."""
     with session_scope() as session:
         marked = session.execute(
             update(Batch)
-            .where(Batch.id == batch_id, Batch.expired_at.is_(None))
+            .where(
+                Batch.id == batch_id,
+                Batch.status == BatchStatus.IN_PROGRESS,
+                Batch.expired_at.is_(None),
+            )
             .values(expired_at=stamp, updated_at=stamp)
         ).rowcount  # type: ignore[attr-defined]
-        if marked:
+        running = (
             _stop_jobs(session, batch_id, stamp, JobStatus.EXPIRED, "batch_expired")
-
-
-def finalize(batch_id: str, *, redo: bool = False) -> bool:
-    """Write the outputs of a batch none of whose jobs is left to run; False if it is not done."""
-    with session_scope() as session:
-        pending = session.scalar(
-            select(func.count())
-            .select_from(Job)
-            .where(Job.batch_id == batch_id, Job.status.not_in(list(TERMINAL)))
+            if marked
+            else []
         )
-        if pending:
-            return False
+    _abort(running)
+
+
+def finalize(batch_id: str) -> bool:
+    """Write the outputs of a batch none of whose jobs is left to run; False if it is not done.
+
+    The claim (``in_progress → finalizing``, or the lease on a ``cancelling`` or abandoned
+    ``finalizing`` batch) makes one ops worker do it; status, output files and the webhook
+    event commit together.
+    """
+    claim = now()
+    with session_scope() as session:
         batch = session.get(Batch, batch_id)
-        assert batch is not None
-        cancelled = batch.status == BatchStatus.CANCELLING
-        if not cancelled:
-            # The claim: one sweeper finalizes; the others see it moved.
-            expect = BatchStatus.FINALIZING if redo else BatchStatus.IN_PROGRESS
-            stamp = now()
-            claimed = session.execute(
-                update(Batch)
-                .where(Batch.id == batch_id, Batch.status == expect)
-                .values(status=BatchStatus.FINALIZING, finalizing_at=stamp, updated_at=stamp)
-            ).rowcount  # type: ignore[attr-defined]
-            if not claimed:
-                return False
+        if batch is None or batch.status not in FINALIZABLE:
+            return False
+        by_status = dict(
+            session.execute(
+                select(Job.status, func.count())
+                .where(Job.batch_id == batch_id)
+                .group_by(Job.status)
+            ).all()
+        )
+        if any(status not in TERMINAL for status in by_status):
+            return False
+        # A line's only deadline is the batch's expiry: one that expired means the window
+        # ended first, whether the sweep or the worker holding it noticed.
+        window_ended = batch.expired_at is not None or JobStatus.EXPIRED in by_status
+        status = batch.status
+        extra: dict[str, Any] = {}
+        if status == BatchStatus.IN_PROGRESS:
+            extra = {"status": BatchStatus.FINALIZING, "finalizing_at": claim}
+        if not _claim(session, batch_id, status, claim, **extra):
+            return False
         session.expunge(batch)
+    cancelled = status == BatchStatus.CANCELLING
     final = (
         BatchStatus.CANCELLED
         if cancelled
         else BatchStatus.EXPIRED
-        if batch.expired_at is not None
+        if window_ended
         else BatchStatus.COMPLETED
     )
     output_id, error_id, completed, failed = _write_outputs(batch, final)
@@ -499,10 +553,7 @@ def finalize(batch_id: str, *, redo: bool = False) -> bool:
     with session_scope() as session:
         done = session.execute(
             update(Batch)
-            .where(
-                Batch.id == batch_id,
-                Batch.status == (BatchStatus.CANCELLING if cancelled else BatchStatus.FINALIZING),
-            )
+            .where(Batch.id == batch_id, Batch.claimed_at == claim)
             .values(
                 status=final,
                 output_file_id=output_id,
@@ -510,50 +561,61 @@ def finalize(batch_id: str, *, redo: bool = False) -> bool:
                 request_completed=completed,
                 request_failed=failed,
                 updated_at=stamp,
-                **{ended_at: batch.expired_at if final == BatchStatus.EXPIRED else stamp},
+                claimed_at=None,
+                **{
+                    ended_at: (batch.expired_at or batch.expires_at)
+                    if final == BatchStatus.EXPIRED
+                    else stamp
+                },
             )
         ).rowcount  # type: ignore[attr-defined]
-        if not done:
-            for file_id in (output_id, error_id):
+        if done:
+            for file_id, name in ((output_id, "output"), (error_id, "errors")):
                 if file_id is not None:
-                    storage.delete(file_id)
-            session.rollback()
-            return False
-        for file_id, name in ((output_id, "output"), (error_id, "errors")):
+                    files.add_output(session, batch.tenant, file_id, f"{batch.id}_{name}.jsonl")
+            events = _record_event(session, batch_id, stamp)
+    if not done:  # our lease ran out and another ops worker took over
+        for file_id in (output_id, error_id):
             if file_id is not None:
-                files.record_output(
-                    session,
-                    batch.tenant,
-                    file_id,
-                    f"{batch.id}_{name}.jsonl",
-                    storage.path(file_id).stat().st_size,
-                )
-        events = _record_event(session, batch_id, stamp)
+                storage.delete(file_id)
+        return False
     outbox.announce(events)
     log.info("batch %s %s: %d completed, %d failed", batch_id, final, completed, failed)
     return True
 
 
 def _write_outputs(batch: Batch, final: str) -> tuple[str | None, str | None, int, int]:
-    """Stream the batch's jobs into an output and an error file; (ids or None, counts)."""
+    """Stream the batch's jobs into an output and an error file; (ids or None, counts).
+
+    Jobs are read a page per short transaction (on SQLite every transaction holds the write
+    lock), in input order.
+    """
     output_id, error_id = new_id("file"), new_id("file")
     completed = failed = 0
-    with storage.writer(output_id) as out, storage.writer(error_id) as err, session_scope() as s:
-        query = (
-            select(Job)
-            .where(Job.batch_id == batch.id)
-            .order_by(Job.batch_line)
-            .execution_options(yield_per=READ_PAGE)
-        )
-        for job in s.scalars(query):
-            line = _output_line(job, final)
-            if job.status == JobStatus.SUCCEEDED:
-                completed += 1
-                out.write(line)
-            else:
-                failed += 1
-                err.write(line)
-            s.expunge(job)
+    last = 0
+    with storage.writer(output_id) as out, storage.writer(error_id) as err:
+        while True:
+            with session_scope() as session:
+                page = list(
+                    session.scalars(
+                        select(Job)
+                        .where(Job.batch_id == batch.id, Job.batch_line > last)
+                        .order_by(Job.batch_line)
+                        .limit(READ_PAGE)
+                    )
+                )
+                session.expunge_all()
+            if not page:
+                break
+            for job in page:
+                line = _output_line(job, final)
+                if job.status == JobStatus.SUCCEEDED:
+                    completed += 1
+                    out.write(line)
+                else:
+                    failed += 1
+                    err.write(line)
+            last = page[-1].batch_line or last
     if not completed:
         storage.delete(output_id)
     if not failed:

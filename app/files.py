@@ -40,12 +40,12 @@ def upload(session: Session, tenant: str, source: BinaryIO, filename: str, purpo
     return _commit(session, tenant, file_id, filename, purpose, size)
 
 
-def record_output(session: Session, tenant: str, file_id: str, filename: str, size: int) -> File:
-    """The row of a file a batch has written with ``storage.writer(file_id)``."""
-    return _commit(session, tenant, file_id, filename, OUTPUT_PURPOSE, size)
+def add_output(session: Session, tenant: str, file_id: str, filename: str) -> File:
+    """The row of a file a batch has written (``storage.writer``), in the caller's transaction."""
+    return _row(session, tenant, file_id, filename, OUTPUT_PURPOSE, storage.size(file_id))
 
 
-def _commit(
+def _row(
     session: Session, tenant: str, file_id: str, filename: str, purpose: str, size: int
 ) -> File:
     row = File(
@@ -56,8 +56,15 @@ def _commit(
         bytes=size,
         created_at=now(),
     )
+    session.add(row)
+    return row
+
+
+def _commit(
+    session: Session, tenant: str, file_id: str, filename: str, purpose: str, size: int
+) -> File:
     try:
-        session.add(row)
+        row = _row(session, tenant, file_id, filename, purpose, size)
         session.commit()
     except BaseException:
         session.rollback()

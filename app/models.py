@@ -182,6 +182,7 @@ class Job(Base):
     __table_args__ = (
         Index("ix_jobs_tenant_id", "tenant", "id"),
         Index("ix_jobs_status_lane", "status", "lane"),
+        Index("ix_jobs_batch_line", "batch_id", "batch_line"),
     )
 
 
@@ -320,6 +321,8 @@ class Batch(Base):
     expired_at: Mapped[float | None] = mapped_column(Double, nullable=True)
     cancelling_at: Mapped[float | None] = mapped_column(Double, nullable=True)
     cancelled_at: Mapped[float | None] = mapped_column(Double, nullable=True)
+    # An ops worker validating or finalizing the batch holds it from this time (a lease).
+    claimed_at: Mapped[float | None] = mapped_column(Double, nullable=True)
     updated_at: Mapped[float] = mapped_column(Double)
 
     __table_args__ = (

@@ -9,8 +9,8 @@ is the truth. The relay only makes waiting fast. Each such job has a Redis strea
 
 A stream, not pub/sub: the reader can start after the writer (the API reads from the first
 entry), and a reader that reconnects misses nothing. Streams expire ``relay_ttl_s`` after
-their last entry. The reader also looks at the row every ``POLL_S`` when the stream is quiet,
-so a lost entry (Redis restarted, a worker killed) delays an answer but never loses it.
+their last entry. The reader also looks at the row now and then when the stream is quiet, so a
+lost entry (Redis restarted, a worker killed) delays an answer but never loses it.
 
 The worker side (:class:`Publisher`) runs on a thread of its own: the engine's loop thread only
 puts pieces on a queue, and pieces of one job that queued up meanwhile go out as one entry.
@@ -18,6 +18,7 @@ puts pieces on a queue, and pieces of one job that queued up meanwhile go out as
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import queue
 import threading
@@ -35,6 +36,7 @@ log = logging.getLogger("inferq.relay")
 KEY_PREFIX = "inferq:relay:"
 POLL_S = 1.0
 READ_COUNT = 512
+MAX_PENDING = 100_000  # pieces waiting for Redis in one worker
 
 
 def key(job_id: str) -> str:
@@ -56,7 +58,10 @@ class Publisher:
         self._thread.start()
 
     def piece(self, job_id: str, token: int, text: str) -> None:
-        self._queue.put((job_id, token, text))
+        # While Redis is away pieces would pile up: past a bound they are dropped (the API
+        # sends what a stream missed from the committed row); end markers never are.
+        if self._queue.qsize() < MAX_PENDING:
+            self._queue.put((job_id, token, text))
 
     def end(self, job_id: str, token: int) -> None:
         self._queue.put((job_id, token, None))
@@ -134,6 +139,7 @@ async def follow(job_id: str) -> AsyncGenerator[Entry | None, None]:
             )
         except redis.RedisError as exc:
             log.warning("reading the relay of %s failed: %s", job_id, exc)
+            await asyncio.sleep(POLL_S)  # as long as a quiet read would have blocked
             answer = None
         if not answer:
             yield None

@@ -67,6 +67,10 @@ def save(file_id: str, source: BinaryIO, limit: int) -> int:
     return size
 
 
+def size(file_id: str) -> int:
+    return path(file_id).stat().st_size
+
+
 def open_file(file_id: str) -> BinaryIO:
     return path(file_id).open("rb")
 

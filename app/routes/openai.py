@@ -15,13 +15,15 @@ import contextlib
 import json
 import logging
 import threading
-from collections.abc import AsyncGenerator, AsyncIterator
+import time
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import anyio
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
+from starlette.types import Receive, Scope, Send
 
 from app import jobs, relay
 from app.auth import Tenant
@@ -43,6 +45,7 @@ from app.settings import get_settings
 log = logging.getLogger("inferq.api")
 router = APIRouter(prefix="/v1", tags=["openai"], responses={"default": {"model": ErrorBody}})
 JOB_HEADER = "inferq-job-id"
+ROW_CHECK_S = 5.0  # while the relay is quiet, the job's row is read this often
 
 
 def _model_card() -> dict[str, Any]:
@@ -64,15 +67,13 @@ def get_model(model_id: str, _tenant: Tenant) -> dict[str, Any]:
 @router.post("/chat/completions", response_model=None)
 async def chat_completions(
     body: ChatCompletionRequest, request: Request, tenant: Tenant
-) -> JSONResponse | StreamingResponse:
+) -> Response:
     """Chat completion as a job; ``stream: true`` relays tokens as they are produced."""
     return await _complete(body, request, tenant)
 
 
 @router.post("/completions", response_model=None)
-async def completions(
-    body: CompletionRequest, request: Request, tenant: Tenant
-) -> JSONResponse | StreamingResponse:
+async def completions(body: CompletionRequest, request: Request, tenant: Tenant) -> Response:
     """Text completion as a job; ``stream: true`` relays tokens as they are produced."""
     return await _complete(body, request, tenant)
 
@@ -109,50 +110,92 @@ def _abandon(tenant: str, job_id: str) -> None:
     threading.Thread(target=cancel, name=f"abandon-{job_id}", daemon=True).start()
 
 
+class _Left(Exception):
+    """The caller disconnected."""
+
+
+class _Call:
+    """One caller waiting on its job: the relay, the row as backstop, and the cleanup."""
+
+    def __init__(self, request: Request, tenant: str, job: Job) -> None:
+        self.request = request
+        self.tenant = tenant
+        self.job = job
+        self.stream = relay.follow(job.id)
+        self.finished = False  # the caller got the job's end: nothing to cancel
+        self._checked = time.monotonic()
+
+    async def next(self) -> relay.Entry | Job:
+        """The next piece of output, or the job's row once it has ended (raises _Left)."""
+        while True:
+            entry = await anext(self.stream)
+            if entry is not None and entry.text is not None:
+                return entry
+            # The end marker, or a quiet second: the row says whether the job has ended. A
+            # quiet stream only costs a query every ROW_CHECK_S (the end marker is the rule,
+            # the row the backstop).
+            if entry is not None or time.monotonic() - self._checked >= ROW_CHECK_S:
+                self._checked = time.monotonic()
+                row = await run_in_threadpool(_load, self.job.id)
+                if row.status in TERMINAL:
+                    self.finished = True
+                    return row
+            if await self.request.is_disconnected():
+                raise _Left
+
+    async def close(self) -> None:
+        """Stop reading; a caller that leaves before its job ends cancels the job."""
+        if not self.finished:
+            _abandon(self.tenant, self.job.id)
+        with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+            await self.stream.aclose()
+
+
+class _EventStream(StreamingResponse):
+    """SSE whose end, however it comes (done, disconnect, cancellation), closes the call."""
+
+    def __init__(self, call: _Call, events: AsyncGenerator[str, None], headers: dict[str, str]):
+        super().__init__(events, media_type="text/event-stream", headers=headers)
+        self.call = call
+        self.events = events
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.events.aclose()
+                await self.call.close()
+
+
 async def _complete(
     body: ChatCompletionRequest | CompletionRequest, request: Request, tenant: str
-) -> JSONResponse | StreamingResponse:
+) -> Response:
     job = await run_in_threadpool(_submit, tenant, body)
     headers = {JOB_HEADER: job.id}
-    stream = relay.follow(job.id)
-    first: relay.Entry | None = None
-    final: Job | None = None
+    call = _Call(request, tenant, job)
     try:
-        # Until the first piece of output (streaming) or the end (not streaming).
-        async for entry in stream:
-            if entry is not None and entry.text is not None:
-                first = entry
-                break
-            row = await run_in_threadpool(_load, job.id)
-            if row.status in TERMINAL:
-                final = row
-                break
-            if await request.is_disconnected():
-                _abandon(tenant, job.id)
-                return JSONResponse({}, 499)
+        # The first piece of output (streaming) or the end: an error before the first piece
+        # is a plain HTTP error, as with OpenAI.
+        first = await call.next()
+    except _Left:
+        await call.close()
+        return Response(status_code=499)
     except BaseException:
-        _abandon(tenant, job.id)
-        await _close(stream)
+        await call.close()
         raise
-    if final is not None:
-        await _close(stream)
-        if final.status != JobStatus.SUCCEEDED:
-            raise job_error(final)
+    if isinstance(first, Job):
+        await call.close()
+        if first.status != JobStatus.SUCCEEDED:
+            raise job_error(first)
         if not body.stream:
-            return JSONResponse(response_body(final), headers=headers)
+            return JSONResponse(response_body(first), headers=headers)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    events = _events(request, tenant, job, stream, first, final, include_usage)
-    return StreamingResponse(
-        events,
-        media_type="text/event-stream",
-        headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    return _EventStream(
+        call,
+        _events(call, first, include_usage),
+        {**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
-
-
-async def _close(stream: AsyncGenerator[relay.Entry | None, None]) -> None:
-    """Close the relay reader, also from a task that is being cancelled."""
-    with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
-        await stream.aclose()
 
 
 def _sse(data: dict[str, Any] | str) -> str:
@@ -160,68 +203,40 @@ def _sse(data: dict[str, Any] | str) -> str:
 
 
 async def _events(
-    request: Request,
-    tenant: str,
-    job: Job,
-    stream: AsyncGenerator[relay.Entry | None, None],
-    first: relay.Entry | None,
-    final: Job | None,
-    include_usage: bool,
-) -> AsyncIterator[str]:
+    call: _Call, first: relay.Entry | Job, include_usage: bool
+) -> AsyncGenerator[str, None]:
     """The SSE body: role, pieces as they come, the rest of the committed text, finish, usage."""
+    job = call.job
+    if endpoint_of(job) == CHAT:
+        yield _sse(chunk(job, role=True, text=""))
     sent: list[str] = []
-    token = first.token if first is not None else None
-    done = False
+    item = first
+    token = first.token if isinstance(first, relay.Entry) else None
     try:
-        if endpoint_of(job) == CHAT:
-            yield _sse(chunk(job, role=True, text=""))
-        if first is not None and first.text:
-            sent.append(first.text)
-            yield _sse(chunk(job, text=first.text))
-        while final is None:
-            entry = await anext(stream)
-            if entry is None or entry.text is None:
-                row = await run_in_threadpool(_load, job.id)
-                if row.status in TERMINAL:
-                    final = row
-                elif await request.is_disconnected():
-                    return
-                else:
-                    yield ": waiting\n\n"  # an SSE comment: keeps proxies from timing out
-                continue
-            if entry.token != token:
+        while isinstance(item, relay.Entry):
+            if item.token != token:
                 # The job was handed to another worker and starts over: what was sent cannot
                 # be taken back. The job itself goes on; its result is at GET /v1/jobs/{id}.
-                yield _sse(
-                    error_body(
-                        409,
-                        "job_restarted",
-                        f"the job restarted on another worker; see GET /v1/jobs/{job.id}",
-                        None,
-                    )
-                )
+                message = f"the job restarted on another worker; see GET /v1/jobs/{job.id}"
+                yield _sse(error_body(409, "job_restarted", message, None))
                 yield _sse("[DONE]")
-                done = True
                 return
-            if entry.text:
-                sent.append(entry.text)
-                yield _sse(chunk(job, text=entry.text))
-            if await request.is_disconnected():
-                return
-        if final.status == JobStatus.SUCCEEDED:
-            text, result = "".join(sent), final.result_text or ""
-            if len(result) > len(text) and result.startswith(text):
-                # Pieces the relay lost (Redis restarted, say): the row has the whole text.
-                yield _sse(chunk(final, text=result[len(text) :]))
-            yield _sse(chunk(final, finish_reason=final.finish_reason))
-            if include_usage:
-                yield _sse(chunk(final, with_usage=True))
-        else:
-            error = job_error(final)
-            yield _sse(error_body(error.status, error.code, error.message, None))
-        yield _sse("[DONE]")
-        done = True
-    finally:
-        if not done:
-            _abandon(tenant, job.id)
-        await _close(stream)
+            if item.text:
+                sent.append(item.text)
+                yield _sse(chunk(job, text=item.text))
+            item = await call.next()
+    except _Left:
+        return  # _EventStream closes the call, which cancels the job
+    final = item
+    if final.status == JobStatus.SUCCEEDED:
+        text, result = "".join(sent), final.result_text or ""
+        if len(result) > len(text) and result.startswith(text):
+            # Pieces the relay lost (Redis restarted, say): the row has the whole text.
+            yield _sse(chunk(final, text=result[len(text) :]))
+        yield _sse(chunk(final, finish_reason=final.finish_reason))
+        if include_usage:
+            yield _sse(chunk(final, with_usage=True))
+    else:
+        error = job_error(final)
+        yield _sse(error_body(error.status, error.code, error.message, None))
+    yield _sse("[DONE]")

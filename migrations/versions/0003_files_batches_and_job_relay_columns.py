@@ -51,6 +51,7 @@ def upgrade() -> None:
         sa.Column("expired_at", sa.Double(), nullable=True),
         sa.Column("cancelling_at", sa.Double(), nullable=True),
         sa.Column("cancelled_at", sa.Double(), nullable=True),
+        sa.Column("claimed_at", sa.Double(), nullable=True),
         sa.Column("updated_at", sa.Double(), nullable=False),
         sa.PrimaryKeyConstraint("id"),
     )
@@ -75,10 +76,12 @@ def upgrade() -> None:
         batch_op.add_column(sa.Column("custom_id", sa.String(length=512), nullable=True))
         batch_op.add_column(sa.Column("batch_line", sa.Integer(), nullable=True))
         batch_op.add_column(sa.Column("relay", sa.String(length=8), nullable=True))
+        batch_op.create_index("ix_jobs_batch_line", ["batch_id", "batch_line"], unique=False)
 
 
 def downgrade() -> None:
     with op.batch_alter_table("jobs", schema=None) as batch_op:
+        batch_op.drop_index("ix_jobs_batch_line")
         batch_op.drop_column("relay")
         batch_op.drop_column("batch_line")
         batch_op.drop_column("custom_id")

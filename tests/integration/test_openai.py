@@ -167,6 +167,22 @@ def test_disconnecting_stream_cancels_the_job(stack: Stack) -> None:
     assert ended["result"] is None or ended["result"]["usage"]["completion_tokens"] < 8000
 
 
+def test_caller_that_gives_up_before_the_answer_cancels_the_job(stack: Stack) -> None:
+    probe = {"probe": secrets.token_hex(4)}
+    body = {"model": MODEL, "prompt": "go on forever", "max_tokens": 8000, "metadata": probe}
+    with (
+        httpx.Client(base_url=stack.url, timeout=1.5) as c,
+        pytest.raises(httpx.ReadTimeout),
+    ):
+        c.post(COMPLETIONS, json=body)  # gives up (closes the connection) after 1.5 s
+    with stack.client() as c:
+        [newest] = c.get("/v1/jobs", params={"lane": "realtime", "limit": 1}).json()["data"]
+    assert newest["metadata"] == probe
+    ended = stack.wait_job(newest["id"], timeout=20)
+    assert ended["status"] == "cancelled"
+    assert ended["result"]["usage"]["completion_tokens"] < 8000
+
+
 def test_unsupported_and_bad_requests_are_refused(client: OpenAI, stack: Stack) -> None:
     messages = [{"role": "user", "content": "hi"}]
     with pytest.raises(openai.UnprocessableEntityError) as refused:
