@@ -15,6 +15,7 @@ from fastapi import Depends, Request
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
+from app import limits
 from app.db import get_session
 from app.errors import ApiError
 from app.models import ApiKey, new_id, now
@@ -28,8 +29,19 @@ def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-def create_key(session: Session, tenant: str, name: str = "") -> tuple[ApiKey, str]:
-    """Create a key for ``tenant``; returns the row and the plaintext, which is never stored."""
+def create_key(
+    session: Session,
+    tenant: str,
+    name: str = "",
+    *,
+    requests_per_minute: int | None = None,
+    tokens_per_minute: int | None = None,
+    max_queued: int | None = None,
+) -> tuple[ApiKey, str]:
+    """Create a key for ``tenant``; returns the row and the plaintext, which is never stored.
+
+    The three limits override the settings' defaults for calls made with this key.
+    """
     plaintext = KEY_PREFIX + secrets.token_urlsafe(32)
     row = ApiKey(
         id=new_id("key"),
@@ -38,6 +50,9 @@ def create_key(session: Session, tenant: str, name: str = "") -> tuple[ApiKey, s
         prefix=plaintext[:10],
         key_hash=hash_key(plaintext),
         created_at=now(),
+        requests_per_minute=requests_per_minute,
+        tokens_per_minute=tokens_per_minute,
+        max_queued=max_queued,
     )
     session.add(row)
     session.flush()
@@ -53,17 +68,19 @@ def revoke_key(session: Session, key_id: str) -> bool:
     return bool(result.rowcount)  # type: ignore[attr-defined]
 
 
-def tenant_for_key(session: Session, key: str) -> str | None:
+def key_for(session: Session, key: str) -> ApiKey | None:
+    """The live key row for a plaintext key (None: unknown or revoked)."""
     # The lookup is by hash, so comparing hashes in SQL is not a timing oracle on the key.
     row = session.scalar(select(ApiKey).where(ApiKey.key_hash == hash_key(key)))
     if row is None or row.revoked_at is not None:
         return None
-    return row.tenant
+    return row
 
 
 def current_tenant(request: Request, session: Annotated[Session, Depends(get_session)]) -> str:
-    """FastAPI dependency: the tenant of the request's bearer key."""
+    """FastAPI dependency: the tenant of the request's bearer key (limits: ``caller_limits``)."""
     if not get_settings().require_auth:
+        request.state.limits = limits.defaults()
         return DEFAULT_TENANT
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
@@ -75,13 +92,22 @@ def current_tenant(request: Request, session: Annotated[Session, Depends(get_ses
             "an API key is required: send `Authorization: Bearer <key>`",
             headers=challenge,
         )
-    tenant = tenant_for_key(session, token.strip())
+    row = key_for(session, token.strip())
     session.rollback()  # end the read transaction; the route opens its own
-    if tenant is None:
+    if row is None:
         raise ApiError(
             401, "invalid_api_key", "the API key is invalid or revoked", headers=challenge
         )
-    return tenant
+    request.state.limits = limits.for_key(
+        row.requests_per_minute, row.tokens_per_minute, row.max_queued
+    )
+    return row.tenant
+
+
+def caller_limits(request: Request) -> limits.Limits:
+    """The limits of the key that authenticated ``request``."""
+    found: limits.Limits = getattr(request.state, "limits", None) or limits.defaults()
+    return found
 
 
 Tenant = Annotated[str, Depends(current_tenant)]

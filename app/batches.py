@@ -51,7 +51,7 @@ from app.models import (
     now,
 )
 from app.openai_compat import ENDPOINTS, REQUEST_TYPES, job_error, response_body
-from app.schemas import BatchCreate, JobCreate, RequestCounts
+from app.schemas import BatchCreate, JobCreate, RequestCounts, storable
 from app.settings import get_settings
 
 log = logging.getLogger("inferq.batches")
@@ -268,7 +268,11 @@ def _parse(raw: bytes | None, endpoint: str, limit: int) -> tuple[str, JobCreate
     if extra:
         raise LineError("invalid_line", f"unknown key {sorted(extra)[0]!r}", sorted(extra)[0])
     custom_id = line.get("custom_id")
-    if not isinstance(custom_id, str) or not 0 < len(custom_id) <= MAX_CUSTOM_ID:
+    if (
+        not isinstance(custom_id, str)
+        or not 0 < len(custom_id) <= MAX_CUSTOM_ID
+        or not storable(custom_id)
+    ):
         raise LineError(
             "invalid_custom_id",
             f"custom_id must be a string of 1 to {MAX_CUSTOM_ID} characters",

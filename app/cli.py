@@ -125,13 +125,28 @@ def keys() -> None:
 @keys.command("create")
 @click.option("--tenant", required=True)
 @click.option("--name", default="")
-def keys_create(tenant: str, name: str) -> None:
-    """Create a key; it is printed once and only its hash is stored."""
+@click.option("--rpm", type=click.IntRange(min=0), help="Requests per window (0: no limit).")
+@click.option("--tpm", type=click.IntRange(min=0), help="Tokens per window (0: no limit).")
+@click.option("--max-queued", type=click.IntRange(min=0), help="Jobs queued at once.")
+def keys_create(
+    tenant: str, name: str, rpm: int | None, tpm: int | None, max_queued: int | None
+) -> None:
+    """Create a key; it is printed once and only its hash is stored.
+
+    Limits not given are the settings' defaults (INFERQ_TENANT_*).
+    """
     from app.auth import create_key
     from app.db import session_scope
 
     with session_scope() as session:
-        row, plaintext = create_key(session, tenant, name)
+        row, plaintext = create_key(
+            session,
+            tenant,
+            name,
+            requests_per_minute=rpm,
+            tokens_per_minute=tpm,
+            max_queued=max_queued,
+        )
     click.echo(plaintext)
     click.echo(
         f"id {row.id}  tenant {tenant}  (store the key now: only its hash is kept)", err=True
@@ -153,7 +168,15 @@ def keys_list(tenant: str | None) -> None:
             query = query.where(ApiKey.tenant == tenant)
         for row in session.scalars(query):
             state = "revoked" if row.revoked_at else "active"
-            click.echo(f"{row.id}  {row.tenant:<16} {row.prefix}...  {state:<8} {row.name}")
+            own = {
+                "rpm": row.requests_per_minute,
+                "tpm": row.tokens_per_minute,
+                "max-queued": row.max_queued,
+            }
+            overrides = " ".join(f"{k}={v}" for k, v in own.items() if v is not None)
+            click.echo(
+                f"{row.id}  {row.tenant:<16} {row.prefix}...  {state:<8} {row.name} {overrides}"
+            )
 
 
 @keys.command("revoke")

@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session
 from app import queries, storage
 from app.errors import ApiError
 from app.models import File, new_id, now
+from app.schemas import storable
 from app.settings import get_settings
 
 UPLOAD_PURPOSES = ("batch",)
@@ -29,6 +30,8 @@ def upload(session: Session, tenant: str, source: BinaryIO, filename: str, purpo
             f"purpose must be one of {', '.join(UPLOAD_PURPOSES)} (got {purpose!r})",
             param="purpose",
         )
+    if not storable(filename):
+        raise ApiError(422, "invalid_filename", "the file name is not valid text", param="file")
     file_id = new_id("file")
     limit = get_settings().files_max_bytes
     try:

@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 from app import dispatch, outbox, queries, webhooks
 from app.errors import ApiError
 from app.models import TERMINAL, IdempotencyKey, Job, JobStatus, job_update, new_id, now
-from app.schemas import JobCreate
+from app.schemas import JobCreate, storable
 from app.settings import get_settings
 
 MAX_IDEMPOTENCY_KEY = 255
@@ -81,6 +81,7 @@ def job_values(
     settings = get_settings()
     check_webhook_url(body.webhook_url, checked)
     created = now()
+    timeout_s = body.timeout_s or settings.lane_default_timeout_s.get(body.lane.value)
     params: dict[str, Any] = body.params.model_dump()
     params["max_tokens"] = params["max_tokens"] or settings.default_max_tokens
     return {
@@ -99,8 +100,8 @@ def job_values(
         "status": JobStatus.QUEUED,
         "attempts": 0,
         "lease_token": 0,
-        "timeout_s": body.timeout_s,
-        "deadline_at": created + body.timeout_s if body.timeout_s else None,
+        "timeout_s": timeout_s,
+        "deadline_at": created + timeout_s if timeout_s else None,
         "created_at": created,
         "updated_at": created,
     }
@@ -135,7 +136,9 @@ def submit(
     relay: str | None = None,
 ) -> tuple[Job, bool]:
     """Insert a queued job. Returns (job, created); created is False for an idempotent replay."""
-    if idempotency_key is not None and not 0 < len(idempotency_key) <= MAX_IDEMPOTENCY_KEY:
+    if idempotency_key is not None and not (
+        0 < len(idempotency_key) <= MAX_IDEMPOTENCY_KEY and storable(idempotency_key)
+    ):
         raise ApiError(
             422,
             "invalid_idempotency_key",

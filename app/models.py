@@ -133,6 +133,10 @@ class ApiKey(Base):
     key_hash: Mapped[str] = mapped_column(String(64), unique=True)
     created_at: Mapped[float] = mapped_column(Double)
     revoked_at: Mapped[float | None] = mapped_column(Double, nullable=True)
+    # Per-key overrides of the tenant limits (None: the setting's default; 0: no limit).
+    requests_per_minute: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    tokens_per_minute: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    max_queued: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
 
 class Job(Base):
@@ -183,6 +187,7 @@ class Job(Base):
         Index("ix_jobs_tenant_id", "tenant", "id"),
         Index("ix_jobs_status_lane", "status", "lane"),
         Index("ix_jobs_batch_line", "batch_id", "batch_line"),
+        Index("ix_jobs_tenant_status", "tenant", "status"),
     )
 
 

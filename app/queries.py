@@ -13,6 +13,7 @@ from sqlalchemy import Select
 from sqlalchemy.orm import Session
 
 from app.errors import ApiError
+from app.schemas import storable
 from app.settings import get_settings
 
 T = TypeVar("T")
@@ -20,7 +21,7 @@ T = TypeVar("T")
 
 def owned(session: Session, model: type[T], tenant: str, row_id: str, what: str) -> T:
     """The tenant's ``model`` row ``row_id``, else 404 ``<what>_not_found``."""
-    row: Any = session.get(model, row_id)
+    row: Any = session.get(model, row_id) if storable(row_id) else None
     if row is None or row.tenant != tenant:
         param = "id" if what == "job" else f"{what}_id"
         raise ApiError(404, f"{what}_not_found", f"no {what} {row_id!r}", param=param)
@@ -40,6 +41,8 @@ def page(
 ) -> tuple[list[T], bool]:
     """Newest first, at most ``limit`` rows after the cursor; (rows, has_more)."""
     if after is not None:
+        if not storable(after):
+            raise ApiError(422, "invalid_cursor", "after is not an id", param="after")
         query = query.where(id_column < after)
     rows = list(session.scalars(query.order_by(id_column.desc()).limit(check_limit(limit) + 1)))
     return rows[:limit], len(rows) > limit

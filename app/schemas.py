@@ -7,7 +7,7 @@ out-of-bounds value is a 422 that names its field. Unknown fields are refused (a
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -21,8 +21,40 @@ from app.models import Batch, File, Job, Lane, WebhookAttempt, WebhookEvent
 from app.settings import get_settings
 
 
+def storable(text: str) -> bool:
+    """Text the databases can hold: no NUL (PostgreSQL refuses it), no lone surrogates."""
+    if "\x00" in text:
+        return False
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _check_storable(value: Any) -> None:
+    if isinstance(value, str):
+        if not storable(value):
+            raise ValueError("text must be valid Unicode without NUL characters")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_storable(key)
+            _check_storable(item)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            _check_storable(item)
+
+
 class StrictModel(BaseModel):
+    """Request bodies: unknown fields refused, every string storable as it is."""
+
     model_config = ConfigDict(extra="forbid")
+
+    @field_validator("*")
+    @classmethod
+    def _storable_text(cls, value: Any) -> Any:
+        _check_storable(value)
+        return value
 
 
 class TextPart(StrictModel):

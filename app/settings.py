@@ -54,6 +54,26 @@ class Settings(BaseSettings):
     metadata_max_value_chars: int = Field(512, description="Longest metadata value.")
     list_max_limit: int = Field(100, description="Largest `limit` for list endpoints.")
     idempotency_ttl_s: float = Field(86_400.0, description="How long Idempotency-Keys are kept.")
+    # --- admission (app/limits.py): per tenant, in Redis; 0 turns a limit off ------------
+    tenant_requests_per_minute: int = Field(
+        6000, ge=0, description="Calls that submit work, per tenant and window."
+    )
+    tenant_tokens_per_minute: int = Field(
+        50_000_000,
+        ge=0,
+        description="Estimated prompt tokens + max_tokens submitted, per tenant and window.",
+    )
+    tenant_max_queued: int = Field(1_000_000, ge=0, description="A tenant's jobs queued at once.")
+    limit_window_s: float = Field(60.0, gt=0, description="The window of the two rate limits.")
+    lane_max_queued: dict[str, int] = Field(
+        default_factory=lambda: {"realtime": 10_000, "standard": 100_000, "bulk": 1_000_000},
+        description="Jobs queued at or above a lane's priority past which it refuses new ones "
+        "(503); JSON.",
+    )
+    lane_default_timeout_s: dict[str, float] = Field(
+        default_factory=lambda: {"realtime": 600.0},
+        description="timeout_s of a job that sets none, per lane (JSON); absent: no deadline.",
+    )
     cancel_wait_s: float = Field(
         2.0, description="How long POST .../cancel waits for a running job to stop."
     )
@@ -175,6 +195,12 @@ class Settings(BaseSettings):
             raise ValueError(f"lane_reserved_share takes lanes {LANES} with shares >= 0")
         if sum(shares.values()) >= 1:
             raise ValueError("lane_reserved_share must add up to less than 1")
+        for name, per_lane in (
+            ("lane_max_queued", self.lane_max_queued),
+            ("lane_default_timeout_s", self.lane_default_timeout_s),
+        ):
+            if set(per_lane) - set(LANES) or any(v < 0 for v in per_lane.values()):
+                raise ValueError(f"{name} takes lanes {LANES} with values >= 0")
         self.webhook_retry_delays  # noqa: B018 - parses the schedule, raising on a bad one
         return self
 

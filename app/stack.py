@@ -27,7 +27,7 @@ import httpx
 import redis
 
 from app import dispatch
-from app.auth import create_key, tenant_for_key
+from app.auth import create_key, key_for
 from app.db import migrate, session_scope
 from app.settings import Settings
 from app.webhooks import SECRET_FILE, load_secret
@@ -174,7 +174,7 @@ class Stack:
         with session_scope() as session:
             if path.exists():
                 key = path.read_text().strip()
-                if tenant_for_key(session, key) is not None:
+                if key_for(session, key) is not None:
                     return key
             _, key = create_key(session, "dev", "inferq up")
         path.write_text(key + "\n")

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Form, Query, UploadFile
+from fastapi import APIRouter, Depends, Form, Query, Request, UploadFile
 from fastapi.responses import FileResponse
 from sqlalchemy.orm import Session
 
-from app import batches, files, jobs, storage
-from app.auth import Tenant
+from app import batches, files, jobs, limits, storage
+from app.auth import Tenant, caller_limits
 from app.db import get_session
 from app.schemas import (
     BatchCreate,
@@ -81,9 +81,12 @@ def delete_file(file_id: str, tenant: Tenant, session: SessionDep) -> FileDelete
 
 
 @router.post("/batches", response_model=BatchOut)
-def create_batch(body: BatchCreate, tenant: Tenant, session: SessionDep) -> BatchOut:
+def create_batch(
+    body: BatchCreate, tenant: Tenant, session: SessionDep, request: Request
+) -> BatchOut:
     """Start a batch over an uploaded file; it is validated by the ops worker (``validating``)."""
     jobs.require_broker()
+    limits.admit(session, tenant, caller_limits(request))
     batch = batches.create(session, tenant, body)
     return BatchOut.from_row(batch)
 

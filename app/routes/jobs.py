@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Header, Query, Response
+from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from sqlalchemy.orm import Session
 
-from app import jobs, outbox
-from app.auth import Tenant
+from app import jobs, limits, outbox
+from app.auth import Tenant, caller_limits
 from app.db import get_session
 from app.models import JobStatus, Lane
 from app.schemas import (
@@ -33,11 +33,13 @@ def create_job(
     body: JobCreate,
     tenant: Tenant,
     session: SessionDep,
+    request: Request,
     response: Response,
     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None,
 ) -> JobOut:
     """Submit a job. 202 means the job is committed and will reach a terminal state."""
     jobs.require_broker()
+    limits.admit(session, tenant, caller_limits(request), [body])
     job, created = jobs.submit(session, tenant, body, idempotency_key)
     if created:
         jobs.send(session, [(job.id, job.lane)])
@@ -47,9 +49,12 @@ def create_job(
 
 
 @router.post("/jobs/bulk", status_code=202, response_model=JobBulkOut)
-def create_jobs(body: JobBulkCreate, tenant: Tenant, session: SessionDep) -> JobBulkOut:
+def create_jobs(
+    body: JobBulkCreate, tenant: Tenant, session: SessionDep, request: Request
+) -> JobBulkOut:
     """Submit many jobs at once: all are committed, or none (a 4xx names the bad one)."""
     jobs.require_broker()
+    limits.admit(session, tenant, caller_limits(request), body.jobs)
     rows = jobs.submit_many(session, tenant, body.jobs)
     jobs.send(session, [(job.id, job.lane) for job in rows])
     return JobBulkOut(data=[JobOut.from_row(job) for job in rows])

@@ -25,10 +25,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.types import Receive, Scope, Send
 
-from app import jobs, relay
-from app.auth import Tenant
+from app import jobs, limits, relay
+from app.auth import Tenant, caller_limits
 from app.db import session_scope
 from app.errors import error_body
+from app.limits import Limits
 from app.models import TERMINAL, Job, JobStatus
 from app.openai_compat import (
     CHAT,
@@ -81,10 +82,11 @@ async def completions(body: CompletionRequest, request: Request, tenant: Tenant)
 # --- the job behind a call ------------------------------------------------------------------
 
 
-def _submit(tenant: str, body: ChatCompletionRequest | CompletionRequest) -> Job:
+def _submit(tenant: str, body: ChatCompletionRequest | CompletionRequest, caller: Limits) -> Job:
     job_body = body.job()
     jobs.require_broker()
     with session_scope() as session:
+        limits.admit(session, tenant, caller, [job_body])
         job, _ = jobs.submit(session, tenant, job_body, relay="tokens" if body.stream else "end")
         jobs.send(session, [(job.id, job.lane)])
     return job
@@ -171,7 +173,7 @@ class _EventStream(StreamingResponse):
 async def _complete(
     body: ChatCompletionRequest | CompletionRequest, request: Request, tenant: str
 ) -> Response:
-    job = await run_in_threadpool(_submit, tenant, body)
+    job = await run_in_threadpool(_submit, tenant, body, caller_limits(request))
     headers = {JOB_HEADER: job.id}
     call = _Call(request, tenant, job)
     try:

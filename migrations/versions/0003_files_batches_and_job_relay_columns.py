@@ -77,10 +77,22 @@ def upgrade() -> None:
         batch_op.add_column(sa.Column("batch_line", sa.Integer(), nullable=True))
         batch_op.add_column(sa.Column("relay", sa.String(length=8), nullable=True))
         batch_op.create_index("ix_jobs_batch_line", ["batch_id", "batch_line"], unique=False)
+        batch_op.create_index("ix_jobs_tenant_status", ["tenant", "status"], unique=False)
+
+    with op.batch_alter_table("api_keys", schema=None) as batch_op:
+        batch_op.add_column(sa.Column("requests_per_minute", sa.Integer(), nullable=True))
+        batch_op.add_column(sa.Column("tokens_per_minute", sa.Integer(), nullable=True))
+        batch_op.add_column(sa.Column("max_queued", sa.Integer(), nullable=True))
 
 
 def downgrade() -> None:
+    with op.batch_alter_table("api_keys", schema=None) as batch_op:
+        batch_op.drop_column("max_queued")
+        batch_op.drop_column("tokens_per_minute")
+        batch_op.drop_column("requests_per_minute")
+
     with op.batch_alter_table("jobs", schema=None) as batch_op:
+        batch_op.drop_index("ix_jobs_tenant_status")
         batch_op.drop_index("ix_jobs_batch_line")
         batch_op.drop_column("relay")
         batch_op.drop_column("batch_line")

@@ -5,6 +5,7 @@ No worker runs here, so every accepted job stays queued and the counts below are
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -87,6 +88,10 @@ BAD_BODIES = [
         "messages[0].content",
     ),
     ({"prompt": "x", "surprise": True}, "surprise"),
+    ({"prompt": "nul \x00 inside"}, "prompt"),
+    ({"prompt": "lone \ud800 surrogate"}, "prompt"),
+    ({"messages": [{"role": "user", "content": "a\x00"}]}, "messages[0].content"),
+    ({"prompt": "x", "metadata": {"k": "v\x00"}}, "metadata"),
 ]
 
 
@@ -95,7 +100,10 @@ def test_out_of_bounds_input_is_422_naming_the_field_and_leaves_no_row(
     stack: Stack, client: httpx.Client, body: dict, param: str
 ) -> None:
     before = jobs_in_db(stack)
-    error = assert_error(client.post("/v1/jobs", json=body), 422, param=param)
+    # json.dumps escapes everything to ASCII, so a lone surrogate travels as "\ud800".
+    raw = json.dumps(body).encode()
+    response = client.post("/v1/jobs", content=raw, headers={"content-type": "application/json"})
+    error = assert_error(response, 422, param=param)
     assert error["type"] == "invalid_request_error"
     assert param.split(".")[0].split("[")[0] in error["message"]
     assert jobs_in_db(stack) == before

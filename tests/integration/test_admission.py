@@ -1,0 +1,202 @@
+"""Admission control on a real API, Redis and PostgreSQL: tenant limits (per-key overrides),
+lane backpressure, per-lane default deadlines, and tenant isolation on every route.
+
+The worker here consumes only the realtime lane, so standard and bulk jobs stay queued and the
+queued counts are exact; the rate windows are 2 s so that recovery can be seen.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+import redis
+
+from tests.conftest import PostgresDatabases, fresh_redis_url
+from tests.integration.test_api import assert_error
+from tests.support import Stack, wait_until
+
+WINDOW_S = 2
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, postgres: PostgresDatabases) -> Iterator[Stack]:
+    tmp = tmp_path_factory.mktemp("admission")
+    stack = Stack(
+        tmp,
+        postgres.create(),
+        fresh_redis_url(),
+        require_auth="true",
+        limit_window_s=WINDOW_S,
+        lane_max_queued=json.dumps({"realtime": 100, "standard": 100, "bulk": 6}),
+        lane_default_timeout_s=json.dumps({"realtime": 1.0}),
+        sim_time_scale=0.2,
+    )
+    try:
+        stack.migrate()
+        stack.start_api()
+        stack.start_worker(worker_lanes="realtime")
+        yield stack
+    finally:
+        stack.stop()
+
+
+def key(stack: Stack, tenant: str, *limits: str) -> httpx.Client:
+    created = stack.cli("keys", "create", "--tenant", tenant, *limits)
+    assert created.returncode == 0, created.stderr
+    headers = {"Authorization": f"Bearer {created.stdout.strip()}"}
+    return httpx.Client(base_url=stack.url, headers=headers, timeout=30)
+
+
+def job(lane: str = "standard", prompt: str = "Say hello", max_tokens: int = 8) -> dict[str, Any]:
+    return {"prompt": prompt, "lane": lane, "params": {"max_tokens": max_tokens}}
+
+
+def rows(stack: Stack, tenant: str) -> int:
+    return int(stack.scalar("SELECT count(*) FROM jobs WHERE tenant = :t", t=tenant))
+
+
+def queued_messages(stack: Stack) -> int:
+    client = redis.Redis.from_url(stack.redis_url)
+    return sum(int(client.llen(lane)) for lane in ("realtime", "standard", "bulk"))
+
+
+def refused(response: httpx.Response, status: int, code: str) -> int:
+    """Assert the refusal and return its Retry-After."""
+    assert_error(response, status, code)
+    retry_after = int(response.headers["Retry-After"])
+    assert retry_after >= 1
+    return retry_after
+
+
+def test_requests_per_minute_per_key_override_and_recovery(stack: Stack) -> None:
+    with key(stack, "rpm", "--rpm", "3") as c:
+        # Start at the beginning of a window, so the three fit in one.
+        time.sleep(WINDOW_S - time.time() % WINDOW_S + 0.05)
+        for _ in range(3):
+            assert c.post("/v1/jobs", json=job()).status_code == 202
+        before = (rows(stack, "rpm"), queued_messages(stack))
+        response = c.post("/v1/jobs", json=job())
+        retry_after = refused(response, 429, "requests_per_minute_exceeded")
+        assert response.headers["inferq-limit"] == "requests_per_minute"
+        assert retry_after <= WINDOW_S
+        assert (rows(stack, "rpm"), queued_messages(stack)) == before  # nothing written
+        bulk = c.post("/v1/jobs/bulk", json={"jobs": [job(), job()]})
+        refused(bulk, 429, "requests_per_minute_exceeded")
+        time.sleep(retry_after)
+        assert c.post("/v1/jobs", json=job()).status_code == 202
+        assert rows(stack, "rpm") == before[0] + 1
+
+
+def test_tokens_per_minute(stack: Stack) -> None:
+    # 40 characters ~ 10 prompt tokens, + 50 max_tokens = 60 tokens a job.
+    body = job(prompt="x" * 40, max_tokens=50)
+    with key(stack, "tpm", "--tpm", "100") as c:
+        time.sleep(WINDOW_S - time.time() % WINDOW_S + 0.05)
+        assert c.post("/v1/jobs", json=body).status_code == 202
+        retry_after = refused(c.post("/v1/jobs", json=body), 429, "tokens_per_minute_exceeded")
+        assert rows(stack, "tpm") == 1
+        # A refused request is refunded: a smaller job still fits in this window.
+        small = job(prompt="x" * 4, max_tokens=20)
+        assert c.post("/v1/jobs", json=small).status_code == 202
+        time.sleep(retry_after)
+        assert c.post("/v1/jobs", json=body).status_code == 202
+
+
+def test_max_queued_and_recovery(stack: Stack) -> None:
+    with key(stack, "queue", "--max-queued", "2") as c:
+        first = c.post("/v1/jobs", json=job()).json()
+        assert c.post("/v1/jobs", json=job()).status_code == 202
+        refused(c.post("/v1/jobs", json=job()), 429, "max_queued_exceeded")
+        refused(c.post("/v1/jobs/bulk", json={"jobs": [job()]}), 429, "max_queued_exceeded")
+        assert rows(stack, "queue") == 2
+        assert c.post(f"/v1/jobs/{first['id']}/cancel").json()["status"] == "cancelled"
+        assert c.post("/v1/jobs", json=job()).status_code == 202
+
+
+def test_backpressure_sheds_bulk_first(stack: Stack) -> None:
+    # Jobs queued by the tests above count too: fill up to the bulk lane's limit of 6.
+    with key(stack, "pressure") as c:
+
+        def queued() -> int:
+            return int(stack.scalar("SELECT count(*) FROM jobs WHERE status = 'queued'"))
+
+        while queued() < 6:
+            assert c.post("/v1/jobs", json=job()).status_code == 202
+        time.sleep(1.1)  # the API reads the backlog at most once a second
+        before = rows(stack, "pressure")
+        response = c.post("/v1/jobs", json=job(lane="bulk"))
+        refused(response, 503, "lane_overloaded")
+        assert response.json()["error"]["param"] == "lane"
+        mixed = {"jobs": [job(), job(lane="bulk")]}
+        refused(c.post("/v1/jobs/bulk", json=mixed), 503, "lane_overloaded")
+        assert rows(stack, "pressure") == before
+        # Standard and realtime still have room: bulk is shed first.
+        assert c.post("/v1/jobs", json=job()).status_code == 202
+        assert c.post("/v1/jobs", json=job(lane="realtime")).status_code == 202
+
+
+def test_realtime_default_deadline(stack: Stack) -> None:
+    """No timeout_s on a realtime job: the lane's default (1 s here) applies."""
+    with key(stack, "deadline") as c:
+        long = c.post("/v1/jobs", json=job(lane="realtime", max_tokens=8000)).json()
+        short = c.post("/v1/jobs", json=job(lane="realtime", max_tokens=4)).json()
+
+        def ended(job_id: str) -> dict[str, Any] | None:
+            row = c.get(f"/v1/jobs/{job_id}").json()
+            return row if row["finished_at"] is not None else None
+
+        done = wait_until(lambda: ended(long["id"]), 30, "the long job to end")
+        assert done["status"] == "expired" and done["error"]["code"] == "deadline_exceeded"
+        assert done["result"]["usage"]["completion_tokens"] < 8000  # aborted in the engine
+        assert done["finished_at"] - done["created_at"] <= 5
+        assert wait_until(lambda: ended(short["id"]), 30, "the short job")["status"] == "succeeded"
+
+
+def test_tenant_isolation_on_every_route(stack: Stack) -> None:
+    with key(stack, "alice") as alice, key(stack, "bob") as bob:
+        mine = alice.post("/v1/jobs", json=job()).json()
+        upload = alice.post(
+            "/v1/files",
+            files={"file": ("in.jsonl", io.BytesIO(b"{}\n"))},
+            data={"purpose": "batch"},
+        ).json()
+        batch = alice.post(
+            "/v1/batches",
+            json={
+                "input_file_id": upload["id"],
+                "endpoint": "/v1/chat/completions",
+                "completion_window": "24h",
+            },
+        ).json()
+        hidden = [
+            ("GET", f"/v1/jobs/{mine['id']}", "job_not_found"),
+            ("POST", f"/v1/jobs/{mine['id']}/cancel", "job_not_found"),
+            ("GET", f"/v1/jobs/{mine['id']}/webhook-deliveries", "job_not_found"),
+            ("POST", f"/v1/jobs/{mine['id']}/webhook-deliveries/redeliver", "job_not_found"),
+            ("GET", f"/v1/files/{upload['id']}", "file_not_found"),
+            ("GET", f"/v1/files/{upload['id']}/content", "file_not_found"),
+            ("DELETE", f"/v1/files/{upload['id']}", "file_not_found"),
+            ("GET", f"/v1/batches/{batch['id']}", "batch_not_found"),
+            ("POST", f"/v1/batches/{batch['id']}/cancel", "batch_not_found"),
+        ]
+        for method, path, code in hidden:
+            assert_error(bob.request(method, path), 404, code)
+        refused_batch = bob.post(
+            "/v1/batches",
+            json={
+                "input_file_id": upload["id"],
+                "endpoint": "/v1/chat/completions",
+                "completion_window": "24h",
+            },
+        )
+        assert_error(refused_batch, 404, "file_not_found")
+        for listing in ("/v1/jobs", "/v1/files", "/v1/batches"):
+            assert bob.get(listing).json()["data"] == []
+            assert alice.get(listing).json()["data"]
+        assert alice.get(f"/v1/files/{upload['id']}/content").content == b"{}\n"
