@@ -11,6 +11,7 @@ import io
 import json
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -22,6 +23,7 @@ from tests.integration.test_api import assert_error
 from tests.support import Stack, wait_until
 
 WINDOW_S = 2
+IDEMPOTENCY_TTL_S = 2
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +37,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, postgres: PostgresDatabases)
         limit_window_s=WINDOW_S,
         lane_max_queued=json.dumps({"realtime": 100, "standard": 100, "bulk": 6}),
         lane_default_timeout_s=json.dumps({"realtime": 1.0}),
+        idempotency_ttl_s=IDEMPOTENCY_TTL_S,
         sim_time_scale=0.2,
     )
     try:
@@ -72,6 +75,43 @@ def refused(response: httpx.Response, status: int, code: str) -> int:
     retry_after = int(response.headers["Retry-After"])
     assert retry_after >= 1
     return retry_after
+
+
+def test_backpressure_sheds_bulk_first_and_recovers(stack: Stack) -> None:
+    # First in this module: only these jobs are queued (the worker takes only realtime).
+    with key(stack, "pressure") as c:
+        mine = [c.post("/v1/jobs", json=job()).json() for _ in range(6)]
+        time.sleep(1.1)  # the API reads the backlog at most once a second
+        before = (rows(stack, "pressure"), queued_messages(stack))
+        response = c.post("/v1/jobs", json=job(lane="bulk"))
+        refused(response, 503, "lane_overloaded")
+        assert response.json()["error"]["param"] == "lane"
+        mixed = {"jobs": [job(), job(lane="bulk")]}
+        refused(c.post("/v1/jobs/bulk", json=mixed), 503, "lane_overloaded")
+        assert (rows(stack, "pressure"), queued_messages(stack)) == before
+        # Standard and realtime still have room: bulk is shed first.
+        assert c.post("/v1/jobs", json=job()).status_code == 202
+        assert c.post("/v1/jobs", json=job(lane="realtime")).status_code == 202
+        # The backlog shrinks (here: cancelled), and bulk is taken again.
+        for queued in mine:
+            assert c.post(f"/v1/jobs/{queued['id']}/cancel").json()["status"] == "cancelled"
+        time.sleep(1.1)
+        assert c.post("/v1/jobs", json=job(lane="bulk")).status_code == 202
+
+
+def test_idempotency_under_concurrency_and_expiry(stack: Stack) -> None:
+    with key(stack, "idem") as c:
+        headers = {"Idempotency-Key": "same-order"}
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(
+                pool.map(lambda _: c.post("/v1/jobs", json=job(), headers=headers), range(8))
+            )
+        assert sorted(r.status_code for r in answers) == [200] * 7 + [202]
+        assert len({r.json()["id"] for r in answers}) == 1
+        assert rows(stack, "idem") == 1
+        time.sleep(IDEMPOTENCY_TTL_S + 0.5)  # the key has expired: the same key is new again
+        again = c.post("/v1/jobs", json=job(), headers=headers)
+        assert again.status_code == 202 and again.json()["id"] != answers[0].json()["id"]
 
 
 def test_requests_per_minute_per_key_override_and_recovery(stack: Stack) -> None:
@@ -117,28 +157,6 @@ def test_max_queued_and_recovery(stack: Stack) -> None:
         assert rows(stack, "queue") == 2
         assert c.post(f"/v1/jobs/{first['id']}/cancel").json()["status"] == "cancelled"
         assert c.post("/v1/jobs", json=job()).status_code == 202
-
-
-def test_backpressure_sheds_bulk_first(stack: Stack) -> None:
-    # Jobs queued by the tests above count too: fill up to the bulk lane's limit of 6.
-    with key(stack, "pressure") as c:
-
-        def queued() -> int:
-            return int(stack.scalar("SELECT count(*) FROM jobs WHERE status = 'queued'"))
-
-        while queued() < 6:
-            assert c.post("/v1/jobs", json=job()).status_code == 202
-        time.sleep(1.1)  # the API reads the backlog at most once a second
-        before = rows(stack, "pressure")
-        response = c.post("/v1/jobs", json=job(lane="bulk"))
-        refused(response, 503, "lane_overloaded")
-        assert response.json()["error"]["param"] == "lane"
-        mixed = {"jobs": [job(), job(lane="bulk")]}
-        refused(c.post("/v1/jobs/bulk", json=mixed), 503, "lane_overloaded")
-        assert rows(stack, "pressure") == before
-        # Standard and realtime still have room: bulk is shed first.
-        assert c.post("/v1/jobs", json=job()).status_code == 202
-        assert c.post("/v1/jobs", json=job(lane="realtime")).status_code == 202
 
 
 def test_realtime_default_deadline(stack: Stack) -> None:
