@@ -184,14 +184,12 @@ def test_tenant_isolation_on_every_route(stack: Stack) -> None:
             files={"file": ("in.jsonl", io.BytesIO(b"{}\n"))},
             data={"purpose": "batch"},
         ).json()
-        batch = alice.post(
-            "/v1/batches",
-            json={
-                "input_file_id": upload["id"],
-                "endpoint": "/v1/chat/completions",
-                "completion_window": "24h",
-            },
-        ).json()
+        batch_body = {
+            "input_file_id": upload["id"],
+            "endpoint": "/v1/chat/completions",
+            "completion_window": "24h",
+        }
+        batch = alice.post("/v1/batches", json=batch_body).json()
         hidden = [
             ("GET", f"/v1/jobs/{mine['id']}", "job_not_found"),
             ("POST", f"/v1/jobs/{mine['id']}/cancel", "job_not_found"),
@@ -205,15 +203,7 @@ def test_tenant_isolation_on_every_route(stack: Stack) -> None:
         ]
         for method, path, code in hidden:
             assert_error(bob.request(method, path), 404, code)
-        refused_batch = bob.post(
-            "/v1/batches",
-            json={
-                "input_file_id": upload["id"],
-                "endpoint": "/v1/chat/completions",
-                "completion_window": "24h",
-            },
-        )
-        assert_error(refused_batch, 404, "file_not_found")
+        assert_error(bob.post("/v1/batches", json=batch_body), 404, "file_not_found")
         for listing in ("/v1/jobs", "/v1/files", "/v1/batches"):
             assert bob.get(listing).json()["data"] == []
             assert alice.get(listing).json()["data"]
