@@ -93,15 +93,19 @@ def current_tenant(request: Request, session: Annotated[Session, Depends(get_ses
             headers=challenge,
         )
     row = key_for(session, token.strip())
+    found = None
+    if row is not None:
+        # Read before the rollback: it expires the row, and reading it afterwards would open
+        # a transaction that holds SQLite's write lock until the request ends.
+        found = (row.tenant, (row.requests_per_minute, row.tokens_per_minute, row.max_queued))
     session.rollback()  # end the read transaction; the route opens its own
-    if row is None:
+    if found is None:
         raise ApiError(
             401, "invalid_api_key", "the API key is invalid or revoked", headers=challenge
         )
-    request.state.limits = limits.for_key(
-        row.requests_per_minute, row.tokens_per_minute, row.max_queued
-    )
-    return row.tenant
+    tenant, overrides = found
+    request.state.limits = limits.for_key(*overrides)
+    return tenant
 
 
 def caller_limits(request: Request) -> limits.Limits:

@@ -291,3 +291,13 @@ def test_bulk_submit_is_all_or_nothing(stack: Stack, client: httpx.Client) -> No
     assert queue.llen("realtime") - realtime_before == 1
     enqueued = stack.scalar("SELECT count(*) FROM jobs WHERE enqueued_at IS NOT NULL")
     assert enqueued >= 301
+
+
+def test_openai_call_with_a_key_is_admitted_on_sqlite(stack: Stack, client: httpx.Client) -> None:
+    """The key lookup must not leave a transaction open: on SQLite it would hold the write
+    lock for the whole call and the job could not be inserted (a 503 after 30 s)."""
+    before = jobs_in_db(stack)
+    body = {"model": "inferq-demo", "prompt": "x", "max_tokens": 2}
+    with pytest.raises(httpx.ReadTimeout):  # no worker here: the call waits for its job
+        client.post("/v1/completions", json=body, timeout=3)
+    assert jobs_in_db(stack) == before + 1
