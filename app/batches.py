@@ -146,14 +146,18 @@ def counts(session: Session, batch: Batch) -> RequestCounts:
             completed=batch.request_completed,
             failed=batch.request_failed,
         )
-    by_status = dict(
-        session.execute(
-            select(Job.status, func.count()).where(Job.batch_id == batch.id).group_by(Job.status)
-        ).all()
-    )
+    by_status = _jobs_by_status(session, batch.id)
     completed = by_status.get(JobStatus.SUCCEEDED, 0)
     ended = sum(n for status, n in by_status.items() if status in TERMINAL)
     return RequestCounts(total=batch.request_total, completed=completed, failed=ended - completed)
+
+
+def _jobs_by_status(session: Session, batch_id: str) -> dict[str, int]:
+    """How many of the batch's jobs are in each status."""
+    rows = session.execute(
+        select(Job.status, func.count()).where(Job.batch_id == batch_id).group_by(Job.status)
+    ).all()
+    return {status: int(n) for status, n in rows}
 
 
 def cancel(session: Session, tenant: str, batch_id: str) -> Batch:
@@ -520,13 +524,7 @@ def finalize(batch_id: str) -> bool:
         batch = session.get(Batch, batch_id)
         if batch is None or batch.status not in FINALIZABLE:
             return False
-        by_status = dict(
-            session.execute(
-                select(Job.status, func.count())
-                .where(Job.batch_id == batch_id)
-                .group_by(Job.status)
-            ).all()
-        )
+        by_status = _jobs_by_status(session, batch_id)
         if any(status not in TERMINAL for status in by_status):
             return False
         # A line's only deadline is the batch's expiry: one that expired means the window

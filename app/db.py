@@ -13,8 +13,9 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
+from fastapi import Depends
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
@@ -112,6 +113,10 @@ def get_session() -> Iterator[Session]:
         yield session
     finally:
         session.close()
+
+
+# A route's parameter type for the request's session.
+SessionDep = Annotated[Session, Depends(get_session)]
 
 
 def migrate(revision: str = "head") -> None:

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Form, Query, Request, UploadFile
+from fastapi import APIRouter, Form, Query, Request, UploadFile
 from fastapi.responses import FileResponse
-from sqlalchemy.orm import Session
 
 from app import batches, files, jobs, limits, storage
 from app.auth import Tenant, caller_limits
-from app.db import get_session
+from app.db import SessionDep
 from app.schemas import (
     BatchCreate,
     BatchList,
@@ -22,7 +21,6 @@ from app.schemas import (
 )
 
 router = APIRouter(prefix="/v1", tags=["batches"], responses={"default": {"model": ErrorBody}})
-SessionDep = Annotated[Session, Depends(get_session)]
 
 
 # --- files -------------------------------------------------------------------------------------

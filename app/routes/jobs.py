@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Header, Query, Request, Response
-from sqlalchemy.orm import Session
+from fastapi import APIRouter, Header, Query, Request, Response
 
 from app import jobs, limits, outbox
 from app.auth import Tenant, caller_limits
-from app.db import get_session
+from app.db import SessionDep
 from app.models import JobStatus, Lane
 from app.schemas import (
     ErrorBody,
@@ -25,7 +24,6 @@ from app.schemas import (
 from app.settings import get_settings
 
 router = APIRouter(prefix="/v1", tags=["jobs"], responses={"default": {"model": ErrorBody}})
-SessionDep = Annotated[Session, Depends(get_session)]
 
 
 @router.post("/jobs", status_code=202, response_model=JobOut)
