@@ -29,13 +29,14 @@ import json
 import logging
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 from pydantic import ValidationError
 from sqlalchemy import func, or_, select, update
 from sqlalchemy.orm import Session
 
-from app import dispatch, files, jobs, outbox, queries, storage
+from app import dispatch, files, jobs, outbox, queries, storage, tokens, transitions
 from app.db import session_scope
 from app.errors import ApiError, param_path
 from app.models import (
@@ -53,6 +54,7 @@ from app.models import (
 from app.openai_compat import ENDPOINTS, REQUEST_TYPES, job_error, response_body
 from app.schemas import BatchCreate, JobCreate, RequestCounts, storable
 from app.settings import get_settings
+from app.transitions import Transition
 
 log = logging.getLogger("inferq.batches")
 
@@ -182,24 +184,30 @@ def cancel(session: Session, tenant: str, batch_id: str) -> Batch:
         session.rollback()
         session.refresh(batch)
         return cancel(session, tenant, batch_id)  # it moved on meanwhile: judge it again
-    running = _stop_jobs(session, batch.id, stamp, JobStatus.CANCELLED, "batch_cancelled")
+    stopped = _stop_jobs(session, batch.id, stamp, JobStatus.CANCELLED, "batch_cancelled")
     session.commit()
-    _abort(running)
+    _after_stop(stopped, "api")
     session.refresh(batch)
     return batch
 
 
-def _stop_jobs(session: Session, batch_id: str, stamp: float, to: str, code: str) -> list[str]:
+@dataclass(frozen=True)
+class Stopped:
+    ended: list[Transition]  # queued jobs that ended
+    running: list[str]  # running jobs the workers must abort
+
+
+def _stop_jobs(session: Session, batch_id: str, stamp: float, to: str, code: str) -> Stopped:
     """End a batch's queued jobs with ``to`` and mark its running ones to be cancelled.
 
-    Returns the running ones: the caller tells workers to abort them once this commits.
+    Once this commits the caller passes the result to :func:`_after_stop`.
     """
     assert can_transition(JobStatus.QUEUED, to)
     why = {
         "batch_cancelled": "the batch was cancelled",
         "batch_expired": "the batch's completion window ended before this request ran",
     }[code]
-    session.execute(
+    ended = session.execute(
         update(Job)
         .where(Job.batch_id == batch_id, Job.status == JobStatus.QUEUED)
         .values(
@@ -210,8 +218,9 @@ def _stop_jobs(session: Session, batch_id: str, stamp: float, to: str, code: str
             error_code=code,
             error_message=why,
         )
+        .returning(Job.id, Job.lane, Job.tenant)
         .execution_options(synchronize_session=False)
-    )
+    ).all()
     running = list(
         session.scalars(
             update(Job)
@@ -221,12 +230,14 @@ def _stop_jobs(session: Session, batch_id: str, stamp: float, to: str, code: str
             .execution_options(synchronize_session=False)
         )
     )
-    return running
+    return Stopped(transitions.of_rows(ended, to, JobStatus.QUEUED, code), running)
 
 
-def _abort(job_ids: list[str]) -> None:
-    """Tell the workers to abort these running jobs now (their heartbeats would, later)."""
-    for job_id in job_ids:
+def _after_stop(stopped: Stopped, by: transitions.By) -> None:
+    """Log the committed ends, and tell the workers to abort the running jobs now (their
+    heartbeats would, later)."""
+    transitions.emit(stopped.ended, by=by)
+    for job_id in stopped.running:
         dispatch.publish_control("cancel", job_id=job_id)
 
 
@@ -299,6 +310,7 @@ def _parse(raw: bytes | None, endpoint: str, limit: int) -> tuple[str, JobCreate
         request = REQUEST_TYPES[endpoint].model_validate(body)
         job = request.job()
         jobs.check_model(job.model)
+        tokens.check(dispatch.redis_client(), get_settings().model_name, [job])
     except ValidationError as exc:
         first = exc.errors()[0]
         param = param_path(("body", *first["loc"]))
@@ -412,6 +424,11 @@ def start(batch_id: str) -> str:
     if ids is None:
         _release(batch_id, claim)
         return "cancelled while validating"
+    transitions.emit(
+        [Transition(job_id, Lane.BULK.value, batch.tenant, JobStatus.QUEUED) for job_id in ids],
+        by="ops",
+        batch_id=batch_id,
+    )
     pairs = [(job_id, str(Lane.BULK)) for job_id in ids]
     with session_scope() as session:
         for i in range(0, len(pairs), SEND_CHUNK):
@@ -504,12 +521,12 @@ def _expire(batch_id: str, stamp: float) -> None:
             )
             .values(expired_at=stamp, updated_at=stamp)
         ).rowcount  # type: ignore[attr-defined]
-        running = (
+        stopped = (
             _stop_jobs(session, batch_id, stamp, JobStatus.EXPIRED, "batch_expired")
             if marked
-            else []
+            else Stopped([], [])
         )
-    _abort(running)
+    _after_stop(stopped, "ops")
 
 
 def finalize(batch_id: str) -> bool:

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import time
 from typing import Any
 
 import click
 import httpx
+from pydantic import ValidationError
 
 from app.settings import LANES, get_settings
 
@@ -31,6 +33,16 @@ def _set_env(**values: object) -> None:
 @click.group()
 def main() -> None:
     """inferq: durable, prioritised LLM inference jobs."""
+    try:
+        get_settings()
+    except ValidationError as exc:
+        # A bad combination (timing invariants, unknown lanes, ...) refuses to start, saying why.
+        problems = [
+            f"  {'.'.join(map(str, e['loc'])) or 'settings'}: "
+            + str(e["msg"]).removeprefix("Value error, ")
+            for e in exc.errors()
+        ]
+        raise click.ClickException("invalid settings:\n" + "\n".join(problems)) from None
 
 
 @main.command()
@@ -59,6 +71,14 @@ def api(host: str | None, port: int | None, workers: int) -> None:
 
     _set_env(api_host=host, api_port=port)
     settings = get_settings()
+    if workers > 1 and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        # Several processes answer /metrics: each keeps its counters in files here and a
+        # scrape merges them (app/metrics.py). A fresh directory per start: stale files from
+        # an earlier run would be counted again.
+        metrics_dir = settings.data_dir / "prometheus" / f"api-{settings.api_port}"
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+        metrics_dir.mkdir(parents=True)
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
     uvicorn.run(
         "app.main:create_app",
         factory=True,
@@ -94,6 +114,16 @@ def ops(concurrency: int | None, beat: bool | None) -> None:
     _set_env(ops_concurrency=concurrency, ops_beat=None if beat is None else str(beat).lower())
     get_settings()
     os.execv(sys.executable, [sys.executable, "-m", "workers.ops"])  # noqa: S606
+
+
+@main.command()
+@click.option("--address", default=None, help="Bind address (default INFERQ_FLOWER_ADDRESS).")
+@click.option("--port", type=int, default=None, help="Port (default INFERQ_FLOWER_PORT).")
+def flower(address: str | None, port: int | None) -> None:
+    """Run Flower, the Celery dashboard, on our broker and queues (basic auth beyond loopback)."""
+    _set_env(flower_address=address, flower_port=port)
+    get_settings()
+    os.execv(sys.executable, [sys.executable, "-m", "workers.flower"])  # noqa: S606
 
 
 @main.command(
@@ -249,6 +279,22 @@ def get(job_id: str) -> None:
     """Print a job."""
     with _client() as client:
         _show(client.get(f"/v1/jobs/{job_id}"))
+
+
+@main.command("status")
+@click.option("--watch", is_flag=True, help="Keep refreshing until Ctrl-C.")
+@click.option(
+    "--interval",
+    type=click.FloatRange(min=0.1),
+    default=2.0,
+    show_default=True,
+    help="Seconds between refreshes with --watch.",
+)
+def status_command(watch: bool, interval: float) -> None:
+    """Lanes, workers and the last minute's throughput, read from Redis and the database."""
+    from app.status import run
+
+    sys.exit(run(watch=watch, interval=interval))
 
 
 if __name__ == "__main__":

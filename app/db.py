@@ -74,15 +74,24 @@ def get_engine() -> Engine:
                     pool_size=20,
                     max_overflow=40,
                     pool_timeout=settings.dependency_timeout_s * 5,
-                    connect_args=_connect_args(url, settings.dependency_timeout_s),
+                    connect_args=_connect_args(
+                        url, settings.dependency_timeout_s, settings.lease_ttl_s
+                    ),
                 )
             _sessionmaker = sessionmaker(_engine, expire_on_commit=False)
         return _engine
 
 
-def _connect_args(url: str, timeout_s: float) -> dict[str, Any]:
+def _connect_args(url: str, timeout_s: float, lease_s: float) -> dict[str, Any]:
     if make_url(url).get_backend_name() == "postgresql":
-        return {"connect_timeout": max(1, int(timeout_s))}
+        # No transaction here waits on anything but the database, so one left idle for a
+        # lease is a paused or cut-off process's: the server ends it, freeing the rows it
+        # locked (a paused worker mid-claim would otherwise block the reaper on them).
+        idle_ms = max(1000, int(lease_s * 1000))
+        return {
+            "connect_timeout": max(1, int(timeout_s)),
+            "options": f"-c idle_in_transaction_session_timeout={idle_ms}",
+        }
     return {}
 
 

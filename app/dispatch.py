@@ -29,6 +29,7 @@ DELIVER_WEBHOOK_TASK = "inferq.deliver_webhook"
 SWEEP_WEBHOOKS_TASK = "inferq.sweep_webhooks"
 START_BATCH_TASK = "inferq.start_batch"
 SWEEP_BATCHES_TASK = "inferq.sweep_batches"
+REAP_TASK = "inferq.reap"
 # Queues of the ops worker (`inferq ops`): deliveries, and the periodic sweeps beat sends.
 WEBHOOK_QUEUE = "webhooks"
 MAINTENANCE_QUEUE = "maintenance"
@@ -84,6 +85,9 @@ def _celery() -> Celery:
                 task_queues=task_queues(),
                 broker_transport_options=broker_transport_options(settings),
                 broker_connection_timeout=settings.dependency_timeout_s,
+                # A task-sent event per message (a Redis PUBLISH, dropped when nobody listens):
+                # the only event that carries the routing key, i.e. the lane, to Flower.
+                task_send_sent_event=True,
                 task_publish_retry_policy={
                     "max_retries": 2,
                     "interval_start": 0.1,

@@ -17,11 +17,12 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from app import dispatch, outbox, queries, webhooks
+from app import dispatch, outbox, queries, transitions, webhooks
 from app.errors import ApiError
 from app.models import TERMINAL, IdempotencyKey, Job, JobStatus, job_update, new_id, now
 from app.schemas import JobCreate, storable
 from app.settings import get_settings
+from app.transitions import Transition
 
 MAX_IDEMPOTENCY_KEY = 255
 
@@ -149,6 +150,7 @@ def submit(
     if idempotency_key is None:
         session.add(job)
         session.commit()
+        _submitted([job])
         return job, True
 
     fingerprint = _fingerprint(body)
@@ -178,7 +180,14 @@ def submit(
         if existing is None:
             raise
         return existing, False
+    _submitted([job])
     return job, True
+
+
+def _submitted(new: list[Job]) -> None:
+    transitions.emit(
+        [Transition(job.id, job.lane, job.tenant, JobStatus.QUEUED) for job in new], by="api"
+    )
 
 
 INSERT_CHUNK = 500
@@ -200,7 +209,9 @@ def submit_many(session: Session, tenant: str, bodies: list[JobCreate]) -> list[
     except Exception:
         session.rollback()
         raise
-    return [Job(**v) for v in values]
+    created = [Job(**v) for v in values]
+    _submitted(created)
+    return created
 
 
 def insert_rows(connection: Connection, values: list[dict[str, Any]]) -> None:
@@ -270,6 +281,10 @@ def cancel(session: Session, tenant: str, job_id: str) -> tuple[Job, bool]:
         if done.rowcount:  # type: ignore[attr-defined]
             events = outbox.record_job_events(session.connection(), [job_id], stamp)
             session.commit()
+            transitions.emit(
+                [Transition(job.id, job.lane, tenant, JobStatus.CANCELLED, JobStatus.QUEUED)],
+                by="api",
+            )
             outbox.announce(events)
             session.refresh(job)
             return job, False

@@ -1,15 +1,17 @@
 """Admission control: per-tenant rate limits and per-lane backpressure.
 
 Checked after a request is validated and before anything is written, so a refused request
-leaves nothing behind (no row, no message).
+leaves nothing behind (no row, no message). A prompt longer than the model's context is refused
+first (422, app/tokens.py): bad input costs no rate budget.
 
 **Tenant limits** (429 with ``Retry-After`` and the limit's name), shared by every API replica
 through Redis:
 
 - ``requests_per_minute``: calls that submit work (a job, a bulk request, a chat/completion
   call, a batch);
-- ``tokens_per_minute``: prompt tokens (estimated as characters / 4: the API holds no
-  tokenizer) plus ``max_tokens``, summed over the jobs submitted;
+- ``tokens_per_minute``: prompt tokens (counted with the served model's tokenizer, app/tokens.py;
+  estimated where no worker has published one) plus ``max_tokens``, summed over the jobs
+  submitted;
 - ``max_queued``: the tenant's jobs queued at once (a count of its queued rows).
 
 The two rates are fixed windows of ``INFERQ_LIMIT_WINDOW_S`` (a Redis counter per tenant and
@@ -36,7 +38,7 @@ import redis
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from app import dispatch
+from app import dispatch, snapshot, tokens
 from app.errors import ApiError
 from app.models import LANE_PRIORITY, Job, JobStatus
 from app.schemas import JobCreate
@@ -70,18 +72,18 @@ def defaults() -> Limits:
     return for_key(None, None, None)
 
 
-def estimate_tokens(body: JobCreate) -> int:
-    """Prompt tokens (about four characters each) plus the most the job may generate."""
-    if body.messages is not None:
-        chars = sum(len(str(m.content)) for m in body.messages) + 16 * len(body.messages)
-    else:
-        chars = len(body.prompt or "")
-    max_tokens = body.params.max_tokens or get_settings().default_max_tokens
-    return math.ceil(chars / 4) + max_tokens
+def admit(
+    session: Session,
+    tenant: str,
+    limits: Limits,
+    bodies: Sequence[JobCreate] = (),
+    field: str | None = None,
+) -> None:
+    """Refuse (422/429/503) or let through a call that submits ``bodies`` (none: a batch).
 
-
-def admit(session: Session, tenant: str, limits: Limits, bodies: Sequence[JobCreate] = ()) -> None:
-    """Refuse (429/503) or let through a call that submits ``bodies`` (none: a batch)."""
+    ``field``: the list the bodies came in, for naming one in an error (``jobs``).
+    """
+    prompt_tokens = _prompt_tokens(bodies, field)
     lanes = {body.lane.value for body in bodies}
     for lane in sorted(lanes, key=lambda name: LANE_PRIORITY[name]):
         _backpressure(session, lane)
@@ -98,8 +100,15 @@ def admit(session: Session, tenant: str, limits: Limits, bodies: Sequence[JobCre
                 f"{queued} of this tenant's jobs are queued; at most {limits.max_queued} may be",
                 BACKPRESSURE_RETRY_S,
             )
-    tokens = sum(estimate_tokens(body) for body in bodies)
+    default = get_settings().default_max_tokens
+    tokens = sum(prompt_tokens) + sum(body.params.max_tokens or default for body in bodies)
     _take(tenant, limits, tokens)
+
+
+def _prompt_tokens(bodies: Sequence[JobCreate], field: str | None) -> list[int]:
+    if not bodies:
+        return []
+    return tokens.check(dispatch.redis_client(), get_settings().model_name, bodies, field)
 
 
 def _take(tenant: str, limits: Limits, tokens: int) -> None:
@@ -169,11 +178,9 @@ def _depths(session: Session) -> dict[str, int]:
         at, depths = _backlog
         if time.monotonic() - at < BACKLOG_CACHE_S:
             return depths
-    rows = session.execute(
-        select(Job.lane, func.count()).where(Job.status == JobStatus.QUEUED).group_by(Job.lane)
-    ).all()
+    lanes = snapshot.lane_jobs(session, time.time())
     session.rollback()
-    depths = {lane: int(n) for lane, n in rows}
+    depths = {lane: jobs.queued for lane, jobs in lanes.items()}
     with _backlog_lock:
         _backlog = (time.monotonic(), depths)
     return depths

@@ -103,6 +103,28 @@ def job_update(
     return statement.values(**values)
 
 
+DEADLINE_EXCEEDED = "deadline_exceeded"
+
+
+def expire_overdue(job_ids: Collection[str], stamp: float) -> Update:
+    """The queued jobs among ``job_ids`` whose deadline has passed end ``expired`` unstarted
+    (a worker's claim and the reaper both apply it). Returns the ended rows' id, lane and
+    tenant, what their transitions are made of (``app.transitions.of_rows``)."""
+    return (
+        job_update(
+            job_ids,
+            expect=JobStatus.QUEUED,
+            to=JobStatus.EXPIRED,
+            finished_at=stamp,
+            updated_at=stamp,
+            error_code=DEADLINE_EXCEEDED,
+            error_message="the job's timeout_s passed before it started",
+        )
+        .where(Job.deadline_at <= stamp)
+        .returning(Job.id, Job.lane, Job.tenant)
+    )
+
+
 _CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
 
 

@@ -17,7 +17,7 @@ from pydantic import (
     field_validator,
 )
 
-from app.models import Batch, File, Job, Lane, WebhookAttempt, WebhookEvent
+from app.models import Batch, File, Job, JobStatus, Lane, WebhookAttempt, WebhookEvent
 from app.settings import get_settings
 
 
@@ -216,6 +216,41 @@ def _secs(value: float | None) -> int | None:
     return None if value is None else int(value)
 
 
+def _ms(start: float | None, end: float | None) -> int | None:
+    return None if start is None or end is None else max(0, round((end - start) * 1000))
+
+
+class JobTimings(BaseModel):
+    """When the job passed each point, in unix seconds with milliseconds, and the spans between.
+
+    ``started_at`` and ``first_token_at`` belong to the job's last attempt.
+    """
+
+    queued_at: float
+    started_at: float | None
+    first_token_at: float | None
+    finished_at: float | None
+    queue_ms: int | None = Field(description="queued_at to started_at: time spent waiting.")
+    ttft_ms: int | None = Field(description="queued_at to first_token_at: time to first token.")
+    duration_ms: int | None = Field(description="started_at to finished_at: time running.")
+
+    @classmethod
+    def from_row(cls, job: Job) -> JobTimings:
+        def ms3(value: float | None) -> float | None:
+            return None if value is None else round(value, 3)
+
+        started = job.started_at if job.status != JobStatus.QUEUED else None
+        return cls(
+            queued_at=round(job.created_at, 3),
+            started_at=ms3(started),
+            first_token_at=ms3(job.first_token_at),
+            finished_at=ms3(job.finished_at),
+            queue_ms=_ms(job.created_at, started),
+            ttft_ms=_ms(job.created_at, job.first_token_at),
+            duration_ms=_ms(started, job.finished_at),
+        )
+
+
 class JobOut(BaseModel):
     id: str
     object: Literal["job"] = "job"
@@ -231,6 +266,7 @@ class JobOut(BaseModel):
     metadata: dict[str, str]
     webhook_url: str | None
     batch_id: str | None
+    timings: JobTimings
 
     @classmethod
     def from_row(cls, job: Job) -> JobOut:
@@ -264,6 +300,7 @@ class JobOut(BaseModel):
             metadata=dict(job.meta or {}),
             webhook_url=job.webhook_url,
             batch_id=job.batch_id,
+            timings=JobTimings.from_row(job),
         )
 
 

@@ -61,7 +61,7 @@ class Settings(BaseSettings):
     tenant_tokens_per_minute: int = Field(
         50_000_000,
         ge=0,
-        description="Estimated prompt tokens + max_tokens submitted, per tenant and window.",
+        description="Prompt tokens + max_tokens submitted, per tenant and window.",
     )
     tenant_max_queued: int = Field(1_000_000, ge=0, description="A tenant's jobs queued at once.")
     limit_window_s: float = Field(60.0, gt=0, description="The window of the two rate limits.")
@@ -135,7 +135,23 @@ class Settings(BaseSettings):
     )
     lease_ttl_s: float = Field(60.0, description="A claim's lease; renewed by heartbeats.")
     heartbeat_s: float = Field(15.0, description="How often a worker renews its leases.")
-    visibility_timeout_s: int = Field(3600, description="Redis redelivery of unacked messages.")
+    visibility_timeout_s: int = Field(
+        172_800,
+        description="Redis redelivers a message unacknowledged this long; longer than any job "
+        "may run (the reaper, not this, recovers the jobs of dead workers).",
+    )
+    reaper_interval_s: float = Field(
+        15.0, gt=0, description="How often the ops worker's reaper sweeps (workers/reaper.py)."
+    )
+    max_attempts: int = Field(
+        3, ge=1, description="Claims a job gets before losing its worker fails it (worker_lost)."
+    )
+    shutdown_grace_s: float = Field(
+        30.0,
+        ge=0,
+        description="On SIGTERM a worker finishes what it holds for this long, then hands the "
+        "rest back to the queue.",
+    )
 
     # --- webhooks (delivered by `inferq ops`) ---------------------------------------------
     webhook_secret: SecretStr | None = Field(
@@ -180,13 +196,26 @@ class Settings(BaseSettings):
     )
     ops_beat: bool = Field(True, description="The ops worker runs beat (one per deployment).")
 
+    # --- observability: metrics, Flower ------------------------------------------------------
+    metrics_host: str = Field(
+        "127.0.0.1", description="Bind address of the workers' and ops worker's /metrics."
+    )
+    worker_metrics_port: int = Field(
+        9101, ge=0, description="Port of an inference worker's /metrics (0: any free port)."
+    )
+    ops_metrics_port: int = Field(
+        9102, ge=0, description="Port of the ops worker's /metrics (0: any free port)."
+    )
+    flower_address: str = Field("127.0.0.1", description="Bind address of `inferq flower`.")
+    flower_port: int = Field(5555, description="Port of `inferq flower`.")
+    flower_basic_auth: SecretStr | None = Field(
+        None,
+        description="`user:password` for Flower; required to bind it beyond loopback.",
+    )
+
     @model_validator(mode="after")
     def _check(self) -> Settings:
-        if not self.heartbeat_s < self.lease_ttl_s < self.visibility_timeout_s:
-            raise ValueError(
-                "timing settings must satisfy heartbeat_s < lease_ttl_s < visibility_timeout_s "
-                f"(got {self.heartbeat_s} < {self.lease_ttl_s} < {self.visibility_timeout_s})"
-            )
+        self._check_timing()
         for lane in self.lanes:
             if lane not in LANES:
                 raise ValueError(f"unknown lane {lane!r} in worker_lanes; lanes are {LANES}")
@@ -203,6 +232,33 @@ class Settings(BaseSettings):
                 raise ValueError(f"{name} takes lanes {LANES} with values >= 0")
         self.webhook_retry_delays  # noqa: B018 - parses the schedule, raising on a bad one
         return self
+
+    def _check_timing(self) -> None:
+        """Refuse timings under which a live job could be taken for a lost one.
+
+        A lease must outlive several heartbeats, and Redis must not redeliver a message while
+        its job may still be running: every deadline a job can have ends before that.
+        """
+        if not self.heartbeat_s < self.lease_ttl_s < self.visibility_timeout_s:
+            raise ValueError(
+                "timing settings must satisfy heartbeat_s < lease_ttl_s < visibility_timeout_s "
+                f"(got {self.heartbeat_s} < {self.lease_ttl_s} < {self.visibility_timeout_s})"
+            )
+        longest = {
+            "INFERQ_MAX_TIMEOUT_S": self.max_timeout_s,
+            "INFERQ_BATCH_MAX_WINDOW_S": self.batch_max_window_s,
+            **{
+                f"INFERQ_LANE_DEFAULT_TIMEOUT_S[{lane}]": value
+                for lane, value in self.lane_default_timeout_s.items()
+            },
+        }
+        for name, value in longest.items():
+            if value >= self.visibility_timeout_s:
+                raise ValueError(
+                    f"{name} ({value:g} s) must be shorter than INFERQ_VISIBILITY_TIMEOUT_S "
+                    f"({self.visibility_timeout_s} s): Redis would hand a job's message to a "
+                    "second worker while the first may still run it"
+                )
 
     @property
     def sqlalchemy_url(self) -> str:

@@ -144,27 +144,7 @@ class Stack:
             )
         redis_dir = self.data_dir / "redis"
         redis_dir.mkdir(parents=True, exist_ok=True)
-        child = Child(
-            "redis",
-            [
-                server,
-                "--bind",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--dir",
-                str(redis_dir),
-                "--appendonly",
-                "yes",
-                "--appendfsync",
-                "everysec",
-                "--save",
-                "",
-                "--maxmemory-policy",
-                "noeviction",
-            ],
-            self.logs / "redis.log",
-        )
+        child = Child("redis", redis_server_argv(server, port, redis_dir), self.logs / "redis.log")
         self._spawn(child)
         self._wait("Redis", 20, lambda: child.alive() and _ping(url), child)
         return f"{url} (private redis-server started by inferq, data in {redis_dir})"
@@ -243,6 +223,10 @@ class Stack:
 
     def stop(self) -> None:
         self._stopping = True
+        # A second Ctrl-C or SIGTERM (a supervisor's, say) must not cut the stop short and
+        # orphan the children not yet stopped.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         for child in reversed(self.children):
             child.stop(grace_s=30 if child.name == "worker" else 10)
 
@@ -289,6 +273,9 @@ class Stack:
             f"  database  {self.settings.sqlalchemy_url}\n"
             f"  redis     {redis_line}\n"
             f"  webhooks  signed with the secret in {secret}\n"
+            f"  metrics   {api}/metrics, worker {worker.get('metrics_url')}, ops port "
+            f"{self.settings.ops_metrics_port}\n"
+            f"  status    inferq status --watch   (Flower: inferq flower)\n"
             f"  logs      {self.logs}\n\n"
             "Try:\n"
             f"  curl -s {api}/v1/jobs -H 'Authorization: Bearer {key}' "
@@ -296,6 +283,29 @@ class Stack:
             '-d \'{"prompt": "Hello", "lane": "realtime"}\'\n'
             "Ctrl-C stops everything."
         )
+
+
+def redis_server_argv(server: str, port: int, directory: Path) -> list[str]:
+    """A private redis-server on loopback, durable the way the compose file's is: an
+    append-only file synced every second (a crash loses at most ~1 s of enqueues, which the
+    reaper restores from the database) and no eviction (evicted kombu keys would drop queues)."""
+    return [
+        server,
+        "--bind",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dir",
+        str(directory),
+        "--appendonly",
+        "yes",
+        "--appendfsync",
+        "everysec",
+        "--save",
+        "",
+        "--maxmemory-policy",
+        "noeviction",
+    ]
 
 
 def _ping(url: str) -> bool:

@@ -22,10 +22,30 @@ from typing import Any
 
 import httpx
 import redis
+from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import Engine, create_engine, text
 
 REPO = Path(__file__).resolve().parents[1]
 TERMINAL = {"succeeded", "failed", "cancelled", "expired"}
+
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def scrape(url: str) -> Samples:
+    """A /metrics page, parsed by prometheus-client's own parser: (name, labels) -> value."""
+    response = httpx.get(url, timeout=10)
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"].startswith("text/plain")
+    samples: Samples = {}
+    for family in text_string_to_metric_families(response.text):
+        for s in family.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return samples
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
 def free_port() -> int:
@@ -46,6 +66,21 @@ def wait_until(check: Callable[[], Any], timeout: float, what: str, every: float
             last_error = exc
         time.sleep(every)
     raise TimeoutError(f"timed out after {timeout}s waiting for {what} (last error: {last_error})")
+
+
+def run_cli(
+    *args: str, env: dict[str, str], timeout: float = 120, check: bool = False
+) -> subprocess.CompletedProcess[str]:
+    """Run ``inferq ARGS`` to completion with exactly ``env``; output captured as text."""
+    return subprocess.run(
+        [sys.executable, "-m", "app.cli", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=check,
+    )
 
 
 class Proc:
@@ -108,6 +143,9 @@ class Stack:
             "INFERQ_REQUIRE_AUTH": "false",
             "INFERQ_HEARTBEAT_S": "1",
             "INFERQ_LEASE_TTL_S": "10",
+            # Many stacks share this host: metrics servers take free ports and announce them.
+            "INFERQ_WORKER_METRICS_PORT": "0",
+            "INFERQ_OPS_METRICS_PORT": "0",
         }
         self.env.update({f"INFERQ_{k.upper()}": str(v) for k, v in settings.items()})
         self.procs: list[Proc] = []
@@ -121,25 +159,25 @@ class Stack:
     def cli(
         self, *args: str, env: dict[str, str] | None = None, timeout: float = 120
     ) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
+        return run_cli(*args, env={**self.env, **(env or {})}, timeout=timeout)
+
+    def spawn(self, name: str, *args: str, env: dict[str, str] | None = None) -> Proc:
+        """Start ``inferq ARGS`` as a process of this stack (stopped with it)."""
+        proc = Proc(
+            name,
             [sys.executable, "-m", "app.cli", *args],
-            cwd=REPO,
-            env={**self.env, **(env or {})},
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            check=False,
+            {**self.env, **(env or {})},
+            self.tmp / "logs" / f"{name}.log",
         )
+        self.procs.append(proc)
+        return proc
 
     def migrate(self) -> None:
         done = self.cli("migrate")
         assert done.returncode == 0, done.stdout + done.stderr
 
     def start_api(self) -> Proc:
-        proc = Proc(
-            "api", [sys.executable, "-m", "app.cli", "api"], self.env, self.tmp / "logs" / "api.log"
-        )
-        self.procs.append(proc)
+        proc = self.spawn("api", "api")
         wait_until(
             lambda: (
                 httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200 or not proc.alive()
@@ -153,15 +191,9 @@ class Stack:
     def start_worker(
         self, *, engine: str = "simulated", timeout: float = 60, **settings: Any
     ) -> Proc:
-        env = {**self.env, **{f"INFERQ_{k.upper()}": str(v) for k, v in settings.items()}}
+        env = {f"INFERQ_{k.upper()}": str(v) for k, v in settings.items()}
         index = sum(1 for p in self.procs if p.name.startswith("worker"))
-        proc = Proc(
-            f"worker{index}",
-            [sys.executable, "-m", "app.cli", "worker", "--engine", engine],
-            env,
-            self.tmp / "logs" / f"worker{index}.log",
-        )
-        self.procs.append(proc)
+        proc = self.spawn(f"worker{index}", "worker", "--engine", engine, env=env)
 
         def announced() -> bool:
             if not proc.alive():
@@ -176,11 +208,8 @@ class Stack:
 
     def start_ops(self, **settings: Any) -> Proc:
         """The ops worker (webhooks, sweeps, beat); ready once its Celery worker is up."""
-        env = {**self.env, **{f"INFERQ_{k.upper()}": str(v) for k, v in settings.items()}}
-        proc = Proc(
-            "ops", [sys.executable, "-m", "app.cli", "ops"], env, self.tmp / "logs" / "ops.log"
-        )
-        self.procs.append(proc)
+        env = {f"INFERQ_{k.upper()}": str(v) for k, v in settings.items()}
+        proc = self.spawn("ops", "ops", env=env)
 
         def ready() -> bool:
             if not proc.alive():

@@ -16,6 +16,7 @@ from celery import Celery
 
 from app.dispatch import (
     MAINTENANCE_QUEUE,
+    REAP_TASK,
     SWEEP_BATCHES_TASK,
     SWEEP_WEBHOOKS_TASK,
     broker_transport_options,
@@ -50,6 +51,11 @@ celery_app.conf.update(
             "task": SWEEP_WEBHOOKS_TASK,
             "schedule": settings.webhook_sweep_interval_s,
             "options": {"queue": MAINTENANCE_QUEUE, "expires": settings.webhook_sweep_interval_s},
+        },
+        "reap": {
+            "task": REAP_TASK,
+            "schedule": settings.reaper_interval_s,
+            "options": {"queue": MAINTENANCE_QUEUE, "expires": settings.reaper_interval_s},
         },
         "sweep-batches": {
             "task": SWEEP_BATCHES_TASK,

@@ -30,6 +30,7 @@ from app.db import session_scope
 from app.models import WebhookAttempt, WebhookEvent, WebhookStatus, new_id, now
 from app.outbox import SWEEP_BATCH
 from app.settings import Settings
+from workers import metrics
 from workers.executor import with_db_retry
 
 log = logging.getLogger("inferq.delivery")
@@ -69,7 +70,9 @@ def deliver(event_id: str, settings: Settings) -> str:
     sent = send(claimed.url, claimed.event_id, claimed.body, settings)
     if not sent.ok:
         log.info("webhook %s attempt %d failed: %s", event_id, claimed.number, sent.error or "?")
-    return with_db_retry(lambda: _record(claimed, sent, settings), "webhook record")
+    outcome = with_db_retry(lambda: _record(claimed, sent, settings), "webhook record")
+    metrics.WEBHOOK_ATTEMPTS.labels(outcome).inc()
+    return outcome
 
 
 def _claim(event_id: str, settings: Settings) -> Claimed | None:

@@ -30,10 +30,21 @@ from typing import Any, TypeVar
 from sqlalchemy import bindparam, select, update
 from sqlalchemy.exc import InterfaceError, OperationalError
 
-from app import dispatch, jobs, outbox, relay
+from app import dispatch, jobs, outbox, relay, transitions
 from app.db import session_scope
-from app.models import LANE_PRIORITY, Job, JobStatus, can_transition, job_update, now
+from app.models import (
+    DEADLINE_EXCEEDED,
+    LANE_PRIORITY,
+    Job,
+    JobStatus,
+    can_transition,
+    expire_overdue,
+    job_update,
+    now,
+)
 from app.settings import Settings
+from app.transitions import Transition
+from workers import metrics
 from workers.engines.base import EngineDeadError, EngineRequestError, GenRequest
 from workers.intake import Intake
 from workers.runner import GenResult, Runner
@@ -69,6 +80,16 @@ class Claim:
     deadline: float | None
     webhook: bool = False  # the job has a webhook_url: its end creates an event
     relay: str | None = None  # a caller waits on app/relay.py: "end" or "tokens"
+    lane: str = "standard"
+    tenant: str = ""
+    attempt: int = 1
+
+    @property
+    def created_at(self) -> float:
+        return self.request.arrival
+
+    def moved(self, to: str, source: str, error_code: str | None = None) -> Transition:
+        return Transition(self.job_id, self.lane, self.tenant, to, source, self.attempt, error_code)
 
 
 @dataclass(frozen=True)
@@ -118,7 +139,7 @@ def outcome_of(result: GenResult) -> Outcome | None:
         return Outcome(
             JobStatus.EXPIRED,
             result,
-            "deadline_exceeded",
+            DEADLINE_EXCEEDED,
             "the job's timeout_s passed while it was running",
         )
     return None  # lease lost or shutting down: someone else owns the job now
@@ -405,19 +426,14 @@ class Executor:
         with session_scope() as session:
             # Core execution: the ORM's bulk-update bookkeeping costs more than the SQL here.
             connection = session.connection()
-            expired = connection.execute(
-                job_update(
-                    job_ids,
-                    expect=JobStatus.QUEUED,
-                    to=JobStatus.EXPIRED,
-                    finished_at=stamp,
-                    updated_at=stamp,
-                    error_code="deadline_exceeded",
-                    error_message="the job's timeout_s passed before it started",
-                ).where(Job.deadline_at <= stamp)
+            expired = transitions.of_rows(
+                connection.execute(expire_overdue(job_ids, stamp)),
+                JobStatus.EXPIRED,
+                JobStatus.QUEUED,
+                DEADLINE_EXCEEDED,
             )
             events: list[str] = []
-            if expired.rowcount:
+            if expired:
                 events = outbox.record_job_events(connection, job_ids, stamp)
             rows = connection.execute(
                 job_update(
@@ -441,11 +457,13 @@ class Executor:
                     Job.deadline_at,
                     Job.webhook_url,
                     Job.relay,
+                    Job.tenant,
+                    Job.attempts,
                 )
             ).all()
         self.announcer.put(events)
         order = {job_id: i for i, job_id in enumerate(job_ids)}
-        return [
+        claims = [
             Claim(
                 row.id,
                 row.lease_token,
@@ -453,9 +471,20 @@ class Executor:
                 row.deadline_at,
                 row.webhook_url is not None,
                 row.relay,
+                row.lane,
+                row.tenant,
+                row.attempts,
             )
             for row in sorted(rows, key=lambda row: order[row.id])
         ]
+        for claim in claims:
+            metrics.QUEUE_WAIT.labels(claim.lane).observe(max(0.0, stamp - claim.created_at))
+        transitions.emit(
+            expired + [c.moved(JobStatus.RUNNING, JobStatus.QUEUED) for c in claims],
+            by="worker",
+            worker=self.worker_id,
+        )
+        return claims
 
     def _record_many(self, items: list[tuple[Claim, Outcome]]) -> list[bool]:
         """Write outcomes in one transaction; each is fenced by its own lease token.
@@ -486,7 +515,24 @@ class Executor:
             ]
             events = outbox.record_job_events(connection, hooked, stamp)
         self.announcer.put(events)
+        self._observe([item for item, ok in zip(items, written, strict=True) if ok], stamp)
         return written
+
+    def _observe(self, recorded: list[tuple[Claim, Outcome]], stamp: float) -> None:
+        """Metrics and log lines of committed outcomes."""
+        for claim, outcome in recorded:
+            r = outcome.result
+            if r is not None and r.first_token_at is not None:
+                metrics.TTFT.labels(claim.lane).observe(
+                    max(0.0, r.first_token_at - claim.created_at)
+                )
+            if outcome.status == JobStatus.SUCCEEDED:
+                metrics.E2E.labels(claim.lane).observe(max(0.0, stamp - claim.created_at))
+        transitions.emit(
+            [c.moved(o.status, JobStatus.RUNNING, o.error_code) for c, o in recorded],
+            by="worker",
+            worker=self.worker_id,
+        )
 
     def _hand_back(self, claim: Claim) -> None:
         """Return a job this worker cannot finish to the queue, without waiting for its lease."""
@@ -507,6 +553,12 @@ class Executor:
                 ).scalar()
                 if lane is not None:
                     session.commit()
+                    transitions.emit(
+                        [claim.moved(JobStatus.QUEUED, JobStatus.RUNNING)],
+                        by="worker",
+                        worker=self.worker_id,
+                        reason="handed_back",
+                    )
                     jobs.send(session, [(claim.job_id, lane)])
 
         with_db_retry(release, "hand back")

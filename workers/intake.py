@@ -127,15 +127,35 @@ class Intake:
             consumer.call_soon(self._apply)
 
     def _apply(self) -> None:
-        """On the consumer's loop: make the consumed queues match ``open``."""
+        """On the consumer's loop: make the consumed queues match ``open``.
+
+        Celery's ``add_task_queue`` / ``cancel_task_queue`` first change the app's queue
+        *selection*, then the live consumer. While the broker is away the live consumer belongs
+        to a closed connection and the second part raises (kombu: ``AttributeError`` from a
+        channel whose connection is gone); raised on the consumer's loop, that killed the
+        worker. The selection is already changed by then, and the consumer Celery rebuilds on
+        reconnect consumes exactly the selected queues, so the change counts as applied.
+        """
         with self._lock:
             consumer = self._consumer
             if consumer is None:
                 return
             for lane in self.lanes:
                 if lane in self.open and lane not in self._applied:
-                    consumer.add_task_queue(lane)
                     self._applied.add(lane)
+                    change = consumer.add_task_queue
                 elif lane not in self.open and lane in self._applied:
-                    consumer.cancel_task_queue(lane)
                     self._applied.discard(lane)
+                    change = consumer.cancel_task_queue
+                else:
+                    continue
+                try:
+                    change(lane)
+                except Exception as exc:
+                    log.warning(
+                        "%s(%s) failed: %r; the consumer Celery rebuilds when the broker is "
+                        "back follows the selection",
+                        change.__name__,
+                        lane,
+                        exc,
+                    )

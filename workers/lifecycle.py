@@ -2,22 +2,37 @@
 
 ``worker_init`` runs before the consumer connects: the engine is built (and the demo model, if
 needed) before the first message is taken, so a worker that cannot load its model never
-reserves jobs. ``worker_shutdown`` runs after Celery's warm shutdown has let running tasks
-finish; only then is the engine shut down, which also stops vLLM's engine processes.
+reserves jobs. On SIGTERM Celery stops taking messages (warm shutdown) and ``worker_shutting_down``
+gives the running jobs ``INFERQ_SHUTDOWN_GRACE_S`` to finish before the rest are handed back to
+the queue; ``worker_shutdown`` then runs after every task has returned, and only then is the
+engine shut down, which also stops vLLM's engine processes (workers/children.py covers a worker
+that was killed instead).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import socket
+import threading
 from typing import Any
 
-from celery.signals import task_received, worker_init, worker_ready, worker_shutdown
+import redis
+from celery.signals import (
+    task_received,
+    worker_init,
+    worker_ready,
+    worker_shutdown,
+    worker_shutting_down,
+)
+from prometheus_client import REGISTRY
 
+from app import dispatch, tokens
 from app.dispatch import RUN_JOBS_TASK
 from app.settings import get_settings
+from workers import children, metrics
 from workers.control import ControlListener
 from workers.engines import create_engine
 from workers.executor import Executor
@@ -55,10 +70,30 @@ class InferenceWorker:
         }
         self.heartbeat = Heartbeat(self.executor, settings, info)
         self.control = ControlListener(self.executor)
+        engine.on_step = metrics.observe_step
+        REGISTRY.register(
+            metrics.WorkerCollector(
+                self.runner.stats,
+                self.runner.in_flight,
+                {"worker": self.worker_id, "engine": engine.name, "model": engine.model_name},
+            )
+        )
 
     def start(self) -> None:
+        settings = get_settings()
+        data_dir = settings.data_dir
+        # Before the engine: a port already taken stops the worker at once, saying so.
+        self.heartbeat.info["metrics_url"] = metrics.serve(
+            settings.metrics_host, settings.worker_metrics_port
+        )
+        killed = children.reap_orphans(data_dir)
+        if killed:
+            log.warning("killed %d engine process(es) left behind by dead workers", killed)
         log.info("starting engine %s", self.runner.engine.name)
         self.runner.start()
+        if self.runner.engine.own_processes:
+            log.info("recorded %d engine process(es)", children.record(data_dir))
+        self._publish_card()
         self.control.start()
         self.heartbeat.start()
         log.info(
@@ -68,16 +103,50 @@ class InferenceWorker:
             self.runner.batching,
         )
 
+    def _publish_card(self) -> None:
+        # The API counts prompt tokens with what this publishes (app/tokens.py); without it
+        # the engine alone refuses prompts longer than the context.
+        engine = self.runner.engine
+        try:
+            card = tokens.publish(
+                dispatch.redis_client(),
+                engine.model_name,
+                engine.max_model_len,
+                engine.tokenizer_json(),
+            )
+        except redis.RedisError as exc:
+            log.warning("could not publish the model card (%s); the API will not count tokens", exc)
+            return
+        log.info("model card: context %d tokens, tokenizer %s", card.max_model_len, card.tokenizer)
+
     def _engine_dead(self) -> None:
         # A dead engine serves nothing: stop taking jobs and exit (warm shutdown), so the
         # supervisor starts a fresh worker; held jobs were handed back to the queue.
         log.critical("the engine is dead; shutting this worker down")
         os.kill(os.getpid(), signal.SIGTERM)
 
+    def drain(self) -> None:
+        """SIGTERM: Celery takes no more messages and waits for the running tasks; give them
+        ``shutdown_grace_s`` to finish, then hand what is left back to the queue."""
+        grace = get_settings().shutdown_grace_s
+
+        def hand_back() -> None:
+            held = self.executor.held()
+            if held:
+                log.warning("shutdown grace over: handing %d job(s) back", len(held))
+            for job_id in held:
+                self.executor.request_abort(job_id, "shutdown")
+
+        log.info("shutting down: finishing held jobs (grace %.0f s)", grace)
+        timer = threading.Timer(grace, hand_back)
+        timer.daemon = True
+        timer.start()
+
     def stop(self) -> None:
         self.heartbeat.stop()
         self.control.stop()
         self.runner.shutdown()
+        children.forget(get_settings().data_dir)
 
 
 _current: InferenceWorker | None = None
@@ -98,9 +167,19 @@ def current() -> InferenceWorker:
 @worker_init.connect  # type: ignore[untyped-decorator]
 def _on_worker_init(**_: Any) -> None:
     global _current
-    if _role["inference"] and _current is None:
+    if not _role["inference"] or _current is not None:
+        return
+    try:
         _current = InferenceWorker()
         _current.start()
+    except Exception:
+        # Celery logs an exception from a signal handler and starts consuming anyway: a worker
+        # without its engine (or its metrics port) would take messages it cannot run.
+        log.critical("the worker cannot start; exiting", exc_info=True)
+        if _current is not None:
+            with contextlib.suppress(Exception):
+                _current.stop()
+        raise SystemExit(1) from None
 
 
 @worker_ready.connect  # type: ignore[untyped-decorator]
@@ -117,6 +196,12 @@ def _on_task_received(request: Any = None, **_: Any) -> None:
     if _current is not None and request is not None and request.name == RUN_JOBS_TASK:
         job_ids, lane = request.args
         _current.intake.take(lane, len(set(job_ids)), key=request.id)
+
+
+@worker_shutting_down.connect  # type: ignore[untyped-decorator]
+def _on_worker_shutting_down(**_: Any) -> None:
+    if _current is not None:
+        _current.drain()
 
 
 @worker_shutdown.connect  # type: ignore[untyped-decorator]

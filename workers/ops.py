@@ -16,6 +16,7 @@ import socket
 from app.dispatch import MAINTENANCE_QUEUE, WEBHOOK_QUEUE
 from app.settings import get_settings
 from app.webhooks import load_secret
+from workers import metrics
 
 
 def main() -> None:
@@ -28,6 +29,7 @@ def main() -> None:
 
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     load_secret(settings)  # made now, not at the first delivery, so `inferq up` can show it
+    metrics.serve(settings.metrics_host, settings.ops_metrics_port)
     celery_app.worker_main(
         [
             "worker",

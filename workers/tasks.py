@@ -7,13 +7,14 @@ from celery import Task
 from app import batches
 from app.dispatch import (
     DELIVER_WEBHOOK_TASK,
+    REAP_TASK,
     RUN_JOBS_TASK,
     START_BATCH_TASK,
     SWEEP_BATCHES_TASK,
     SWEEP_WEBHOOKS_TASK,
 )
 from app.settings import get_settings
-from workers import delivery, lifecycle
+from workers import delivery, lifecycle, reaper
 from workers.celery_app import celery_app
 
 
@@ -45,3 +46,9 @@ def start_batch(batch_id: str) -> str:
 def sweep_batches() -> int:
     """Expire overdue batches and finalize finished ones (beat, ops worker)."""
     return batches.sweep()
+
+
+@celery_app.task(name=REAP_TASK)  # type: ignore[untyped-decorator]
+def reap() -> dict[str, int]:
+    """Requeue jobs of lost workers, send unsent jobs, expire overdue ones (beat, ops worker)."""
+    return reaper.sweep()

@@ -1,14 +1,15 @@
-"""Liveness and readiness probes (no authentication)."""
+"""Liveness and readiness probes and the Prometheus page (no authentication)."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Response
 from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
 
 from app import dispatch
 from app.db import session_scope
 from app.errors import ApiError
+from app.metrics import api_exposition
 
 router = APIRouter(tags=["health"])
 
@@ -41,3 +42,10 @@ def readyz() -> dict[str, str]:
             503, "not_ready", f"unavailable: {', '.join(down)}", headers={"Retry-After": "5"}
         )
     return {"status": "ready", **checks}
+
+
+@router.get("/metrics", include_in_schema=False)
+def metrics() -> Response:
+    """Prometheus exposition (README: Observability)."""
+    body, content_type = api_exposition()
+    return Response(body, media_type=content_type)

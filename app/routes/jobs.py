@@ -52,7 +52,7 @@ def create_jobs(
 ) -> JobBulkOut:
     """Submit many jobs at once: all are committed, or none (a 4xx names the bad one)."""
     jobs.require_broker()
-    limits.admit(session, tenant, caller_limits(request), body.jobs)
+    limits.admit(session, tenant, caller_limits(request), body.jobs, "jobs")
     rows = jobs.submit_many(session, tenant, body.jobs)
     jobs.send(session, [(job.id, job.lane) for job in rows])
     return JobBulkOut(data=[JobOut.from_row(job) for job in rows])

@@ -28,7 +28,7 @@ from starlette.types import Receive, Scope, Send
 from app import jobs, limits, relay
 from app.auth import Tenant, caller_limits
 from app.db import session_scope
-from app.errors import error_body
+from app.errors import ApiError, error_body
 from app.limits import Limits
 from app.models import TERMINAL, Job, JobStatus
 from app.openai_compat import (
@@ -86,7 +86,14 @@ def _submit(tenant: str, body: ChatCompletionRequest | CompletionRequest, caller
     job_body = body.job()
     jobs.require_broker()
     with session_scope() as session:
-        limits.admit(session, tenant, caller, [job_body])
+        try:
+            limits.admit(session, tenant, caller, [job_body])
+        except ApiError as exc:
+            # OpenAI answers 400 for a prompt longer than the context, and so does the engine
+            # here (job_error); /v1/jobs keeps 422.
+            if exc.code == "context_length_exceeded":
+                exc.status = 400
+            raise
         job, _ = jobs.submit(session, tenant, job_body, relay="tokens" if body.stream else "end")
         jobs.send(session, [(job.id, job.lane)])
     return job

@@ -1,5 +1,6 @@
-"""Admission control on a real API, Redis and PostgreSQL: tenant limits (per-key overrides),
-lane backpressure, per-lane default deadlines, and tenant isolation on every route.
+"""Admission control on a real API, Redis and PostgreSQL: prompt length against the model's
+context, tenant limits (per-key overrides), lane backpressure, per-lane default deadlines, and
+tenant isolation on every route.
 
 The worker here consumes only the realtime lane, so standard and bulk jobs stay queued and the
 queued counts are exact; the rate windows are 2 s so that recovery can be seen.
@@ -23,6 +24,7 @@ from tests.integration.test_api import assert_error
 from tests.support import Stack, wait_until
 
 WINDOW_S = 2
+CONTEXT = 64  # tokens; the simulated tokenizer counts words and punctuation marks
 IDEMPOTENCY_TTL_S = 2
 
 
@@ -39,6 +41,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, postgres: PostgresDatabases)
         lane_default_timeout_s=json.dumps({"realtime": 1.0}),
         idempotency_ttl_s=IDEMPOTENCY_TTL_S,
         sim_time_scale=0.2,
+        max_model_len=CONTEXT,
     )
     try:
         stack.migrate()
@@ -99,6 +102,42 @@ def test_backpressure_sheds_bulk_first_and_recovers(stack: Stack) -> None:
         assert c.post("/v1/jobs", json=job(lane="bulk")).status_code == 202
 
 
+def test_prompt_longer_than_the_context_is_refused_before_anything_is_written(
+    stack: Stack,
+) -> None:
+    store = redis.Redis.from_url(stack.redis_url)
+    card = json.loads(store.get("inferq:model:inferq-demo") or "{}")
+    assert card == {"model": "inferq-demo", "max_model_len": CONTEXT, "tokenizer": "words"}
+    with key(stack, "context") as c:
+        fits = c.post("/v1/jobs", json=job(lane="realtime", prompt="w " * (CONTEXT - 1)))
+        assert fits.status_code == 202, fits.text
+        before, messages = rows(stack, "context"), queued_messages(stack)
+        over = job(prompt="w " * CONTEXT)
+        assert_error(c.post("/v1/jobs", json=over), 422, "context_length_exceeded", "prompt")
+        bulk = {"jobs": [job(), over]}
+        assert_error(
+            c.post("/v1/jobs/bulk", json=bulk), 422, "context_length_exceeded", "jobs.1.prompt"
+        )
+        chat = {"messages": [{"role": "user", "content": "w " * CONTEXT}], "lane": "bulk"}
+        assert_error(c.post("/v1/jobs", json=chat), 422, "context_length_exceeded", "messages")
+        assert (rows(stack, "context"), queued_messages(stack)) == (before, messages)
+        # Message contents are a lower bound (the chat template adds tokens): contents that
+        # fit but a rendered prompt that does not are refused by the engine, as a failed job.
+        edge = {"messages": [{"role": "user", "content": "w " * (CONTEXT - 2)}]}
+        edge_job = c.post("/v1/jobs", json={**edge, "lane": "realtime", "timeout_s": 30}).json()
+        ended = wait_until(
+            lambda: (
+                (r := c.get(f"/v1/jobs/{edge_job['id']}").json())["status"] != "queued"
+                and r["status"] != "running"
+                and r
+            ),
+            30,
+            "the edge job to end",
+        )
+        assert ended["status"] == "failed"
+        assert ended["error"]["code"] == "context_length_exceeded"
+
+
 def test_idempotency_under_concurrency_and_expiry(stack: Stack) -> None:
     with key(stack, "idem") as c:
         headers = {"Idempotency-Key": "same-order"}
@@ -134,7 +173,8 @@ def test_requests_per_minute_per_key_override_and_recovery(stack: Stack) -> None
 
 
 def test_tokens_per_minute(stack: Stack) -> None:
-    # 40 characters ~ 10 prompt tokens, + 50 max_tokens = 60 tokens a job.
+    # A 40-letter word is 1 prompt token (the worker's card: the simulated tokenizer counts
+    # words), + 50 max_tokens = 51 tokens a job.
     body = job(prompt="x" * 40, max_tokens=50)
     with key(stack, "tpm", "--tpm", "100") as c:
         time.sleep(WINDOW_S - time.time() % WINDOW_S + 0.05)

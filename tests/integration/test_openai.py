@@ -200,12 +200,21 @@ def test_unsupported_and_bad_requests_are_refused(client: OpenAI, stack: Stack) 
     with pytest.raises(openai.UnprocessableEntityError) as refused:
         client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10**6)  # type: ignore[arg-type]
     assert refused.value.body["param"] == "max_tokens"  # type: ignore[index]
-    # A prompt longer than the context fails its job; the caller gets a 400, not a stream.
-    long = [{"role": "user", "content": "word " * 3000}]
-    for stream in (False, True):
-        with pytest.raises(openai.BadRequestError) as failed:
-            client.chat.completions.create(model=MODEL, messages=long, stream=stream)  # type: ignore[call-overload]
-        assert failed.value.body["code"] == "context_length_exceeded"  # type: ignore[index]
+    # A prompt longer than the context (2000 here) is a 400, never a stream: the API refuses
+    # what it can count (3000 words), the engine what only the chat template pushes over
+    # (1998 words + the template's tokens): that one ran as a job and failed.
+    before = stack.scalar("SELECT count(*) FROM jobs")
+    for words, jobs_made in ((3000, 0), (1998, 1)):
+        long = [{"role": "user", "content": "word " * words}]
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as failed:
+                client.chat.completions.create(model=MODEL, messages=long, stream=stream)  # type: ignore[call-overload]
+            body = failed.value.body
+            assert body["code"] == "context_length_exceeded"  # type: ignore[index]
+            assert stack.scalar("SELECT count(*) FROM jobs") == before + jobs_made
+            before += jobs_made
+            if not jobs_made:
+                assert body["param"] == "messages"  # type: ignore[index]
 
 
 # --- files and batches ---------------------------------------------------------------------------
@@ -319,7 +328,8 @@ def test_malformed_file_fails_the_batch_and_enqueues_nothing(client: OpenAI, sta
     duplicate = json.dumps(line("a", "y", 4)).encode()
     wrong_url = json.dumps(line("c", "z", 4, url=COMPLETIONS)).encode()
     bad_body = json.dumps({**line("d", "w", 4), "body": {"model": MODEL}}).encode()
-    data = b"\n".join([good, b"{not json", duplicate, wrong_url, bad_body]) + b"\n"
+    too_long = json.dumps(line("e", "word " * 2001, 4)).encode()
+    data = b"\n".join([good, b"{not json", duplicate, wrong_url, bad_body, too_long]) + b"\n"
     batch = client.batches.create(
         input_file_id=upload(client, data), endpoint=CHAT, completion_window="24h"
     )
@@ -332,8 +342,10 @@ def test_malformed_file_fails_the_batch_and_enqueues_nothing(client: OpenAI, sta
         (3, "duplicate_custom_id"),
         (4, "mismatched_url"),
         (5, "missing"),
+        (6, "context_length_exceeded"),
     ]
     assert failed.errors.data[3].param == "body.messages"
+    assert failed.errors.data[4].param == "body.messages"
     assert stack.scalar("SELECT count(*) FROM jobs WHERE batch_id = :b", b=batch.id) == 0
     assert redis.Redis.from_url(stack.redis_url).llen("bulk") == 0
 

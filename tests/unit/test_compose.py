@@ -1,11 +1,14 @@
 """docker-compose.yml stays valid and keeps the properties the README promises.
 
 Docker does not run on CI machines; the structural checks always run, and the Compose CLI
-validates the file too where one is installed.
+validates the file too where one is installed. The Prometheus and Grafana files under deploy/
+are checked against the compose services and the README's metrics table.
 """
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -15,11 +18,52 @@ import yaml
 
 from app.settings import Settings
 
-COMPOSE = Path(__file__).resolve().parents[2] / "docker-compose.yml"
+REPO = Path(__file__).resolve().parents[2]
+COMPOSE = REPO / "docker-compose.yml"
+PROMETHEUS = REPO / "deploy" / "prometheus" / "prometheus.yml"
+GRAFANA = REPO / "deploy" / "grafana"
+DASHBOARD = GRAFANA / "dashboards" / "inferq.json"
+
+HISTOGRAM_SERIES = ("_bucket", "_sum", "_count")
 
 
 def load() -> dict:
     return yaml.safe_load(COMPOSE.read_text())
+
+
+def documented_metrics() -> dict[str, str]:
+    """Metric name -> type ("gauge", "counter", "histogram") from the README's metrics table."""
+    rows = re.findall(
+        r"^\| `(inferq_[a-z0-9_]+)` \| ([a-z]+)[^|]*\|", (REPO / "README.md").read_text(), re.M
+    )
+    return dict(rows)
+
+
+def dashboard_panels(dashboard: dict) -> list[dict]:
+    """Every panel, those inside collapsed rows included; rows themselves are left out."""
+    found = []
+    for panel in dashboard["panels"]:
+        if panel["type"] == "row":
+            found.extend(panel.get("panels", []))
+        else:
+            found.append(panel)
+    return found
+
+
+def volume_source(service: dict, target: str) -> str:
+    """The host path or volume mounted at `target` in a service."""
+    for volume in service.get("volumes", []):
+        source, mounted, *_ = volume.split(":")
+        if mounted == target:
+            return source
+    raise AssertionError(f"nothing mounted at {target}")
+
+
+def setting_in_compose(service: dict, name: str) -> str:
+    """A setting as a compose service sees it: its environment, else the Settings default."""
+    env = service.get("environment", {})
+    key = f"INFERQ_{name.upper()}"
+    return str(env[key]) if key in env else str(Settings.model_fields[name].default)
 
 
 def test_services_and_their_guarantees() -> None:
@@ -33,6 +77,8 @@ def test_services_and_their_guarantees() -> None:
         "worker",
         "worker-cpu",
         "flower",
+        "prometheus",
+        "grafana",
     }
     redis_cmd = services["redis"]["command"]
     assert redis_cmd[redis_cmd.index("--appendonly") + 1] == "yes"
@@ -50,16 +96,133 @@ def test_services_and_their_guarantees() -> None:
     # Uploaded batch files are written by the API and read by the ops worker.
     files_volume = {v for v in services["api"]["volumes"] if v.endswith(":/files")}
     assert files_volume and files_volume <= set(services["ops"]["volumes"])
+    # Flower can revoke tasks and shut workers down: `inferq flower` with basic auth.
     flower = services["flower"]
-    assert all(port.startswith("127.0.0.1:") for port in flower["ports"])
-    assert any(arg.startswith("--basic-auth=") for arg in flower["command"])
-    assert all(p.startswith("127.0.0.1:") for p in services["api"]["ports"])
+    assert flower["command"][:2] == ["inferq", "flower"]
+    assert flower["environment"]["INFERQ_FLOWER_BASIC_AUTH"].startswith("${FLOWER_BASIC_AUTH:-")
+    # It still gets the shared settings (the Redis URL).
+    assert set(load()["x-inferq-env"]) <= set(flower["environment"])
+
+
+def test_published_ports_are_loopback_only() -> None:
+    services = load()["services"]
+    published = {name: s["ports"] for name, s in services.items() if "ports" in s}
+    assert {"api", "flower", "prometheus", "grafana"} <= set(published)
+    for name, ports in published.items():
+        assert all(str(p).startswith("127.0.0.1:") for p in ports), name
+    assert published["prometheus"] == ["127.0.0.1:9090:9090"]
+    assert published["grafana"] == ["127.0.0.1:3000:3000"]
+    assert published["flower"] == ["127.0.0.1:5555:5555"]
 
 
 def test_environment_names_are_real_settings() -> None:
-    env = load()["x-inferq-env"]
+    compose = load()
     fields = {f"INFERQ_{name.upper()}" for name in Settings.model_fields}
-    assert set(env) <= fields
+    assert set(compose["x-inferq-env"]) <= fields
+    for name, service in compose["services"].items():
+        env = service.get("environment", {})
+        assert {k for k in env if k.startswith("INFERQ_")} <= fields, name
+
+
+def test_prometheus_scrapes_every_inferq_process() -> None:
+    services = load()["services"]
+    config = yaml.safe_load(PROMETHEUS.read_text())
+    assert config["global"]["scrape_interval"] == "5s"
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    assert set(jobs) == {"api", "worker", "ops"}
+    targets = {
+        name: {t for static in job["static_configs"] for t in static["targets"]}
+        for name, job in jobs.items()
+    }
+    api_cmd = services["api"]["command"]
+    worker_port = setting_in_compose(services["worker"], "worker_metrics_port")
+    ops_port = setting_in_compose(services["ops"], "ops_metrics_port")
+    assert targets == {
+        "api": {f"api:{api_cmd[api_cmd.index('--port') + 1]}"},
+        "worker": {f"worker:{worker_port}", f"worker-cpu:{worker_port}"},
+        "ops": {f"ops:{ops_port}"},
+    }
+    assert all(job.get("metrics_path", "/metrics") == "/metrics" for job in jobs.values())
+    # The workers and the ops worker serve /metrics on INFERQ_METRICS_HOST: reachable inside
+    # the compose network, yet they publish no ports.
+    for name in ("worker", "worker-cpu", "ops"):
+        assert setting_in_compose(services[name], "metrics_host") == "0.0.0.0"
+        assert "ports" not in services[name]
+    prometheus = services["prometheus"]
+    assert prometheus["image"].startswith("prom/prometheus")
+    mounted = [v for v in prometheus["volumes"] if v.endswith(":/etc/prometheus/prometheus.yml:ro")]
+    assert mounted and (REPO / mounted[0].split(":")[0]).resolve() == PROMETHEUS
+
+
+def test_grafana_provisions_the_datasource_and_dashboards() -> None:
+    grafana = load()["services"]["grafana"]
+    assert grafana["image"].startswith("grafana/grafana")
+    assert "prometheus" in grafana["depends_on"]
+    env = grafana["environment"]
+    assert env["GF_SECURITY_ADMIN_PASSWORD"].startswith("${GRAFANA_ADMIN_PASSWORD:-")
+    assert env["GF_AUTH_ANONYMOUS_ENABLED"] == "false"
+    provisioning = volume_source(grafana, "/etc/grafana/provisioning")
+    assert (REPO / provisioning).resolve() == GRAFANA / "provisioning"
+    assert all(v.endswith(":ro") for v in grafana["volumes"] if v.startswith("./"))
+
+    datasources = [
+        ds
+        for path in sorted((GRAFANA / "provisioning" / "datasources").glob("*.yml"))
+        for ds in yaml.safe_load(path.read_text())["datasources"]
+    ]
+    assert [(ds["uid"], ds["type"], ds["url"]) for ds in datasources] == [
+        ("prometheus", "prometheus", "http://prometheus:9090")
+    ]
+
+    providers = [
+        provider
+        for path in sorted((GRAFANA / "provisioning" / "dashboards").glob("*.yml"))
+        for provider in yaml.safe_load(path.read_text())["providers"]
+    ]
+    assert providers
+    for provider in providers:
+        source = volume_source(grafana, provider["options"]["path"])
+        assert (REPO / source).resolve() == DASHBOARD.parent
+
+
+def test_dashboard_is_a_grafana_dashboard() -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    assert dashboard["uid"] == "inferq" and dashboard["title"] == "inferq"
+    assert dashboard["refresh"] == "10s" and dashboard["time"]["from"] == "now-30m"
+    panels = dashboard_panels(dashboard)
+    assert panels
+    nested = [p for row in dashboard["panels"] for p in row.get("panels", [])]
+    ids = [p["id"] for p in [*dashboard["panels"], *nested]]
+    assert len(ids) == len(set(ids)), "panel ids repeat"
+    for panel in panels:
+        assert panel["targets"], panel["title"]
+        assert panel["datasource"]["uid"] == "prometheus", panel["title"]
+        for target in panel["targets"]:
+            assert target["datasource"]["uid"] == "prometheus", panel["title"]
+            assert target["expr"].strip(), panel["title"]
+
+
+def test_dashboard_uses_exactly_the_documented_metrics() -> None:
+    documented = documented_metrics()
+    assert len(documented) >= 10, "the README's metrics table did not parse"
+    used: set[str] = set()
+    for panel in dashboard_panels(json.loads(DASHBOARD.read_text())):
+        for target in panel["targets"]:
+            expr = target["expr"]
+            for match in re.finditer(r"inferq_[a-z0-9_]+", expr):
+                series = match.group()
+                metric = series
+                if series not in documented and series.endswith(HISTOGRAM_SERIES):
+                    metric = series.rsplit("_", 1)[0]
+                kind = documented.get(metric)
+                assert kind, f"{panel['title']}: {series} is not in the README's metrics table"
+                if kind == "histogram":
+                    assert series != metric, f"{panel['title']}: {series} needs _bucket/_sum/_count"
+                # Counters and histogram series only make sense as a rate; gauges never do.
+                in_rate = expr[: match.start()].endswith("rate(")
+                assert in_rate == (kind in {"counter", "histogram"}), f"{panel['title']}: {expr}"
+                used.add(metric)
+    assert set(documented) - used == set(), "documented metrics that no panel shows"
 
 
 def test_compose_cli_accepts_the_file() -> None:

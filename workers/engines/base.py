@@ -7,7 +7,7 @@ and an engine with continuous batching batches them at every step.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -55,6 +55,15 @@ class EngineDeadError(Exception):
     """The engine cannot serve anything any more; the worker must stop."""
 
 
+# Called by the engine after each step with (sequences in the step, tokens it generated); the
+# worker points it at its metrics (workers/metrics.py).
+StepObserver = Callable[[int, int], None]
+
+
+def ignore_step(sequences: int, tokens: int) -> None:
+    """The observer until the worker sets one (benchmarks and tests drive engines bare)."""
+
+
 class Engine(Protocol):
     name: str
     model_name: str
@@ -62,7 +71,16 @@ class Engine(Protocol):
     # The engine's compute runs in processes of its own (vLLM's EngineCore), not in this one.
     own_processes: bool
 
+    # The context length in tokens, known once start() has returned.
+    max_model_len: int
+    on_step: StepObserver
+
     async def start(self) -> None: ...
+
+    def tokenizer_json(self) -> str | None:
+        """The tokenizer as a ``tokenizer.json`` for the API to count prompts with
+        (app/tokens.py; ``WORDS``: the simulated word counter); None where there is none."""
+        ...
 
     def generate(self, req: GenRequest) -> AsyncIterator[GenChunk]: ...
 
@@ -88,6 +106,12 @@ def render_chat(messages: Sequence[dict[str, Any]], tokenizer: Any = None) -> st
         return str(rendered)
     parts = [f"<|{m['role']}|>\n{m['content']}\n" for m in messages]
     return "".join(parts) + "<|assistant|>\n"
+
+
+def hf_tokenizer_json(tokenizer: Any) -> str | None:
+    """A transformers (or vLLM) tokenizer's ``tokenizer.json``; None for a slow tokenizer."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return None if backend is None else str(backend.to_str())
 
 
 def prompt_text(req: GenRequest, tokenizer: Any = None) -> str:

@@ -17,7 +17,16 @@ from pathlib import Path
 from typing import Any
 
 from app.settings import Settings
-from workers.engines.base import EngineStats, GenChunk, GenRequest, apply_stop, prompt_text
+from workers.engines.base import (
+    EngineStats,
+    GenChunk,
+    GenRequest,
+    StepObserver,
+    apply_stop,
+    hf_tokenizer_json,
+    ignore_step,
+    prompt_text,
+)
 
 log = logging.getLogger("inferq.engine.hf")
 
@@ -51,6 +60,7 @@ class HFEngine:
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._tokens: deque[tuple[float, int]] = deque()
+        self.on_step: StepObserver = ignore_step
         self._model: Any = None
         self._tokenizer: Any = None
         self._device = "cpu"
@@ -79,6 +89,9 @@ class HFEngine:
         if not self.max_model_len:
             self.max_model_len = int(getattr(model.config, "max_position_embeddings", 2048))
         log.info("transformers model %s loaded on %s", self.model_path, device)
+
+    def tokenizer_json(self) -> str | None:
+        return hf_tokenizer_json(self._tokenizer)
 
     async def generate(self, req: GenRequest) -> AsyncIterator[GenChunk]:
         assert self._wake is not None, "start() first"
@@ -141,7 +154,10 @@ class HFEngine:
                 for item, chunk in zip(batch, results, strict=True):
                     if not item.future.done():
                         item.future.set_result(chunk)
-                self._tokens.append((time.monotonic(), sum(c.num_tokens for c in results)))
+                generated = sum(c.num_tokens for c in results)
+                self._tokens.append((time.monotonic(), generated))
+                # A micro-batch runs to its end in one call: it is this engine's "step".
+                self.on_step(len(batch), generated)
             finally:
                 self._running = 0
 

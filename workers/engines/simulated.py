@@ -26,19 +26,21 @@ import hashlib
 import heapq
 import itertools
 import random
-import re
 import time
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from app.settings import Settings
+from app.tokens import WORDS, count_words
 from workers.engines.base import (
     EngineRequestError,
     EngineStats,
     GenChunk,
     GenRequest,
+    StepObserver,
     apply_stop,
+    ignore_step,
     prompt_text,
 )
 
@@ -50,12 +52,6 @@ _WORDS = tuple(
         "priority order and leases make sure nothing is lost when a process dies"
     ).split()
 )
-_TOKEN_RE = re.compile(r"\w+|[^\w\s]")
-
-
-def count_tokens(text: str) -> int:
-    """The simulated tokenizer: words and punctuation marks."""
-    return max(1, len(_TOKEN_RE.findall(text)))
 
 
 @dataclass(frozen=True)
@@ -125,6 +121,7 @@ class SimulatedEngine:
         self._emitted: deque[tuple[float, int]] = deque()
         self.steps = 0
         self.batch_sizes: deque[int] = deque(maxlen=1024)
+        self.on_step: StepObserver = ignore_step
 
     async def start(self) -> None:
         self._wake = asyncio.Event()
@@ -134,8 +131,8 @@ class SimulatedEngine:
         assert self._wake is not None, "start() first"
         text = prompt_text(req)
         digest = hashlib.sha256(f"{req.seed or 0}\x00{text}".encode()).digest()
-        tokens = count_tokens(text)
-        if tokens > self.max_model_len:
+        tokens = count_words(text)
+        if tokens >= self.max_model_len:  # vLLM's rule: room for one output token
             raise EngineRequestError(
                 "context_length_exceeded",
                 f"the prompt has {tokens} tokens; this model's context is {self.max_model_len}",
@@ -158,6 +155,9 @@ class SimulatedEngine:
         seq = self._by_id.get(request_id)
         if seq is not None:
             self._finish(seq, "abort")
+
+    def tokenizer_json(self) -> str:
+        return WORDS
 
     def stats(self) -> EngineStats:
         now = time.monotonic()
@@ -268,3 +268,4 @@ class SimulatedEngine:
                     self._emit(seq)
                     emitted += 1
             self._emitted.append((time.monotonic(), emitted))
+            self.on_step(decoding, emitted)

@@ -26,10 +26,22 @@ from workers.engines.base import (
     EngineStats,
     GenChunk,
     GenRequest,
+    StepObserver,
+    hf_tokenizer_json,
+    ignore_step,
     prompt_text,
 )
 
 log = logging.getLogger("inferq.engine.vllm")
+
+
+def _request_errors() -> tuple[type[Exception], ...]:
+    # vLLM >= 0.27 raises VLLMValidationError, which is not a ValueError; older ones ValueError.
+    try:
+        from vllm.exceptions import VLLMClientError
+    except ImportError:
+        return (ValueError,)
+    return (ValueError, VLLMClientError)
 
 
 class _StatsHolder:
@@ -56,7 +68,7 @@ class _StatsHolder:
         return sum(n for _, n in self.tokens) / window
 
 
-def _stat_logger_factory(holder: _StatsHolder) -> Any:
+def _stat_logger_factory(engine: VLLMEngine) -> Any:
     from vllm.v1.metrics.loggers import StatLoggerBase
 
     class CaptureStats(StatLoggerBase):  # type: ignore[misc]
@@ -66,7 +78,7 @@ def _stat_logger_factory(holder: _StatsHolder) -> Any:
         def record(
             self, scheduler_stats: Any, iteration_stats: Any, *args: Any, **kwargs: Any
         ) -> None:
-            holder.record(scheduler_stats, iteration_stats)
+            engine.record_step(scheduler_stats, iteration_stats)
 
         def log_engine_initialized(self) -> None:
             pass
@@ -85,7 +97,10 @@ class VLLMEngine:
         self.settings = settings
         self._llm: Any = None
         self._tokenizer: Any = None
+        self.max_model_len = settings.max_model_len
+        self._request_errors: tuple[type[Exception], ...] = (ValueError,)
         self._stats = _StatsHolder()
+        self.on_step: StepObserver = ignore_step
 
     def engine_args(self) -> dict[str, Any]:
         s = self.settings
@@ -110,13 +125,24 @@ class VLLMEngine:
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        self._request_errors = _request_errors()
         args = AsyncEngineArgs(**self.engine_args())
         log.info("starting vLLM AsyncLLM: %s", self.engine_args())
-        self._llm = AsyncLLM.from_engine_args(
-            args, stat_loggers=[_stat_logger_factory(self._stats)]
-        )
+        self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[_stat_logger_factory(self)])
         tokenizer = self._llm.get_tokenizer()
         self._tokenizer = await tokenizer if inspect.isawaitable(tokenizer) else tokenizer
+        self.max_model_len = int(self._llm.model_config.max_model_len)
+
+    def record_step(self, scheduler_stats: Any, iteration_stats: Any) -> None:
+        """vLLM's stat loggers are called once per engine step, on the loop thread."""
+        self._stats.record(scheduler_stats, iteration_stats)
+        if scheduler_stats is not None and iteration_stats is not None:
+            self.on_step(
+                int(scheduler_stats.num_running_reqs), int(iteration_stats.num_generation_tokens)
+            )
+
+    def tokenizer_json(self) -> str | None:
+        return hf_tokenizer_json(self._tokenizer)
 
     async def generate(self, req: GenRequest) -> AsyncIterator[GenChunk]:
         from vllm import SamplingParams
@@ -145,8 +171,8 @@ class VLLMEngine:
                 )
         except VLLMDead as exc:
             raise EngineDeadError(str(exc)) from exc
-        except ValueError as exc:
-            # vLLM validates inputs (e.g. prompt longer than max_model_len) with ValueError.
+        except self._request_errors as exc:
+            # vLLM refuses bad input (a prompt that leaves no room in max_model_len) this way.
             code = "context_length_exceeded" if "length" in str(exc) else "invalid_request"
             raise EngineRequestError(code, str(exc)) from exc
 

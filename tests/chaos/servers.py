@@ -1,0 +1,195 @@
+"""Private dependency servers for chaos tests: a redis-server and a PostgreSQL cluster of their
+own on a free loopback port, so a test can stop, restart or wipe them without touching the
+shared services (or another pytest process that uses them).
+
+Both are started in their own process group and always torn down by ``close()``, which a test
+calls from a ``finally`` (or a fixture's teardown) so that nothing outlives a failed test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pwd
+import shutil
+import signal
+import subprocess
+import tempfile
+from pathlib import Path
+
+import redis
+from sqlalchemy import create_engine, text
+
+from app.stack import redis_server_argv
+from tests.support import free_port, wait_until
+
+REDIS_SERVER = os.environ.get("INFERQ_TEST_REDIS_SERVER", "/usr/bin/redis-server")
+PG_BIN = Path(os.environ.get("INFERQ_TEST_PG_BIN", "/usr/lib/postgresql/15/bin"))
+
+
+class RedisServer:
+    """A redis-server on 127.0.0.1 with its data in ``directory``; restartable on its port.
+
+    Configured as `inferq up` configures its private one (``app.stack.redis_server_argv``), so
+    the outage tests exercise the durability inferq relies on.
+    """
+
+    def __init__(self, directory: Path) -> None:
+        self.dir = directory
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.log = self.dir / "redis.log"
+        self.popen: subprocess.Popen[bytes] | None = None
+
+    def url(self, db: int = 0) -> str:
+        return f"redis://127.0.0.1:{self.port}/{db}"
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(
+            host="127.0.0.1", port=self.port, socket_connect_timeout=1, socket_timeout=5
+        )
+
+    def start(self, timeout: float = 15) -> None:
+        assert self.popen is None or self.popen.poll() is not None, "already running"
+        argv = [
+            *redis_server_argv(REDIS_SERVER, self.port, self.dir),
+            "--protected-mode",
+            "yes",
+            "--daemonize",
+            "no",
+            "--logfile",
+            str(self.log),
+        ]
+        self.popen = subprocess.Popen(
+            argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
+
+        def up() -> bool:
+            if self.popen is not None and self.popen.poll() is not None:
+                raise AssertionError(f"redis-server exited:\n{self.tail()}")
+            with contextlib.closing(self.client()) as client:
+                # With AOF on, PING answers LOADING while the file is replayed: wait for it.
+                return bool(client.ping()) and client.dbsize() >= 0
+
+        wait_until(up, timeout, f"redis-server on port {self.port}", every=0.05)
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def stop(self, timeout: float = 15) -> None:
+        """SIGTERM: Redis writes (and fsyncs) its append-only file, then exits."""
+        if self.popen is None:
+            return
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+                raise AssertionError(f"redis-server ignored SIGTERM for {timeout}s") from None
+
+    def kill(self) -> None:
+        if self.popen is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(10)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.stop(timeout=5)
+        self.kill()
+
+    def tail(self, n: int = 30) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+class PostgresServer:
+    """A throw-away PostgreSQL cluster (initdb) on 127.0.0.1 that a test may stop and start.
+
+    PostgreSQL refuses to run as root: when we are root the cluster is owned by the
+    ``postgres`` user and every server binary runs through ``runuser``. The cluster lives in a
+    ``mkdtemp`` directory under /tmp (pytest's tmp dirs are not readable by other users).
+    """
+
+    def __init__(self) -> None:
+        self.root = Path(tempfile.mkdtemp(prefix="inferq-pg-", dir="/tmp"))
+        self.data = self.root / "data"
+        self.log = self.root / "server.log"
+        self.port = free_port()
+        self.as_user: list[str] = []
+        if os.geteuid() == 0:
+            owner = pwd.getpwnam("postgres")
+            os.chown(self.root, owner.pw_uid, owner.pw_gid)
+            self.as_user = ["runuser", "-u", "postgres", "--"]
+        self._run(
+            str(PG_BIN / "initdb"), "-D", str(self.data), "-A", "trust", "-U", "postgres",
+            "--no-sync", timeout=120,
+        )  # fmt: skip
+
+    def _run(self, *argv: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        done = subprocess.run(
+            [*self.as_user, *argv],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+            cwd=self.root,
+            start_new_session=True,
+        )
+        assert done.returncode == 0, f"{argv[0]} failed:\n{done.stdout}\n{done.stderr}"
+        return done
+
+    def _ctl(self, *args: str, timeout: float = 60) -> None:
+        self._run(str(PG_BIN / "pg_ctl"), "-D", str(self.data), *args, timeout=timeout)
+
+    def start(self) -> None:
+        options = (
+            f"-p {self.port} -c listen_addresses=127.0.0.1 -k {self.root} "
+            "-c fsync=off -c full_page_writes=off -c max_connections=300"
+        )
+        self._ctl("-o", options, "-l", str(self.log), "-w", "-t", "60", "start", timeout=90)
+
+    def stop(self, mode: str = "fast") -> None:
+        self._ctl("-m", mode, "-w", "-t", "60", "stop", timeout=90)
+
+    def running(self) -> bool:
+        status = subprocess.run(
+            [*self.as_user, str(PG_BIN / "pg_ctl"), "-D", str(self.data), "status"],
+            capture_output=True,
+            timeout=30,
+            check=False,
+        )
+        return status.returncode == 0
+
+    def url(self, database: str = "postgres") -> str:
+        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/{database}"
+
+    def create_database(self, name: str) -> str:
+        admin = create_engine(self.url(), isolation_level="AUTOCOMMIT")
+        try:
+            with admin.connect() as conn:
+                conn.execute(text(f'CREATE DATABASE "{name}"'))
+        finally:
+            admin.dispose()
+        return self.url(name)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            if self.running():
+                self.stop(mode="immediate")
+        pid_file = self.data / "postmaster.pid"
+        with contextlib.suppress(OSError, ValueError, ProcessLookupError, PermissionError):
+            # pg_ctl could not stop it: kill the postmaster (its children follow it).
+            os.kill(int(pid_file.read_text().split()[0]), signal.SIGKILL)
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def tail(self, n: int = 30) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""

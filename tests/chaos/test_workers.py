@@ -1,0 +1,249 @@
+"""Chaos: workers killed, paused and stopped under load, and messages lost or doubled.
+
+Real processes on loopback (API, inference workers with the SIMULATED engine, the ops worker
+with its reaper every second) against PostgreSQL and a Redis database of their own. Leases are
+4 s, renewed every second. Each test proves one line of the reliability contract (README):
+
+- ``kill -9`` of a worker holding jobs: another worker finishes every one of them, once, with
+  ``attempts`` = 2, within lease TTL + reaper period (+ one heartbeat of slack);
+- a worker paused (SIGSTOP) past its lease, then resumed: its late results change nothing and
+  no second webhook event is made;
+- SIGTERM under load: the jobs it holds finish, it exits 0, nothing runs twice;
+- SIGTERM with jobs longer than the grace period: they are handed back and finished elsewhere;
+- a crash between a job's commit and its enqueue: the reaper sends it;
+- the same message delivered twice: the job runs once.
+
+Each prints a ``RECOVERY <scenario> <seconds>`` line (``pytest -s``) for the README.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import text
+
+from tests.conftest import PostgresDatabases, fresh_redis_url
+from tests.support import REPO, Receiver, Stack, wait_until
+
+pytestmark = pytest.mark.chaos
+
+LEASE_S = 4.0
+REAPER_S = 1.0
+HEARTBEAT_S = 1.0
+TERMINAL = ("succeeded", "failed", "cancelled", "expired")
+
+
+@pytest.fixture
+def receiver() -> Iterator[Receiver]:
+    r = Receiver()
+    try:
+        yield r
+    finally:
+        r.close()
+
+
+@pytest.fixture
+def stack(tmp_path: Path, postgres: PostgresDatabases) -> Iterator[Stack]:
+    stack = Stack(
+        tmp_path,
+        postgres.create(),
+        fresh_redis_url(),
+        lease_ttl_s=LEASE_S,
+        heartbeat_s=HEARTBEAT_S,
+        reaper_interval_s=REAPER_S,
+        webhook_allow_private="true",
+        webhook_sweep_interval_s=0.5,
+        # A token every ~60 ms: a 40-token job runs for a few seconds.
+        sim_time_scale=8,
+        worker_concurrency=8,
+    )
+    try:
+        stack.migrate()
+        stack.start_api()
+        stack.start_ops()
+        yield stack
+    finally:
+        stack.stop()
+
+
+def submit_many(stack: Stack, n: int, **extra: Any) -> list[str]:
+    body = {"prompt": "tell me about queues", "params": {"max_tokens": 40}, **extra}
+    with stack.client() as c:
+        answer = c.post("/v1/jobs/bulk", json={"jobs": [body] * n})
+        assert answer.status_code == 202, answer.text
+        return [job["id"] for job in answer.json()["data"]]
+
+
+def rows(stack: Stack, ids: list[str]) -> dict[str, dict[str, Any]]:
+    with stack.db().connect() as conn:
+        found = conn.execute(
+            text(
+                "SELECT id, status, attempts, lease_owner, finished_at, result_text, "
+                "completion_tokens, started_at FROM jobs WHERE id = ANY(:ids)"
+            ),
+            {"ids": ids},
+        ).mappings()
+        return {row["id"]: dict(row) for row in found}
+
+
+def all_terminal(stack: Stack, ids: list[str]) -> dict[str, dict[str, Any]] | None:
+    found = rows(stack, ids)
+    return found if all(r["status"] in TERMINAL for r in found.values()) else None
+
+
+def running_on(stack: Stack, ids: list[str], owner_pid: int) -> list[str]:
+    return [
+        job_id
+        for job_id, r in rows(stack, ids).items()
+        if r["status"] == "running" and str(r["lease_owner"]).endswith(f":{owner_pid}")
+    ]
+
+
+def report(scenario: str, seconds: float) -> None:
+    print(f"RECOVERY {scenario} {seconds:.1f}")
+
+
+def test_kill_9_a_worker_with_jobs_in_flight(stack: Stack) -> None:
+    first = stack.start_worker()
+    stack.start_worker()  # the survivor, up and idle before the crash
+    ids = submit_many(stack, 12)
+    held = wait_until(lambda: running_on(stack, ids, first.pid), 30, "jobs running on worker 0")
+    first.signal(signal.SIGKILL)
+    killed_at = time.time()
+    first.popen.wait(10)
+    wait_until(lambda: not running_on(stack, held, first.pid), 30, "the reaper", every=0.05)
+    recovered = time.time() - killed_at
+    done = wait_until(lambda: all_terminal(stack, ids), 90, "every job to end")
+    report("kill-9-worker (kill -> jobs taken back from the dead worker)", recovered)
+    report("kill-9-worker (kill -> every job succeeded)", time.time() - killed_at)
+    assert {r["status"] for r in done.values()} == {"succeeded"}
+    assert all(r["result_text"] and r["completion_tokens"] == 40 for r in done.values())
+    for job_id in held:
+        assert done[job_id]["attempts"] == 2, done[job_id]
+    # The lease had up to LEASE_S left at the kill; the reaper looks every REAPER_S (+ slack
+    # for a beat that fires late and the sweep's own time).
+    assert recovered <= LEASE_S + REAPER_S + 2, recovered
+
+
+def test_paused_worker_writes_nothing_after_its_lease_expired(
+    stack: Stack, receiver: Receiver
+) -> None:
+    first = stack.start_worker()
+    ids = submit_many(stack, 6, webhook_url=receiver.url("/ok"))
+    held = wait_until(lambda: running_on(stack, ids, first.pid), 30, "jobs running on worker 0")
+    first.signal(signal.SIGSTOP)
+    try:
+        stopped_at = time.time()
+        stack.start_worker()
+        done = wait_until(lambda: all_terminal(stack, ids), 90, "another worker to finish")
+        report("sigstop-worker (pause -> every job done elsewhere)", time.time() - stopped_at)
+        assert {r["status"] for r in done.values()} == {"succeeded"}
+        wait_until(lambda: len(receiver.received("/ok")) >= len(ids), 30, "the webhooks")
+    finally:
+        first.signal(signal.SIGCONT)
+    # The resumed worker finds its leases gone: it stops its copies and writes nothing.
+    wait_until(
+        lambda: (record := stack.worker_record(first.pid)) and record["in_flight"] == 0,
+        30,
+        "the resumed worker to drop its jobs",
+    )
+    time.sleep(2 * HEARTBEAT_S)  # anything it would still write has had time to arrive
+    assert rows(stack, ids) == done
+    for job_id in held:
+        assert done[job_id]["attempts"] == 2
+    events = stack.scalar("SELECT count(*) FROM webhook_events WHERE job_id = ANY(:ids)", ids=ids)
+    assert events == len(ids)
+    delivered = [json.loads(r["body"])["data"]["id"] for r in receiver.received("/ok")]
+    ids_sent = {r["headers"]["webhook-id"] for r in receiver.received("/ok")}
+    assert sorted(set(delivered)) == sorted(ids) and len(ids_sent) == len(ids)
+    assert "result discarded" in first.log.read_text() or "lease on" in first.log.read_text()
+
+
+def test_sigterm_finishes_held_jobs_and_exits_0(stack: Stack) -> None:
+    first = stack.start_worker()
+    ids = submit_many(stack, 20)
+    held = wait_until(lambda: running_on(stack, ids, first.pid), 30, "jobs running on worker 0")
+    first.signal(signal.SIGTERM)
+    assert first.popen.wait(60) == 0, first.tail()
+    after = rows(stack, held)
+    assert {r["status"] for r in after.values()} == {"succeeded"}, after
+    stack.start_worker()
+    done = wait_until(lambda: all_terminal(stack, ids), 90, "the rest to finish")
+    assert {r["status"] for r in done.values()} == {"succeeded"}
+    assert {r["attempts"] for r in done.values()} == {1}  # nothing ran twice
+
+
+def test_sigterm_hands_back_what_outlasts_the_grace(stack: Stack) -> None:
+    first = stack.start_worker(shutdown_grace_s=1)
+    ids = submit_many(stack, 4, params={"max_tokens": 2000})
+    held = wait_until(lambda: running_on(stack, ids, first.pid), 30, "jobs running on worker 0")
+    first.signal(signal.SIGTERM)
+    began = time.time()
+    assert first.popen.wait(30) == 0, first.tail()
+    assert time.time() - began < 15
+    back = rows(stack, held)
+    assert {r["status"] for r in back.values()} == {"queued"}, back
+    stack.start_worker(sim_time_scale=0.05)
+    done = wait_until(lambda: all_terminal(stack, ids), 90, "the handed-back jobs to finish")
+    assert {r["status"] for r in done.values()} == {"succeeded"}
+    assert all(done[job_id]["attempts"] == 2 for job_id in held)
+
+
+def run_in_stack(stack: Stack, code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        env=stack.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+SUBMIT = """
+import os
+from app import jobs
+from app.db import session_scope
+from app.schemas import JobCreate
+with session_scope() as session:
+    body = JobCreate(prompt="hi", params={{"max_tokens": 4}})
+    job, _ = jobs.submit(session, "default", body, None)
+    print(job.id, flush=True)
+    {after}
+"""
+
+
+def test_crash_between_commit_and_enqueue(stack: Stack) -> None:
+    stack.start_worker()
+    # The API's own submit path, in a process that dies right after the commit.
+    crashed = run_in_stack(stack, SUBMIT.format(after="os._exit(1)"))
+    assert crashed.returncode == 1, crashed.stderr
+    job_id = crashed.stdout.strip()
+    assert stack.scalar("SELECT status FROM jobs WHERE id = :i", i=job_id) == "queued"
+    assert stack.scalar("SELECT enqueued_at FROM jobs WHERE id = :i", i=job_id) is None
+    began = time.time()
+    done = stack.wait_job(job_id, timeout=60)
+    report("commit-enqueue-gap (commit -> succeeded)", time.time() - began)
+    assert done["status"] == "succeeded" and done["attempts"] == 1
+
+
+def test_duplicate_delivery_runs_once(stack: Stack) -> None:
+    worker = stack.start_worker()
+    # Two messages for one job, sent at once.
+    sent = run_in_stack(stack, SUBMIT.format(after="jobs.send(session, [(job.id, job.lane)] * 2)"))
+    assert sent.returncode == 0, sent.stderr
+    job_id = sent.stdout.strip()
+    done = stack.wait_job(job_id, timeout=60)
+    assert done["status"] == "succeeded" and done["attempts"] == 1
+    # The second message found the job taken: it claimed nothing (one claim, one token).
+    wait_until(lambda: "'skipped': 1" in worker.log.read_text(), 30, "the duplicate's skip")
+    assert stack.scalar("SELECT lease_token FROM jobs WHERE id = :i", i=job_id) == 1

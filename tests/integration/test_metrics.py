@@ -1,0 +1,286 @@
+"""Prometheus metrics, job timings and the JSON transition log, through real processes.
+
+One stack on SQLite: the API, an inference worker with the SIMULATED engine consuming only
+``realtime`` and ``standard`` (so ``bulk`` jobs stay queued and the lane gauges have something
+to show) and the ops worker (reaper every second, webhook delivery to a receiver on loopback).
+Every page is parsed with prometheus-client's own parser; the tests compare values before and
+after work went through, so they hold whatever ran before them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import fresh_redis_url
+from tests.support import Proc, Receiver, Samples, Stack, scrape, value, wait_until
+
+
+def ops_metrics_url(proc: Proc) -> str:
+    found = re.search(r"metrics on (http://\S+/metrics)", proc.log.read_text(errors="replace"))
+    assert found, proc.tail()
+    return found.group(1)
+
+
+@pytest.fixture(scope="module")
+def receiver() -> Iterator[Receiver]:
+    r = Receiver()
+    yield r
+    r.close()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    tmp = tmp_path_factory.mktemp("metrics")
+    s = Stack(
+        tmp,
+        f"sqlite:///{tmp / 'inferq.db'}",
+        fresh_redis_url(),
+        sim_time_scale=0.2,
+        reaper_interval_s=1,
+        webhook_allow_private="true",
+    )
+    try:
+        s.migrate()
+        s.start_api()
+        s.start_ops()
+        s.start_worker(worker_lanes="realtime,standard")
+        yield s
+    finally:
+        s.stop()
+
+
+def worker_metrics_url(stack: Stack) -> str:
+    worker = next(p for p in stack.procs if p.name.startswith("worker"))
+    record = stack.worker_record(worker.pid)
+    assert record is not None
+    return str(record["metrics_url"])
+
+
+def run(stack: Stack, lane: str, n: int, **extra: Any) -> list[dict[str, Any]]:
+    with stack.client() as c:
+        ids = [
+            stack.submit(
+                {
+                    "prompt": f"metrics {lane} {i}",
+                    "lane": lane,
+                    "params": {"max_tokens": 8},
+                    **extra,
+                },
+                client=c,
+            )["id"]
+            for i in range(n)
+        ]
+    return [stack.wait_job(job_id) for job_id in ids]
+
+
+def test_counters_and_histograms_move_when_jobs_run(stack: Stack) -> None:
+    api_url, worker_url = f"{stack.url}/metrics", worker_metrics_url(stack)
+    api_before, worker_before = scrape(api_url), scrape(worker_url)
+
+    done = run(stack, "realtime", 3) + run(stack, "standard", 4)
+    assert {job["status"] for job in done} == {"succeeded"}
+    tokens = sum(job["result"]["usage"]["completion_tokens"] for job in done)
+
+    api, worker = scrape(api_url), scrape(worker_url)
+    for lane, n in (("realtime", 3), ("standard", 4)):
+        submitted = "inferq_jobs_submitted_total"
+        assert value(api, submitted, lane=lane) - value(api_before, submitted, lane=lane) == n
+        finished = "inferq_jobs_finished_total"
+        grew = value(worker, finished, lane=lane, status="succeeded") - value(
+            worker_before, finished, lane=lane, status="succeeded"
+        )
+        assert grew == n
+        for histogram in (
+            "inferq_job_queue_wait_seconds",
+            "inferq_job_ttft_seconds",
+            "inferq_job_e2e_latency_seconds",
+        ):
+            count = f"{histogram}_count"
+            assert value(worker, count, lane=lane) - value(worker_before, count, lane=lane) == n
+            # Every observation falls in the +Inf bucket, and the sum is positive time.
+            assert value(worker, f"{histogram}_bucket", lane=lane, le="+Inf") == value(
+                worker, count, lane=lane
+            )
+            assert value(worker, f"{histogram}_sum", lane=lane) > value(
+                worker_before, f"{histogram}_sum", lane=lane
+            )
+    generated = "inferq_engine_generated_tokens_total"
+    assert value(worker, generated) - value(worker_before, generated) >= tokens
+    steps = value(worker, "inferq_engine_batch_size_count")
+    assert steps > value(worker_before, "inferq_engine_batch_size_count")
+    # Each step ran at least one sequence.
+    assert value(worker, "inferq_engine_batch_size_sum") >= steps
+    # The engine gauges and the worker's identity are on the page.
+    assert ("inferq_engine_running_sequences", ()) in worker
+    assert ("inferq_engine_waiting_sequences", ()) in worker
+    assert ("inferq_worker_jobs_in_flight", ()) in worker
+    info = [labels for (name, labels), _ in worker.items() if name == "inferq_worker_info"]
+    assert len(info) == 1 and dict(info[0])["engine"] == "simulated"
+
+
+def test_lane_gauges_follow_the_queue(stack: Stack) -> None:
+    """Bulk has no consumer here: its jobs wait, and the API's gauges say so; a cancel counts."""
+    with stack.client() as c:
+        ids = [
+            stack.submit({"prompt": f"wait {i}", "lane": "bulk"}, client=c)["id"] for i in range(5)
+        ]
+    queued = stack.scalar("SELECT count(*) FROM jobs WHERE lane='bulk' AND status='queued'")
+
+    def page() -> Samples | None:
+        found = scrape(f"{stack.url}/metrics")
+        return found if value(found, "inferq_queue_oldest_age_seconds", lane="bulk") > 0 else None
+
+    samples = wait_until(page, 10, "the oldest bulk job to age")
+    assert value(samples, "inferq_jobs_queued", lane="bulk") == queued >= 5
+    assert value(samples, "inferq_queue_messages", lane="bulk") >= 1
+    assert value(samples, "inferq_jobs_queued", lane="realtime") == 0
+    assert value(samples, "inferq_jobs_running", lane="bulk") == 0
+
+    before = value(samples, "inferq_jobs_finished_total", lane="bulk", status="cancelled")
+    with stack.client() as c:
+        for job_id in ids:
+            assert c.post(f"/v1/jobs/{job_id}/cancel").json()["status"] == "cancelled"
+    after = scrape(f"{stack.url}/metrics")
+    assert value(after, "inferq_jobs_finished_total", lane="bulk", status="cancelled") == before + 5
+    assert value(after, "inferq_jobs_queued", lane="bulk") == queued - 5
+
+
+def test_ops_metrics_count_deliveries_and_reaper_actions(stack: Stack, receiver: Receiver) -> None:
+    ops = next(p for p in stack.procs if p.name == "ops")
+    url = ops_metrics_url(ops)
+    before = scrape(url)
+    # Delivered on the first attempt; one more answered 500 once, then delivered.
+    run(stack, "realtime", 1, webhook_url=receiver.url("/ok"))
+    run(stack, "realtime", 1, webhook_url=receiver.url("/fail/1"))
+    # A bulk job (no consumer) past its deadline: the reaper expires it.
+    expiring = stack.submit({"prompt": "too late", "lane": "bulk", "timeout_s": 1})
+    stack.wait_job(expiring["id"], timeout=20)
+
+    def moved() -> Samples | None:
+        found = scrape(url)
+        attempts = "inferq_webhook_attempts_total"
+        ok = (
+            value(found, attempts, outcome="delivered")
+            - value(before, attempts, outcome="delivered")
+            >= 2
+            and value(found, attempts, outcome="retry") - value(before, attempts, outcome="retry")
+            >= 1
+            and value(found, "inferq_reaper_actions_total", action="expired")
+            - value(before, "inferq_reaper_actions_total", action="expired")
+            >= 1
+        )
+        return found if ok else None
+
+    after = wait_until(moved, 30, "webhook attempts and a reaper action to be counted")
+    finished = "inferq_jobs_finished_total"
+    assert value(after, finished, lane="bulk", status="expired") > value(
+        before, finished, lane="bulk", status="expired"
+    )
+
+
+def test_job_timings(stack: Stack) -> None:
+    (job,) = run(stack, "realtime", 1)
+    t = job["timings"]
+    assert t["queued_at"] <= t["started_at"] <= t["first_token_at"] <= t["finished_at"]
+    assert int(t["queued_at"]) == job["created_at"]
+    assert int(t["finished_at"]) == job["finished_at"]
+    assert abs(t["queue_ms"] - (t["started_at"] - t["queued_at"]) * 1000) <= 2
+    assert abs(t["ttft_ms"] - (t["first_token_at"] - t["queued_at"]) * 1000) <= 2
+    assert abs(t["duration_ms"] - (t["finished_at"] - t["started_at"]) * 1000) <= 2
+    assert t["duration_ms"] > 0
+    # A job that never ran has only its queued_at.
+    queued = stack.submit({"prompt": "never", "lane": "bulk"})
+    with stack.client() as c:
+        cancelled = c.post(f"/v1/jobs/{queued['id']}/cancel").json()
+    timings = cancelled["timings"]
+    assert timings["started_at"] is None and timings["queue_ms"] is None
+    assert timings["ttft_ms"] is None and timings["duration_ms"] is None
+    assert timings["finished_at"] is not None
+
+
+def transitions(proc: Proc, job_id: str) -> list[dict[str, Any]]:
+    lines = []
+    for line in proc.log.read_text(errors="replace").splitlines():
+        if line.startswith("{") and job_id in line:
+            lines.append(json.loads(line))
+    return lines
+
+
+def test_one_json_line_per_transition(stack: Stack) -> None:
+    (job,) = run(stack, "standard", 1)
+    api = next(p for p in stack.procs if p.name == "api")
+    worker = next(p for p in stack.procs if p.name.startswith("worker"))
+    record = stack.worker_record(worker.pid)
+    assert record is not None
+
+    (queued,) = transitions(api, job["id"])
+    assert queued["event"] == "job.queued" and queued["from"] is None and queued["by"] == "api"
+    assert queued["lane"] == "standard" and queued["tenant"]
+    running, succeeded = wait_until(
+        lambda: (found := transitions(worker, job["id"])) and len(found) == 2 and found,
+        5,
+        "the worker's two lines",
+    )
+    assert (running["from"], running["to"]) == ("queued", "running")
+    assert (succeeded["from"], succeeded["to"]) == ("running", "succeeded")
+    for line in (running, succeeded):
+        assert line["worker"] == record["worker_id"] and line["by"] == "worker"
+        assert line["lane"] == "standard" and line["tenant"] == queued["tenant"]
+        assert line["attempt"] == 1
+    assert queued["ts"] <= running["ts"] <= succeeded["ts"]
+
+
+def test_api_processes_share_their_counters(tmp_path: Path) -> None:
+    """`inferq api --workers 2`: whichever process answers /metrics counts every submission."""
+    s = Stack(tmp_path, f"sqlite:///{tmp_path / 'inferq.db'}", fresh_redis_url())
+    s.migrate()
+    proc = s.spawn("api", "api", "--workers", "2")
+    try:
+        wait_until(lambda: httpx.get(f"{s.url}/healthz", timeout=1).status_code == 200, 60, "API")
+        n = 20
+        for i in range(n):  # a connection each, so both processes take some
+            assert httpx.post(f"{s.url}/v1/jobs", json={"prompt": f"p{i}"}).status_code == 202
+        pids = {
+            line.split("[")[1].split("]")[0]
+            for line in proc.log.read_text().splitlines()
+            if "Started server process" in line
+        }
+        assert len(pids) == 2, proc.tail()
+        for _ in range(4):
+            page = scrape(f"{s.url}/metrics")
+            assert value(page, "inferq_jobs_submitted_total", lane="standard") == n
+        assert (tmp_path / "data" / "prometheus" / f"api-{s.port}").is_dir()
+    finally:
+        s.stop()
+
+
+def test_a_taken_metrics_port_stops_the_worker_saying_so(tmp_path: Path) -> None:
+    """It exits (status 1) before taking any message, instead of running without metrics."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        s = Stack(
+            tmp_path,
+            f"sqlite:///{tmp_path / 'inferq.db'}",
+            fresh_redis_url(),
+            worker_metrics_port=port,
+        )
+        s.migrate()
+        proc = s.spawn("worker", "worker", "--engine", "simulated")
+        try:
+            wait_until(lambda: not proc.alive(), 60, "the worker to exit")
+        finally:
+            proc.stop()
+    assert proc.popen.returncode == 1
+    log = proc.log.read_text(errors="replace")
+    assert "the worker cannot start" in log and "Address already in use" in log
+    assert " ready." not in log, "Celery must not start consuming"

@@ -1,0 +1,268 @@
+"""`inferq status` and app/snapshot.py against a real Redis and a real SQLite database.
+
+The command runs as a real subprocess against a real API and simulated worker; the snapshot
+reads are checked against rows written here with known times.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import pty
+import signal
+import struct
+import subprocess
+import sys
+import termios
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from sqlalchemy.orm import Session
+
+from app import snapshot
+from app.models import Job, new_id
+from tests.conftest import fresh_redis_url
+from tests.support import REPO, Stack, running_stack, wait_until
+
+SLOTS = 8
+BULK_JOBS = 20
+# Long enough that no bulk job finishes while a test looks (~8000 steps of a few ms, x3).
+LONG = {"prompt": "go on", "lane": "bulk", "params": {"max_tokens": 8000}}
+
+
+@pytest.fixture(scope="module")
+def busy_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """A stack whose worker is full of long bulk jobs, with more queued behind them, after a
+    few realtime jobs finished."""
+    tmp = tmp_path_factory.mktemp("status")
+    with running_stack(
+        tmp,
+        f"sqlite:///{tmp / 'inferq.db'}",
+        fresh_redis_url(),
+        sim_time_scale=3,
+        worker_concurrency=SLOTS,
+        sim_max_num_seqs=SLOTS,
+        bulk_chunk_size=2,
+        shutdown_grace_s=0,
+    ) as stack:
+        # Realtime first: with 8 slots no lane has a reservation, so bulk could take them all.
+        done = [
+            stack.submit({"prompt": "hi", "lane": "realtime", "params": {"max_tokens": 8}})
+            for _ in range(3)
+        ]
+        for job in done:
+            assert stack.wait_job(job["id"])["status"] == "succeeded"
+        with stack.client() as client:
+            answer = client.post("/v1/jobs/bulk", json={"jobs": [LONG] * BULK_JOBS})
+            assert answer.status_code == 202, answer.text
+        wait_until(
+            lambda: stack.scalar("SELECT count(*) FROM jobs WHERE status = 'running'") == SLOTS,
+            30,
+            "the worker to fill its slots",
+        )
+        # The presence record is rewritten once per heartbeat: wait for one that saw it full.
+        worker = next(p for p in stack.procs if p.name == "worker0")
+        wait_until(
+            lambda: (stack.worker_record(worker.pid) or {}).get("in_flight") == SLOTS,
+            10,
+            "the worker to announce its full slots",
+        )
+        yield stack
+
+
+def rows(output: str, first: str) -> list[list[str]]:
+    """The cells of every table row whose first cell is ``first``."""
+    found = []
+    for line in output.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("│┃").split("│")]
+        if cells and cells[0] == first:
+            found.append(cells)
+    return found
+
+
+def status(stack: Stack, **env: str) -> subprocess.CompletedProcess[str]:
+    # A fixed width, whatever the terminal running the tests: rows are parsed by their cells.
+    return stack.cli("status", env={"COLUMNS": "200", **env})
+
+
+def test_status_shows_lanes_workers_and_throughput(busy_stack: Stack) -> None:
+    done = status(busy_stack)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    client = redis.Redis.from_url(busy_stack.redis_url)
+
+    queued = busy_stack.scalar("SELECT count(*) FROM jobs WHERE status = 'queued'")
+    assert queued == BULK_JOBS - SLOTS
+    ((_, messages, bulk_queued, bulk_running, oldest),) = rows(out, "bulk")
+    assert int(bulk_queued) == queued
+    assert int(bulk_running) == SLOTS
+    assert int(messages) == client.llen("bulk") == queued // 2  # two job ids per message
+    assert oldest.endswith(" s") and float(oldest.split()[0]) > 0
+    for lane in ("realtime", "standard"):
+        assert rows(out, lane) == [[lane, "0", "0", "0", "-"]], out
+
+    worker = next(p for p in busy_stack.procs if p.name == "worker0")
+    announced = busy_stack.worker_record(worker.pid)
+    assert announced is not None
+    (record,) = rows(out, announced["worker_id"])
+    assert record[0].endswith(f":{worker.pid}")
+    assert record[1:4] == ["simulated", announced["model"], "realtime,standard,bulk"]
+    assert int(record[4]) == SLOTS  # in flight
+    assert record[-1].endswith(" ago")
+
+    ((_, jobs_per_s, tokens_per_s),) = rows(out, "succeeded 3")
+    assert float(jobs_per_s) == pytest.approx(3 / 60, abs=0.01)
+    assert float(tokens_per_s) == pytest.approx(3 * 8 / 60, abs=0.1)
+    assert "Lanes" in out and "Workers" in out and "Throughput, last 60 s" in out
+
+
+@pytest.mark.parametrize("terminal", [True, False], ids=["terminal", "pipe"])
+def test_watch_redraws_until_ctrl_c(busy_stack: Stack, terminal: bool) -> None:
+    argv = [sys.executable, "-m", "app.cli", "status", "--watch", "--interval", "0.3"]
+    output = bytearray()
+    if terminal:
+        # A pseudo-terminal, so that rich's Live redraws in place as it does for a person.
+        reader, writer = pty.openpty()
+        fcntl.ioctl(writer, termios.TIOCSWINSZ, struct.pack("HHHH", 60, 200, 0, 0))
+    else:
+        reader, writer = os.pipe()
+    proc = subprocess.Popen(
+        argv,
+        cwd=REPO,
+        env={**busy_stack.env, "COLUMNS": "200"},
+        stdout=writer,
+        stderr=writer,
+        close_fds=True,
+    )
+    os.close(writer)
+
+    def read() -> None:
+        with contextlib.suppress(OSError):  # a pty's reader ends with EIO
+            while chunk := os.read(reader, 65536):
+                output.extend(chunk)
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: output.count(b"inferq status at") >= 2, 30, "two frames")
+        assert output.count(b"Workers") >= 2
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    thread.join(5)
+    os.close(reader)
+    assert b"Traceback" not in output
+    if terminal:
+        assert b"\x1b[" in output  # Live moved the cursor to redraw in place
+
+
+def test_unreachable_redis_or_database_is_one_line_and_exit_1(
+    busy_stack: Stack, tmp_path: Path
+) -> None:
+    done = status(busy_stack, INFERQ_REDIS_URL="redis://127.0.0.1:1/0")
+    assert done.returncode == 1
+    assert done.stdout == ""
+    assert done.stderr.startswith("inferq status: cannot read Redis (INFERQ_REDIS_URL): ")
+    assert "127.0.0.1:1" in done.stderr and len(done.stderr.splitlines()) == 1
+
+    done = status(busy_stack, INFERQ_DATABASE_URL=f"sqlite:///{tmp_path / 'empty.db'}")
+    assert done.returncode == 1
+    assert done.stderr == (
+        "inferq status: cannot read the database (INFERQ_DATABASE_URL): no such table: jobs\n"
+    )
+
+
+# --- app/snapshot.py, with rows whose times are known ---------------------------------------
+
+
+def _job(lane: str, status: str, created_at: float, **values: Any) -> Job:
+    return Job(
+        id=new_id("job"),
+        tenant="t",
+        lane=lane,
+        model="simulated",
+        prompt="p",
+        params={},
+        meta={},
+        status=status,
+        attempts=0,
+        lease_token=0,
+        created_at=created_at,
+        updated_at=created_at,
+        **values,
+    )
+
+
+@pytest.fixture
+def idle_stack(tmp_path: Path, redis_url: str) -> Stack:
+    """A migrated database and an empty Redis database; nothing running."""
+    stack = Stack(tmp_path, f"sqlite:///{tmp_path / 'inferq.db'}", redis_url)
+    stack.migrate()
+    return stack
+
+
+def test_snapshot_reads_lanes_workers_and_throughput(idle_stack: Stack) -> None:
+    now = time.time()
+    with Session(idle_stack.db()) as session, session.begin():
+        session.add_all(
+            [
+                _job("realtime", "queued", now - 5),
+                _job("realtime", "queued", now - 2),
+                _job("bulk", "queued", now - 30),
+                _job("bulk", "running", now - 40),
+                _job("bulk", "running", now - 50),
+                # Finished in the last minute: only succeeded jobs' tokens count.
+                _job("standard", "succeeded", now - 20, finished_at=now - 10, completion_tokens=10),
+                _job("bulk", "succeeded", now - 20, finished_at=now - 5, completion_tokens=20),
+                _job("standard", "failed", now - 30, finished_at=now - 20, completion_tokens=5),
+                _job("realtime", "cancelled", now - 3, finished_at=now - 1, completion_tokens=7),
+                # Finished before the window.
+                _job("bulk", "succeeded", now - 200, finished_at=now - 61, completion_tokens=99),
+            ]
+        )
+
+    with idle_stack.db().connect() as connection:
+        lanes = snapshot.lane_jobs(connection, now)
+    assert lanes["realtime"] == snapshot.LaneJobs(queued=2, running=0, oldest_queued_age_s=5.0)
+    assert lanes["standard"] == snapshot.LaneJobs(queued=0, running=0, oldest_queued_age_s=0.0)
+    assert lanes["bulk"] == snapshot.LaneJobs(queued=1, running=2, oldest_queued_age_s=30.0)
+
+    with Session(idle_stack.db()) as session:
+        done = snapshot.throughput(session, now)
+    assert done.finished == {"succeeded": 2, "failed": 1, "cancelled": 1}
+    assert done.completion_tokens == 30
+    assert done.jobs_per_s == pytest.approx(4 / 60)
+    assert done.tokens_per_s == pytest.approx(30 / 60)
+
+    client = redis.Redis.from_url(idle_stack.redis_url)
+    client.lpush("bulk", "m1", "m2", "m3")
+    client.lpush("realtime", "m4")
+    assert snapshot.lane_messages(client) == {"realtime": 1, "standard": 0, "bulk": 3}
+
+    client.set("inferq:worker:host:2", json.dumps({"worker_id": "host:2", "engine": "vllm"}))
+    client.set("inferq:worker:host:1", json.dumps({"worker_id": "host:1", "engine": "hf"}))
+    client.set("inferq:worker:host:3", json.dumps({"worker_id": "host:3"}), px=1)
+    time.sleep(0.05)
+    assert snapshot.workers(client) == [
+        {"worker_id": "host:1", "engine": "hf"},
+        {"worker_id": "host:2", "engine": "vllm"},
+    ]
+
+
+def test_status_of_an_idle_system_says_no_worker(idle_stack: Stack) -> None:
+    done = status(idle_stack)
+    assert done.returncode == 0, done.stderr
+    for lane in ("realtime", "standard", "bulk"):
+        assert rows(done.stdout, lane) == [[lane, "0", "0", "0", "-"]]
+    assert "no worker is announced" in done.stdout
+    assert rows(done.stdout, "none") == [["none", "0.00", "0.0"]]

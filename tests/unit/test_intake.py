@@ -1,0 +1,103 @@
+"""The lane intake: the room rule, and the consumer changes it makes (workers/intake.py).
+
+The consumer here is a stand-in for Celery's: it keeps a queue *selection* and a live consumer
+the way ``Consumer.add_task_queue`` / ``cancel_task_queue`` do (selection first, then the live
+consumer), and can lose its broker connection, which is what the real one does during a Redis
+outage (tests/chaos/test_dependencies.py drives the real one).
+"""
+
+from __future__ import annotations
+
+import threading
+
+from workers.intake import Intake
+
+
+class Consumer:
+    def __init__(self, lanes: list[str]) -> None:
+        self.selected = set(lanes)
+        self.live = set(lanes)
+        self.connected = True
+
+    def add_task_queue(self, queue: str) -> None:
+        self.selected.add(queue)
+        if not self.connected:
+            # What kombu raised from a channel whose connection was closed.
+            raise AttributeError("'NoneType' object has no attribute 'hostname'")
+        self.live.add(queue)
+
+    def cancel_task_queue(self, queue: str) -> None:
+        self.selected.discard(queue)
+        if not self.connected:
+            raise AttributeError("'NoneType' object has no attribute 'hostname'")
+        self.live.discard(queue)
+
+    def reconnect(self) -> None:
+        """Celery rebuilds the task consumer from the selection."""
+        self.connected = True
+        self.live = set(self.selected)
+
+    def call_soon(self, fn: object) -> None:
+        raise AssertionError("bound on this thread: changes are applied directly")
+
+
+LANES = ["realtime", "standard", "bulk"]
+SHARE = {"realtime": 0.25, "standard": 0.25, "bulk": 0.25}
+
+
+def bound(slots: int = 8, chunk: int = 2) -> tuple[Intake, Consumer]:
+    intake = Intake(LANES, slots, SHARE, chunk)
+    consumer = Consumer(LANES)
+    intake.bind(consumer)
+    return intake, consumer
+
+
+def test_a_lane_never_takes_the_reservations_of_the_others() -> None:
+    intake, consumer = bound()
+    # 8 slots, 2 reserved per lane. Bulk may fill 8 - 2 - 2 = 4 slots, in chunks of 2.
+    intake.take("bulk", 2)
+    assert "bulk" in consumer.live
+    intake.take("bulk", 2)
+    assert intake.room("bulk") == 0
+    assert consumer.live == {"realtime", "standard"}
+    # Realtime still has its 2 reserved slots and the 2 nobody reserved.
+    assert intake.room("realtime") == 2
+    intake.give("bulk", 1)
+    assert consumer.live == {"realtime", "standard"}, "one slot is less than a bulk chunk"
+    intake.give("bulk", 1)
+    assert consumer.live == set(LANES)
+
+
+def test_changes_made_while_the_broker_is_down_hold_after_it_is_back() -> None:
+    intake, consumer = bound()
+    consumer.connected = False
+    intake.take("bulk", 2)
+    intake.take("bulk", 2)  # closes bulk: the live consumer raises, the selection changed
+    assert consumer.selected == {"realtime", "standard"}
+    intake.give("bulk", 2)  # re-opens bulk while still down
+    assert consumer.selected == set(LANES)
+    intake.take("bulk", 2)  # and closes it again
+    consumer.reconnect()
+    assert consumer.live == {"realtime", "standard"}
+    assert intake.snapshot()["open"] == ["realtime", "standard"]
+    intake.give("bulk", 2)
+    assert consumer.live == set(LANES), "bulk re-opens once the broker is back"
+
+
+def test_changes_from_other_threads_go_through_the_consumer_loop() -> None:
+    intake = Intake(LANES, 8, SHARE, 2)
+    calls: list[object] = []
+
+    class Loop(Consumer):
+        def call_soon(self, fn: object) -> None:
+            calls.append(fn)
+
+    consumer = Loop(LANES)
+    intake.bind(consumer)
+    thread = threading.Thread(target=lambda: (intake.take("bulk", 2), intake.take("bulk", 2)))
+    thread.start()
+    thread.join()
+    assert consumer.live == set(LANES), "nothing changed off the consumer's loop"
+    assert len(calls) == 1
+    calls[0]()  # type: ignore[operator]
+    assert consumer.live == {"realtime", "standard"}
