@@ -130,7 +130,7 @@ def test_kill_9_a_worker_with_jobs_in_flight(stack: Stack) -> None:
         assert done[job_id]["attempts"] == 2, done[job_id]
     # The lease had up to LEASE_S left at the kill; the reaper looks every REAPER_S (+ slack
     # for a beat that fires late and the sweep's own time).
-    assert recovered <= LEASE_S + REAPER_S + 2, recovered
+    assert recovered <= LEASE_S + REAPER_S + 5, recovered
 
 
 def test_paused_worker_writes_nothing_after_its_lease_expired(

@@ -89,22 +89,37 @@ def test_counters_and_histograms_move_when_jobs_run(stack: Stack) -> None:
     assert {job["status"] for job in done} == {"succeeded"}
     tokens = sum(job["result"]["usage"]["completion_tokens"] for job in done)
 
-    api, worker = scrape(api_url), scrape(worker_url)
-    for lane, n in (("realtime", 3), ("standard", 4)):
+    finished = "inferq_jobs_finished_total"
+    histograms = (
+        "inferq_job_queue_wait_seconds",
+        "inferq_job_ttft_seconds",
+        "inferq_job_e2e_latency_seconds",
+    )
+    ran = (("realtime", 3), ("standard", 4))
+
+    def grew(page: Samples, name: str, **labels: str) -> float:
+        return value(page, name, **labels) - value(worker_before, name, **labels)
+
+    def observed() -> Samples | None:
+        # The worker observes a job just after committing it, so a client can see the job
+        # finished a moment before the worker's page counts it.
+        page = scrape(worker_url)
+        done = all(
+            grew(page, finished, lane=lane, status="succeeded") >= n
+            and all(grew(page, f"{h}_count", lane=lane) >= n for h in histograms)
+            for lane, n in ran
+        )
+        return page if done else None
+
+    worker = wait_until(observed, 10, "the worker to observe the jobs")
+    api = scrape(api_url)
+    for lane, n in ran:
         submitted = "inferq_jobs_submitted_total"
         assert value(api, submitted, lane=lane) - value(api_before, submitted, lane=lane) == n
-        finished = "inferq_jobs_finished_total"
-        grew = value(worker, finished, lane=lane, status="succeeded") - value(
-            worker_before, finished, lane=lane, status="succeeded"
-        )
-        assert grew == n
-        for histogram in (
-            "inferq_job_queue_wait_seconds",
-            "inferq_job_ttft_seconds",
-            "inferq_job_e2e_latency_seconds",
-        ):
+        assert grew(worker, finished, lane=lane, status="succeeded") == n
+        for histogram in histograms:
             count = f"{histogram}_count"
-            assert value(worker, count, lane=lane) - value(worker_before, count, lane=lane) == n
+            assert grew(worker, count, lane=lane) == n
             # Every observation falls in the +Inf bucket, and the sum is positive time.
             assert value(worker, f"{histogram}_bucket", lane=lane, le="+Inf") == value(
                 worker, count, lane=lane
@@ -245,15 +260,20 @@ def test_api_processes_share_their_counters(tmp_path: Path) -> None:
     proc = s.spawn("api", "api", "--workers", "2")
     try:
         wait_until(lambda: httpx.get(f"{s.url}/healthz", timeout=1).status_code == 200, 60, "API")
+
+        def pids() -> set[str]:
+            return {
+                line.split("[")[1].split("]")[0]
+                for line in proc.log.read_text().splitlines()
+                if "Started server process" in line
+            }
+
+        # /healthz answers once one process is up; the other may still be importing the app.
+        wait_until(lambda: len(pids()) == 2, 60, "both server processes")
         n = 20
         for i in range(n):  # a connection each, so both processes take some
             assert httpx.post(f"{s.url}/v1/jobs", json={"prompt": f"p{i}"}).status_code == 202
-        pids = {
-            line.split("[")[1].split("]")[0]
-            for line in proc.log.read_text().splitlines()
-            if "Started server process" in line
-        }
-        assert len(pids) == 2, proc.tail()
+        assert len(pids()) == 2, proc.tail()
         for _ in range(4):
             page = scrape(f"{s.url}/metrics")
             assert value(page, "inferq_jobs_submitted_total", lane="standard") == n

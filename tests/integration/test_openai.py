@@ -180,7 +180,8 @@ def test_caller_that_gives_up_before_the_answer_cancels_the_job(stack: Stack) ->
     assert newest["metadata"] == probe
     ended = stack.wait_job(newest["id"], timeout=20)
     assert ended["status"] == "cancelled"
-    assert ended["result"]["usage"]["completion_tokens"] < 8000
+    # None when a loaded machine had not claimed the job before the caller left.
+    assert ended["result"] is None or ended["result"]["usage"]["completion_tokens"] < 8000
 
 
 def test_unsupported_and_bad_requests_are_refused(client: OpenAI, stack: Stack) -> None:
@@ -374,7 +375,8 @@ def test_batch_expiry_and_its_signed_webhook(
     batch = client.batches.create(
         input_file_id=upload(client, quick + slow),
         endpoint=CHAT,
-        completion_window="3s",  # type: ignore[arg-type]
+        # Room for the quick line on a loaded machine; the slow ones need ~10 s.
+        completion_window="7s",  # type: ignore[arg-type]
         extra_body={"webhook_url": receiver.url(path)},
     )
     done = wait_batch(client, batch.id, {"expired", "completed"}, timeout=40)
