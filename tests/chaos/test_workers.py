@@ -76,10 +76,7 @@ def stack(tmp_path: Path, postgres: PostgresDatabases) -> Iterator[Stack]:
 
 def submit_many(stack: Stack, n: int, **extra: Any) -> list[str]:
     body = {"prompt": "tell me about queues", "params": {"max_tokens": 40}, **extra}
-    with stack.client() as c:
-        answer = c.post("/v1/jobs/bulk", json={"jobs": [body] * n})
-        assert answer.status_code == 202, answer.text
-        return [job["id"] for job in answer.json()["data"]]
+    return stack.submit_many([body] * n)
 
 
 def rows(stack: Stack, ids: list[str]) -> dict[str, dict[str, Any]]:

@@ -12,8 +12,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from tests.support import Stack, wait_until
 
 SLOTS = 16
@@ -33,16 +31,6 @@ def _stack(tmp_path: Path, redis_url: str, **extra: Any) -> Stack:
     )
 
 
-def _bulk(stack: Stack, client: httpx.Client, n: int, body: dict[str, Any]) -> list[str]:
-    ids: list[str] = []
-    while len(ids) < n:
-        batch = [body] * min(1000, n - len(ids))
-        r = client.post("/v1/jobs/bulk", json={"jobs": batch})
-        assert r.status_code == 202, r.text
-        ids += [job["id"] for job in r.json()["data"]]
-    return ids
-
-
 def _count(stack: Stack, lane: str, status: str) -> int:
     return int(
         stack.scalar("SELECT count(*) FROM jobs WHERE lane = :l AND status = :s", l=lane, s=status)
@@ -54,13 +42,9 @@ def test_realtime_starts_before_a_100x_bulk_backlog_drains(tmp_path: Path, redis
     try:
         stack.migrate()
         stack.start_api()
-        with stack.client() as c:
-            backlog = _bulk(
-                stack,
-                c,
-                100 * SLOTS,
-                {"lane": "bulk", "params": {"max_tokens": 60}, "prompt": "bulk work"},
-            )
+        backlog = stack.submit_many(
+            [{"lane": "bulk", "params": {"max_tokens": 60}, "prompt": "bulk work"}] * 100 * SLOTS
+        )
         worker = stack.start_worker()
         # Bulk saturates the worker: it holds all the slots it may hold, and no more.
         cap = SLOTS - 2 - 1  # 16 slots minus the realtime (2) and standard (1) reservations
@@ -98,14 +82,10 @@ def test_bulk_keeps_its_share_under_a_realtime_flood(tmp_path: Path, redis_url: 
     try:
         stack.migrate()
         stack.start_api()
-        with stack.client() as c:
-            _bulk(stack, c, 40, {"lane": "bulk", "prompt": "b", "params": {"max_tokens": 20}})
-            _bulk(
-                stack,
-                c,
-                10 * SLOTS,
-                {"lane": "realtime", "prompt": "r", "params": {"max_tokens": 40}},
-            )
+        stack.submit_many([{"lane": "bulk", "prompt": "b", "params": {"max_tokens": 20}}] * 40)
+        stack.submit_many(
+            [{"lane": "realtime", "prompt": "r", "params": {"max_tokens": 40}}] * 10 * SLOTS
+        )
         stack.start_worker()
         # Strict priority alone would run no bulk job until all 160 realtime jobs were done.
         wait_until(lambda: _count(stack, "bulk", "succeeded") >= 8, 60, "bulk progress")

@@ -139,19 +139,16 @@ def test_two_workers_share_one_queue_and_record_each_result_once(
     tmp_path: Path, redis_url: str, postgres: PostgresDatabases
 ) -> None:
     url = database_url_for("postgres", tmp_path, postgres)
-    # One message per job, all sent at once: POSTed one by one on a slow machine, each job could
-    # finish before the next arrived and no engine step would ever hold two.
+    # One message per job, all sent at once, so the engines have more than one to batch.
     with running_stack(
         tmp_path, url, redis_url, workers=2, sim_time_scale=0.5, bulk_chunk_size=1
     ) as stack:
-        with stack.client() as c:
-            jobs = [
+        ids = stack.submit_many(
+            [
                 {"prompt": f"job {i}", "lane": "bulk", "params": {"max_tokens": 20}}
                 for i in range(40)
             ]
-            answer = c.post("/v1/jobs/bulk", json={"jobs": jobs})
-            assert answer.status_code == 202, answer.text
-            ids = [job["id"] for job in answer.json()["data"]]
+        )
         for job_id in ids:
             assert stack.wait_job(job_id)["status"] == "succeeded"
         owners = stack.scalar("SELECT count(DISTINCT lease_owner) FROM jobs")

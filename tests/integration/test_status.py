@@ -59,9 +59,7 @@ def busy_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         ]
         for job in done:
             assert stack.wait_job(job["id"])["status"] == "succeeded"
-        with stack.client() as client:
-            answer = client.post("/v1/jobs/bulk", json={"jobs": [LONG] * BULK_JOBS})
-            assert answer.status_code == 202, answer.text
+        stack.submit_many([LONG] * BULK_JOBS)
         wait_until(
             lambda: stack.scalar("SELECT count(*) FROM jobs WHERE status = 'running'") == SLOTS,
             30,
