@@ -35,6 +35,7 @@ from typing import Any, BinaryIO
 from pydantic import ValidationError
 from sqlalchemy import func, or_, select, update
 from sqlalchemy.orm import Session
+from sqlalchemy.orm.attributes import set_committed_value
 
 from app import dispatch, files, jobs, outbox, queries, storage, tokens, transitions
 from app.db import session_scope
@@ -187,7 +188,15 @@ def cancel(session: Session, tenant: str, batch_id: str) -> Batch:
     stopped = _stop_jobs(session, batch.id, stamp, JobStatus.CANCELLED, "batch_cancelled")
     session.commit()
     _after_stop(stopped, "api")
-    session.refresh(batch)
+    # The answer is what this call committed, `cancelling` as OpenAI answers. Re-reading the row
+    # raced the ops worker, which can finish the batch within milliseconds once its workers
+    # have aborted the running lines; GET shows that.
+    for name, value in (
+        ("status", BatchStatus.CANCELLING),
+        ("cancelling_at", stamp),
+        ("updated_at", stamp),
+    ):
+        set_committed_value(batch, name, value)
     return batch
 
 
