@@ -278,8 +278,14 @@ def _lines(source: BinaryIO, limit: int) -> Iterator[tuple[int, bytes | None]]:
             yield number, raw
 
 
-def _parse(raw: bytes | None, endpoint: str, limit: int) -> tuple[str, JobCreate]:
-    """One line's custom_id and job body; raises LineError naming what is wrong."""
+def _parse(
+    raw: bytes | None, endpoint: str, limit: int, *, count_tokens: bool
+) -> tuple[str, JobCreate]:
+    """One line's custom_id and job body; raises LineError naming what is wrong.
+
+    ``count_tokens`` checks the prompt against the model's context: the first pass does, the
+    second (which only reads lines the first accepted) need not tokenize them again.
+    """
     if raw is None:
         raise LineError("line_too_long", f"the line is longer than {limit} bytes")
     try:
@@ -319,7 +325,8 @@ def _parse(raw: bytes | None, endpoint: str, limit: int) -> tuple[str, JobCreate
         request = REQUEST_TYPES[endpoint].model_validate(body)
         job = request.job()
         jobs.check_model(job.model)
-        tokens.check(dispatch.redis_client(), get_settings().model_name, [job])
+        if count_tokens:
+            tokens.check(dispatch.redis_client(), get_settings().model_name, [job])
     except ValidationError as exc:
         first = exc.errors()[0]
         param = param_path(("body", *first["loc"]))
@@ -353,7 +360,7 @@ def _validate(batch: Batch) -> tuple[list[dict[str, Any]], int]:
                 )
                 break
             try:
-                custom_id, _ = _parse(raw, batch.endpoint, limit)
+                custom_id, _ = _parse(raw, batch.endpoint, limit, count_tokens=True)
                 if custom_id in seen:
                     raise LineError(
                         "duplicate_custom_id",
@@ -455,7 +462,7 @@ def _insert_jobs(batch: Batch, count: int, stamp: float, claim: float) -> list[s
         rows: list[dict[str, Any]] = []
         with storage.open_file(batch.input_file_id) as source:
             for number, raw in _lines(source, limit):
-                custom_id, body = _parse(raw, batch.endpoint, limit)
+                custom_id, body = _parse(raw, batch.endpoint, limit, count_tokens=False)
                 row = jobs.job_values(batch.tenant, body)
                 row.update(
                     lane=Lane.BULK.value,
