@@ -178,9 +178,8 @@ def _depths(session: Session) -> dict[str, int]:
         at, depths = _backlog
         if time.monotonic() - at < BACKLOG_CACHE_S:
             return depths
-    lanes = snapshot.lane_jobs(session, time.time())
+    depths = snapshot.queued_jobs(session)
     session.rollback()
-    depths = {lane: jobs.queued for lane, jobs in lanes.items()}
     with _backlog_lock:
         _backlog = (time.monotonic(), depths)
     return depths

@@ -64,6 +64,20 @@ def lane_messages(client: redis.Redis) -> dict[str, int]:
     return {lane: int(size) for lane, size in zip(LANES, sizes, strict=True)}
 
 
+def queued_jobs(db: Session | Connection) -> dict[str, int]:
+    """Queued jobs per lane, for admission's backpressure.
+
+    Apart from :func:`lane_jobs` because it runs every second while a backlog is deepest:
+    this count is answered from the ``(status, lane)`` index alone, where the oldest job's age
+    reads every queued row.
+    """
+    rows = db.execute(
+        select(Job.lane, func.count()).where(Job.status == JobStatus.QUEUED).group_by(Job.lane)
+    ).all()
+    counts = {lane: int(count) for lane, count in rows}
+    return {lane: counts.get(lane, 0) for lane in LANES}
+
+
 def lane_jobs(db: Session | Connection, now: float) -> dict[str, LaneJobs]:
     """Queued and running jobs per lane and the age of each lane's oldest queued job."""
     rows = db.execute(

@@ -231,9 +231,11 @@ def test_snapshot_reads_lanes_workers_and_throughput(idle_stack: Stack) -> None:
 
     with idle_stack.db().connect() as connection:
         lanes = snapshot.lane_jobs(connection, now)
+        queued = snapshot.queued_jobs(connection)
     assert lanes["realtime"] == snapshot.LaneJobs(queued=2, running=0, oldest_queued_age_s=5.0)
     assert lanes["standard"] == snapshot.LaneJobs(queued=0, running=0, oldest_queued_age_s=0.0)
     assert lanes["bulk"] == snapshot.LaneJobs(queued=1, running=2, oldest_queued_age_s=30.0)
+    assert queued == {"realtime": 2, "standard": 0, "bulk": 1}  # admission's count
 
     with Session(idle_stack.db()) as session:
         done = snapshot.throughput(session, now)
