@@ -34,7 +34,7 @@ from sqlalchemy import or_, select, update
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import InterfaceError, OperationalError
 
-from app import dispatch, jobs, outbox, transitions
+from app import dispatch, jobs, outbox, snapshot, transitions
 from app.db import session_scope
 from app.models import DEADLINE_EXCEEDED, Job, JobStatus, expire_overdue, job_update, now
 from app.settings import LANES, get_settings
@@ -200,8 +200,8 @@ def _redis_was_emptied() -> bool:
 
 def _empty_lanes_with_waiting_jobs(stamp: float) -> list[str]:
     try:
-        client = dispatch.redis_client()
-        empty = [lane for lane in LANES if not client.llen(lane)]
+        sizes = snapshot.lane_messages(dispatch.redis_client())
+        empty = [lane for lane, size in sizes.items() if not size]
     except redis.RedisError:
         return []
     if not empty:
