@@ -78,11 +78,11 @@ class Claim:
     token: int
     request: GenRequest
     deadline: float | None
-    webhook: bool = False  # the job has a webhook_url: its end creates an event
-    relay: str | None = None  # a caller waits on app/relay.py: "end" or "tokens"
-    lane: str = "standard"
-    tenant: str = ""
-    attempt: int = 1
+    webhook: bool  # the job has a webhook_url: its end creates an event
+    relay: str | None  # a caller waits on app/relay.py: "end" or "tokens"
+    lane: str
+    tenant: str
+    attempt: int
 
     @property
     def created_at(self) -> float:
