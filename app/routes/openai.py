@@ -33,6 +33,7 @@ from app.limits import Limits
 from app.models import TERMINAL, Job, JobStatus
 from app.openai_compat import (
     CHAT,
+    REQUEST_ERRORS,
     ChatCompletionRequest,
     CompletionRequest,
     chunk,
@@ -91,7 +92,7 @@ def _submit(tenant: str, body: ChatCompletionRequest | CompletionRequest, caller
         except ApiError as exc:
             # OpenAI answers 400 for a prompt longer than the context, and so does the engine
             # here (job_error); /v1/jobs keeps 422.
-            if exc.code == "context_length_exceeded":
+            if exc.code in REQUEST_ERRORS:
                 exc.status = 400
             raise
         job, _ = jobs.submit(session, tenant, job_body, relay="tokens" if body.stream else "end")
