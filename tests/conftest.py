@@ -15,7 +15,7 @@ import redis
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
-from tests.support import Stack, running_stack
+from tests.support import Receiver, Stack, running_stack
 
 REDIS_BASE = os.environ.get("INFERQ_TEST_REDIS_URL", "redis://127.0.0.1:6379").rstrip("/")
 # Databases 1-15 of the local Redis, handed out in turn: stacks that are alive at the same time
@@ -108,3 +108,13 @@ def backend_stack(
     """API + one simulated worker, on SQLite and on PostgreSQL (shared by a module's tests)."""
     with backend_stack_for(request, tmp_path_factory, postgres, "stack", sim_time_scale=0.2) as s:
         yield s
+
+
+@pytest.fixture(scope="module")
+def receiver() -> Iterator[Receiver]:
+    """A webhook receiver on loopback for a module's tests (each test uses its own paths)."""
+    r = Receiver()
+    try:
+        yield r
+    finally:
+        r.close()

@@ -54,6 +54,14 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def log_tail(path: Path, n: int) -> str:
+    """The last ``n`` lines of a process's log, for a failure message ("" if it is unreadable)."""
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
+
+
 def wait_until(check: Callable[[], Any], timeout: float, what: str, every: float = 0.1) -> Any:
     deadline = time.monotonic() + timeout
     last_error: Exception | None = None
@@ -119,10 +127,7 @@ class Proc:
         return self.popen.wait(10)
 
     def tail(self, n: int = 60) -> str:
-        try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
+        return log_tail(self.log, n)
 
 
 class Stack:

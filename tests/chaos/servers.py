@@ -21,7 +21,7 @@ import redis
 from sqlalchemy import create_engine, text
 
 from app.stack import redis_server_argv
-from tests.support import free_port, wait_until
+from tests.support import free_port, log_tail, wait_until
 
 REDIS_SERVER = os.environ.get("INFERQ_TEST_REDIS_SERVER", "/usr/bin/redis-server")
 PG_BIN = Path(os.environ.get("INFERQ_TEST_PG_BIN", "/usr/lib/postgresql/15/bin"))
@@ -73,9 +73,6 @@ class RedisServer:
 
         wait_until(up, timeout, f"redis-server on port {self.port}", every=0.05)
 
-    def alive(self) -> bool:
-        return self.popen is not None and self.popen.poll() is None
-
     def stop(self, timeout: float = 15) -> None:
         """SIGTERM: Redis writes (and fsyncs) its append-only file, then exits."""
         if self.popen is None:
@@ -102,10 +99,7 @@ class RedisServer:
         self.kill()
 
     def tail(self, n: int = 30) -> str:
-        try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
+        return log_tail(self.log, n)
 
 
 class PostgresServer:
@@ -187,9 +181,3 @@ class PostgresServer:
             # pg_ctl could not stop it: kill the postmaster (its children follow it).
             os.kill(int(pid_file.read_text().split()[0]), signal.SIGKILL)
         shutil.rmtree(self.root, ignore_errors=True)
-
-    def tail(self, n: int = 30) -> str:
-        try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""

@@ -48,27 +48,24 @@ from sqlalchemy import bindparam, text
 
 from tests.chaos.servers import PostgresServer, RedisServer
 from tests.conftest import PostgresDatabases
-from tests.support import Stack, wait_until
+from tests.support import TERMINAL, Stack, wait_until
+from workers.reaper import EPOCH_KEY
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(180)]
 
-TERMINAL = ("succeeded", "failed", "cancelled", "expired")
 REAPER_S = 1.0
-EPOCH_KEY = "inferq:epoch"  # the reaper's marker key (workers/reaper.py)
 SETTINGS: dict[str, Any] = {
     "reaper_interval_s": REAPER_S,
     "heartbeat_s": 1,
     "lease_ttl_s": 10,
 }
 REDIS_OUTAGE_S = 3.0  # longer than Celery's first reconnect delay (2 s)
-RECOVERY: dict[str, float] = {}
 
 
 # --- helpers ---------------------------------------------------------------------------------
 
 
 def report(scenario: str, seconds: float) -> None:
-    RECOVERY[scenario] = round(seconds, 2)
     print(f"\nRECOVERY {scenario} {seconds:.2f}", flush=True)
 
 

@@ -31,23 +31,13 @@ import pytest
 from sqlalchemy import text
 
 from tests.conftest import PostgresDatabases, fresh_redis_url
-from tests.support import REPO, Receiver, Stack, wait_until
+from tests.support import REPO, TERMINAL, Receiver, Stack, wait_until
 
 pytestmark = pytest.mark.chaos
 
 LEASE_S = 4.0
 REAPER_S = 1.0
 HEARTBEAT_S = 1.0
-TERMINAL = ("succeeded", "failed", "cancelled", "expired")
-
-
-@pytest.fixture
-def receiver() -> Iterator[Receiver]:
-    r = Receiver()
-    try:
-        yield r
-    finally:
-        r.close()
 
 
 @pytest.fixture

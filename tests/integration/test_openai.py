@@ -28,13 +28,6 @@ MAX_LINES = 2100  # INFERQ_BATCH_MAX_LINES here (50,000 by default)
 MAX_FILE_BYTES = 1_000_000  # INFERQ_FILES_MAX_BYTES here (200 MB by default)
 
 
-@pytest.fixture(scope="module")
-def receiver() -> Iterator[Receiver]:
-    r = Receiver()
-    yield r
-    r.close()
-
-
 @pytest.fixture(scope="module", params=["sqlite", "postgres"])
 def stack(
     request: pytest.FixtureRequest,

@@ -28,13 +28,6 @@ OLD_SECRET = _secret()
 CAP = 64
 
 
-@pytest.fixture(scope="module")
-def receiver() -> Iterator[Receiver]:
-    r = Receiver()
-    yield r
-    r.close()
-
-
 @pytest.fixture(scope="module", params=["sqlite", "postgres"])
 def stack(
     request: pytest.FixtureRequest,
