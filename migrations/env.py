@@ -1,17 +1,17 @@
-"""Alembic environment: the URL comes from app.settings, the schema from app.models."""
+"""Alembic environment: the URL comes from app.core.settings, the schema from app.core.models."""
 
 from __future__ import annotations
 
 from alembic import context
 
-from app.db import get_engine
-from app.models import Base
+from app.core.db import get_engine
+from app.core.models import Base
 
 target_metadata = Base.metadata
 
 
 def run_offline() -> None:
-    from app.settings import get_settings
+    from app.core.settings import get_settings
 
     context.configure(
         url=get_settings().sqlalchemy_url,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from celery import Celery
 
-from app.dispatch import (
+from app.core.dispatch import (
     MAINTENANCE_QUEUE,
     REAP_TASK,
     SWEEP_BATCHES_TASK,
@@ -22,7 +22,7 @@ from app.dispatch import (
     broker_transport_options,
     task_queues,
 )
-from app.settings import get_settings
+from app.core.settings import get_settings
 
 settings = get_settings()
 

@@ -12,7 +12,7 @@ import threading
 
 import redis
 
-from app import dispatch
+from app.core import dispatch
 from workers.executor import Executor
 
 log = logging.getLogger("inferq.control")

@@ -25,11 +25,11 @@ from dataclasses import dataclass
 import httpx
 from sqlalchemy import or_, select, update
 
-from app import dispatch, outbox, webhooks
-from app.db import session_scope
-from app.models import WebhookAttempt, WebhookEvent, WebhookStatus, new_id, now
-from app.outbox import SWEEP_BATCH
-from app.settings import Settings
+from app.core import dispatch, outbox, webhooks
+from app.core.db import session_scope
+from app.core.models import WebhookAttempt, WebhookEvent, WebhookStatus, new_id, now
+from app.core.outbox import SWEEP_BATCH
+from app.core.settings import Settings
 from workers import metrics
 from workers.executor import with_db_retry
 

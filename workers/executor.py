@@ -30,9 +30,9 @@ from typing import Any, TypeVar
 from sqlalchemy import bindparam, select, update
 from sqlalchemy.exc import InterfaceError, OperationalError
 
-from app import dispatch, jobs, outbox, relay, transitions
-from app.db import session_scope
-from app.models import (
+from app.core import dispatch, jobs, outbox, relay, transitions
+from app.core.db import session_scope
+from app.core.models import (
     DEADLINE_EXCEEDED,
     LANE_PRIORITY,
     Job,
@@ -42,8 +42,8 @@ from app.models import (
     job_update,
     now,
 )
-from app.settings import Settings
-from app.transitions import Transition
+from app.core.settings import Settings
+from app.core.transitions import Transition
 from workers import metrics
 from workers.engines.base import EngineDeadError, EngineRequestError, GenRequest
 from workers.intake import Intake
@@ -79,7 +79,7 @@ class Claim:
     request: GenRequest
     deadline: float | None
     webhook: bool  # the job has a webhook_url: its end creates an event
-    relay: str | None  # a caller waits on app/relay.py: "end" or "tokens"
+    relay: str | None  # a caller waits on app/core/relay.py: "end" or "tokens"
     lane: str
     tenant: str
     attempt: int

@@ -10,7 +10,7 @@ address and port, basic auth, and what the dashboard shows:
   length, including a lane no worker consumes at the moment.
 - The Tasks tab shows each task's lane as its routing key: every ``run_jobs`` message is
   published to its lane's queue with the lane as routing key, and the API's producer sends a
-  ``task-sent`` event that carries it (``app/dispatch.py``).
+  ``task-sent`` event that carries it (``app/core/dispatch.py``).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from app.dispatch import QUEUES
-from app.settings import Settings, get_settings
+from app.core.dispatch import QUEUES
+from app.core.settings import Settings, get_settings
 
 # The task list's columns: the lane (routing_key) and the job ids (args) next to Flower's own.
 TASKS_COLUMNS = "name,uuid,state,routing_key,args,received,started,runtime,worker"

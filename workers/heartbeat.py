@@ -19,10 +19,10 @@ import redis
 from sqlalchemy import tuple_, update
 from sqlalchemy.exc import SQLAlchemyError
 
-from app import dispatch
-from app.db import session_scope
-from app.models import Job, JobStatus, now
-from app.settings import Settings
+from app.core import dispatch
+from app.core.db import session_scope
+from app.core.models import Job, JobStatus, now
+from app.core.settings import Settings
 from workers.executor import Executor
 
 log = logging.getLogger("inferq.heartbeat")

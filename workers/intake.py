@@ -29,7 +29,7 @@ import logging
 import threading
 from typing import Any
 
-from app.settings import Settings
+from app.core.settings import Settings
 
 log = logging.getLogger("inferq.intake")
 

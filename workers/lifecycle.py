@@ -29,9 +29,9 @@ from celery.signals import (
 )
 from prometheus_client import REGISTRY
 
-from app import dispatch, tokens
-from app.dispatch import RUN_JOBS_TASK
-from app.settings import get_settings
+from app.core import dispatch, tokens
+from app.core.dispatch import RUN_JOBS_TASK
+from app.core.settings import get_settings
 from workers import children, metrics
 from workers.control import ControlListener
 from workers.engines import create_engine
@@ -104,7 +104,7 @@ class InferenceWorker:
         )
 
     def _publish_card(self) -> None:
-        # The API counts prompt tokens with what this publishes (app/tokens.py); without it
+        # The API counts prompt tokens with what this publishes (app/core/tokens.py); without it
         # the engine alone refuses prompts longer than the context.
         engine = self.runner.engine
         try:

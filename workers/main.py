@@ -11,7 +11,7 @@ import logging
 import os
 import socket
 
-from app.settings import LANES, get_settings
+from app.core.settings import LANES, get_settings
 
 SPARE_THREADS = 8
 

@@ -13,9 +13,9 @@ import logging
 import os
 import socket
 
-from app.dispatch import MAINTENANCE_QUEUE, WEBHOOK_QUEUE
-from app.settings import get_settings
-from app.webhooks import load_secret
+from app.core.dispatch import MAINTENANCE_QUEUE, WEBHOOK_QUEUE
+from app.core.settings import get_settings
+from app.core.webhooks import load_secret
 from workers import metrics
 
 

@@ -34,11 +34,11 @@ from sqlalchemy import or_, select, update
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import InterfaceError, OperationalError
 
-from app import dispatch, jobs, outbox, snapshot, transitions
-from app.db import session_scope
-from app.models import DEADLINE_EXCEEDED, Job, JobStatus, expire_overdue, job_update, now
-from app.settings import LANES, get_settings
-from app.transitions import Transition
+from app.core import dispatch, jobs, outbox, snapshot, transitions
+from app.core.db import session_scope
+from app.core.models import DEADLINE_EXCEEDED, Job, JobStatus, expire_overdue, job_update, now
+from app.core.settings import LANES, get_settings
+from app.core.transitions import Transition
 from workers import metrics
 
 log = logging.getLogger("inferq.reaper")

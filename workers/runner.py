@@ -25,8 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from app.models import LANE_PRIORITY
-from app.settings import Settings
+from app.core.models import LANE_PRIORITY
+from app.core.settings import Settings
 from workers.engines.base import Engine, EngineStats, GenRequest
 
 log = logging.getLogger("inferq.runner")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from celery import Task
 
-from app import batches
-from app.dispatch import (
+from app.batches import service as batches
+from app.core.dispatch import (
     DELIVER_WEBHOOK_TASK,
     REAP_TASK,
     RUN_JOBS_TASK,
@@ -13,7 +13,7 @@ from app.dispatch import (
     SWEEP_BATCHES_TASK,
     SWEEP_WEBHOOKS_TASK,
 )
-from app.settings import get_settings
+from app.core.settings import get_settings
 from workers import delivery, lifecycle, reaper
 from workers.celery_app import celery_app
 

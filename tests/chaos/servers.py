@@ -20,7 +20,7 @@ from pathlib import Path
 import redis
 from sqlalchemy import create_engine, text
 
-from app.stack import redis_server_argv
+from app.cli.stack import redis_server_argv
 from tests.support import free_port, log_tail, wait_until
 
 REDIS_SERVER = os.environ.get("INFERQ_TEST_REDIS_SERVER", "/usr/bin/redis-server")
@@ -30,7 +30,7 @@ PG_BIN = Path(os.environ.get("INFERQ_TEST_PG_BIN", "/usr/lib/postgresql/15/bin")
 class RedisServer:
     """A redis-server on 127.0.0.1 with its data in ``directory``; restartable on its port.
 
-    Configured as `inferq up` configures its private one (``app.stack.redis_server_argv``), so
+    Configured as `inferq up` configures its private one (``app.cli.stack.redis_server_argv``), so
     the outage tests exercise the durability inferq relies on.
     """
 

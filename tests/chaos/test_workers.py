@@ -198,9 +198,9 @@ def run_in_stack(stack: Stack, code: str) -> subprocess.CompletedProcess[str]:
 
 SUBMIT = """
 import os
-from app import jobs
-from app.db import session_scope
-from app.schemas import JobCreate
+from app.core import jobs
+from app.core.db import session_scope
+from app.core.schemas import JobCreate
 with session_scope() as session:
     body = JobCreate(prompt="hi", params={{"max_tokens": 4}})
     job, _ = jobs.submit(session, "default", body, None)

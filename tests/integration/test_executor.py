@@ -15,12 +15,12 @@ import pytest
 import redis
 from sqlalchemy import select, text, update
 
-from app import db, dispatch
-from app.jobs import job_values
-from app.models import Job, JobStatus, WebhookEvent
-from app.outbox import event_id_for_job
-from app.schemas import JobCreate
-from app.settings import get_settings
+from app.core import db, dispatch
+from app.core.jobs import job_values
+from app.core.models import Job, JobStatus, WebhookEvent
+from app.core.outbox import event_id_for_job
+from app.core.schemas import JobCreate
+from app.core.settings import get_settings
 from tests.conftest import PostgresDatabases, database_url_for, fresh_redis_url
 from tests.support import wait_until
 from workers.engines.base import GenRequest

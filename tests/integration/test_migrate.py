@@ -8,7 +8,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import create_engine, inspect, text
 
-from app.models import Base
+from app.core.models import Base
 from tests.conftest import PostgresDatabases
 from tests.support import Stack
 

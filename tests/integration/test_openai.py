@@ -16,7 +16,7 @@ import redis
 from openai import OpenAI
 from standardwebhooks import Webhook
 
-from app.settings import DEMO_MODEL_NAME
+from app.core.settings import DEMO_MODEL_NAME
 from tests.conftest import PostgresDatabases, backend_stack_for
 from tests.support import Receiver, Stack, wait_until
 

@@ -1,4 +1,4 @@
-"""`inferq status` and app/snapshot.py against a real Redis and a real SQLite database.
+"""`inferq status` and app/core/snapshot.py against a real Redis and a real SQLite database.
 
 The command runs as a real subprocess against a real API and simulated worker; the snapshot
 reads are checked against rows written here with known times.
@@ -26,8 +26,8 @@ import pytest
 import redis
 from sqlalchemy.orm import Session
 
-from app import snapshot
-from app.models import Job, new_id
+from app.core import snapshot
+from app.core.models import Job, new_id
 from tests.conftest import fresh_redis_url
 from tests.support import REPO, Stack, running_stack, wait_until
 
@@ -180,7 +180,7 @@ def test_unreachable_redis_or_database_is_one_line_and_exit_1(
     )
 
 
-# --- app/snapshot.py, with rows whose times are known ---------------------------------------
+# --- app/core/snapshot.py, with rows whose times are known ---------------------------------------
 
 
 def _job(lane: str, status: str, created_at: float, **values: Any) -> Job:

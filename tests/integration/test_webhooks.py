@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from standardwebhooks import Webhook
 
-from app.settings import Settings
+from app.core.settings import Settings
 from tests.conftest import PostgresDatabases, backend_stack_for, fresh_redis_url
 from tests.support import Receiver, Stack, running_stack, wait_until
 from workers import delivery

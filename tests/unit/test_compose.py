@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from app.settings import Settings
+from app.core.settings import Settings
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "docker-compose.yml"

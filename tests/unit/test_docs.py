@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from app.settings import Settings
+from app.core.settings import Settings
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from app.models import TERMINAL, TRANSITIONS, JobStatus, can_transition, job_update, new_id
+from app.core.models import TERMINAL, TRANSITIONS, JobStatus, can_transition, job_update, new_id
 
 
 def test_terminal_states_have_no_way_out() -> None:

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from app.settings import Settings
+from app.core.settings import Settings
 from workers.engines.base import GenRequest
 from workers.engines.simulated import CostModel, SimulatedEngine
 from workers.runner import GenResult, Runner

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from app.settings import Settings
+from app.core.settings import Settings
 from workers.engines.base import GenRequest
 from workers.engines.simulated import CostModel, SimulatedEngine
 

@@ -1,4 +1,4 @@
-"""app/tokens.py against a real Redis and a real (freshly trained) byte-level BPE tokenizer."""
+"""app/core/tokens.py against a real Redis and a real (freshly trained) byte-level BPE tokenizer."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 import redis
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-from app import tokens
-from app.errors import ApiError
-from app.schemas import JobCreate
+from app.api.errors import ApiError
+from app.core import tokens
+from app.core.schemas import JobCreate
 
 _names = itertools.count()
 

@@ -1,4 +1,4 @@
-"""The webhook URL policy, signing and schedule (app/webhooks.py), without a network."""
+"""The webhook URL policy, signing and schedule (app/core/webhooks.py), without a network."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from standardwebhooks import Webhook, WebhookVerificationError
 
-from app import webhooks
-from app.settings import Settings
+from app.core import webhooks
+from app.core.settings import Settings
 
 REFUSED = [
     "127.0.0.1",

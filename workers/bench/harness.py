@@ -28,10 +28,10 @@ import redis
 from sqlalchemy import create_engine, func, select, text
 from sqlalchemy.engine import Engine, make_url
 
-from app.dispatch import WORKERS_KEY_PREFIX
-from app.models import TERMINAL, Job
-from app.settings import Settings
-from app.stack import Child, wait_ready
+from app.cli.stack import Child, wait_ready
+from app.core.dispatch import WORKERS_KEY_PREFIX
+from app.core.models import TERMINAL, Job
+from app.core.settings import Settings
 from workers.engines import create_engine as create_model_engine
 from workers.engines.base import GenRequest
 from workers.runner import Runner

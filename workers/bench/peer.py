@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from app.stack import wait_ready
+from app.cli.stack import wait_ready
 from workers.bench.harness import POLL_S, BenchStack, free_port
 from workers.bench.metrics import summarize
 from workers.bench.scenarios import Options, Spec, workload

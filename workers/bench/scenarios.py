@@ -17,8 +17,8 @@ from typing import Any
 
 import httpx
 
-from app.models import LANE_PRIORITY
-from app.settings import Settings
+from app.core.models import LANE_PRIORITY
+from app.core.settings import Settings
 from workers.bench.harness import BenchStack, direct_runner, run_direct
 from workers.bench.metrics import summarize
 from workers.engines.base import GenRequest

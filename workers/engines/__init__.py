@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from app.settings import DEMO_MODEL_NAME, Settings
+from app.core.settings import DEMO_MODEL_NAME, Settings
 from workers.engines.base import Engine
 
 ENGINE_ORDER = ("vllm", "hf", "simulated")

@@ -79,7 +79,7 @@ class Engine(Protocol):
 
     def tokenizer_json(self) -> str | None:
         """The tokenizer as a ``tokenizer.json`` for the API to count prompts with
-        (app/tokens.py; ``WORDS``: the simulated word counter); None where there is none."""
+        (app/core/tokens.py; ``WORDS``: the simulated word counter); None where there is none."""
         ...
 
     def generate(self, req: GenRequest) -> AsyncIterator[GenChunk]: ...

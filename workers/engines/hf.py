@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from app.settings import Settings
+from app.core.settings import Settings
 from workers.engines.base import (
     EngineStats,
     GenChunk,

@@ -31,8 +31,8 @@ from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from app.settings import Settings
-from app.tokens import WORDS, count_words
+from app.core.settings import Settings
+from app.core.tokens import WORDS, count_words
 from workers.engines.base import (
     EngineRequestError,
     EngineStats,

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from app.settings import Settings
+from app.core.settings import Settings
 from workers.engines.base import (
     EngineDeadError,
     EngineRequestError,

@@ -1,0 +1,51 @@
+"""Liveness and readiness probes and the Prometheus page (no authentication)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Response
+from sqlalchemy import text
+from sqlalchemy.exc import SQLAlchemyError
+
+from app.api.errors import ApiError
+from app.api.metrics import api_exposition
+from app.core import dispatch
+from app.core.db import session_scope
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/healthz")
+def healthz() -> dict[str, str]:
+    """The process is up."""
+    return {"status": "ok"}
+
+
+def database_ok() -> bool:
+    try:
+        with session_scope() as session:
+            session.execute(text("SELECT 1"))
+        return True
+    except SQLAlchemyError:
+        return False
+
+
+@router.get("/readyz")
+def readyz() -> dict[str, str]:
+    """The database and Redis both answer."""
+    checks = {
+        "database": "ok" if database_ok() else "unavailable",
+        "redis": "ok" if dispatch.redis_ok() else "unavailable",
+    }
+    down = [name for name, state in checks.items() if state != "ok"]
+    if down:
+        raise ApiError(
+            503, "not_ready", f"unavailable: {', '.join(down)}", headers={"Retry-After": "5"}
+        )
+    return {"status": "ready", **checks}
+
+
+@router.get("/metrics", include_in_schema=False)
+def metrics() -> Response:
+    """Prometheus exposition (README: Observability)."""
+    body, content_type = api_exposition()
+    return Response(body, media_type=content_type)

@@ -1,0 +1,1 @@
+"""OpenAI batches: created and read by the API; validated, started, finalized by the ops worker."""

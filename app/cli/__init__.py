@@ -1,0 +1,1 @@
+"""The `inferq` command line: runs the parts, supervises `inferq up`, shows `inferq status`."""

@@ -1,0 +1,5 @@
+"""`python -m app.cli`: the `inferq` command."""
+
+from app.cli.main import main
+
+main()

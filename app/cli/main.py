@@ -1,0 +1,301 @@
+"""The `inferq` command: run the stack or its parts, and talk to a running API.
+
+Flags become ``INFERQ_*`` variables for the processes they start, so settings have one source.
+Worker processes are started as ``python -m workers.main``: the API package never imports the
+workers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from typing import Any
+
+import click
+import httpx
+from pydantic import ValidationError
+
+from app.core.settings import LANES, get_settings
+
+ENGINES = click.Choice(["auto", "vllm", "hf", "simulated"])
+
+
+def _set_env(**values: object) -> None:
+    for name, value in values.items():
+        if value is not None:
+            os.environ[f"INFERQ_{name.upper()}"] = str(value)
+    get_settings.cache_clear()
+
+
+@click.group()
+def main() -> None:
+    """inferq: durable, prioritised LLM inference jobs."""
+    try:
+        get_settings()
+    except ValidationError as exc:
+        # A bad combination (timing invariants, unknown lanes, ...) refuses to start, saying why.
+        problems = [
+            f"  {'.'.join(map(str, e['loc'])) or 'settings'}: "
+            + str(e["msg"]).removeprefix("Value error, ")
+            for e in exc.errors()
+        ]
+        raise click.ClickException("invalid settings:\n" + "\n".join(problems)) from None
+
+
+@main.command()
+@click.option(
+    "--engine",
+    type=ENGINES,
+    default=None,
+    help="Worker engine (default: INFERQ_ENGINE, else the best installed).",
+)
+@click.option("--concurrency", type=int, default=None, help="Jobs the worker holds at once.")
+def up(engine: str | None, concurrency: int | None) -> None:
+    """Run the whole stack locally on embedded defaults (Ctrl-C stops it)."""
+    from app.cli.stack import Stack
+
+    settings = get_settings()
+    sys.exit(Stack(settings, engine or settings.engine, concurrency).run())
+
+
+@main.command()
+@click.option("--host", default=None, help="Bind address (default INFERQ_API_HOST).")
+@click.option("--port", type=int, default=None, help="Port (default INFERQ_API_PORT).")
+@click.option("--workers", type=int, default=1, help="uvicorn worker processes.")
+def api(host: str | None, port: int | None, workers: int) -> None:
+    """Run the HTTP API (uvicorn)."""
+    import uvicorn
+
+    _set_env(api_host=host, api_port=port)
+    settings = get_settings()
+    if workers > 1 and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        # Several processes answer /metrics: each keeps its counters in files here and a
+        # scrape merges them (app/api/metrics.py). A fresh directory per start: stale files from
+        # an earlier run would be counted again.
+        metrics_dir = settings.data_dir / "prometheus" / f"api-{settings.api_port}"
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+        metrics_dir.mkdir(parents=True)
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
+    uvicorn.run(
+        "app.api.main:create_app",
+        factory=True,
+        host=settings.api_host,
+        port=settings.api_port,
+        workers=workers,
+        log_level="info",
+        timeout_graceful_shutdown=10,
+    )
+
+
+@main.command()
+@click.option("--engine", type=ENGINES, default=None)
+@click.option("--lanes", default=None, help=f"Comma-separated lanes (default: {','.join(LANES)}).")
+@click.option("--concurrency", type=int, default=None, help="Jobs held at once (threads).")
+@click.option("--batching", type=click.Choice(["continuous", "micro"]), default=None)
+def worker(
+    engine: str | None, lanes: str | None, concurrency: int | None, batching: str | None
+) -> None:
+    """Run an inference worker: one engine, fed by every Celery thread."""
+    _set_env(engine=engine, worker_lanes=lanes, worker_concurrency=concurrency, batching=batching)
+    get_settings()  # fail here, with a clear message, on a bad setting
+    os.execv(sys.executable, [sys.executable, "-m", "workers.main"])  # noqa: S606
+
+
+@main.command()
+@click.option("--concurrency", type=int, default=None, help="Deliveries made at once.")
+@click.option(
+    "--beat/--no-beat", default=None, help="Run Celery beat here (default INFERQ_OPS_BEAT: yes)."
+)
+def ops(concurrency: int | None, beat: bool | None) -> None:
+    """Run the ops worker: webhook delivery, periodic sweeps and Celery beat."""
+    _set_env(ops_concurrency=concurrency, ops_beat=None if beat is None else str(beat).lower())
+    get_settings()
+    os.execv(sys.executable, [sys.executable, "-m", "workers.ops"])  # noqa: S606
+
+
+@main.command()
+@click.option("--address", default=None, help="Bind address (default INFERQ_FLOWER_ADDRESS).")
+@click.option("--port", type=int, default=None, help="Port (default INFERQ_FLOWER_PORT).")
+def flower(address: str | None, port: int | None) -> None:
+    """Run Flower, the Celery dashboard, on our broker and queues (basic auth beyond loopback)."""
+    _set_env(flower_address=address, flower_port=port)
+    get_settings()
+    os.execv(sys.executable, [sys.executable, "-m", "workers.flower"])  # noqa: S606
+
+
+@main.command(
+    context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+    add_help_option=False,
+)
+@click.pass_context
+def bench(ctx: click.Context) -> None:
+    """Run the benchmark scenarios (`inferq bench --help` for options)."""
+    # The benchmark drives engines in-process for its baselines, so it lives with the workers.
+    argv = [sys.executable, "-m", "workers.bench", *ctx.args]
+    os.execv(sys.executable, argv)  # noqa: S606
+
+
+@main.command()
+def migrate() -> None:
+    """Create or upgrade the database schema."""
+    from app.core.db import migrate as run
+
+    run()
+    click.echo(f"database at head: {get_settings().sqlalchemy_url}")
+
+
+@main.group()
+def keys() -> None:
+    """Manage API keys (directly in the database)."""
+
+
+@keys.command("create")
+@click.option("--tenant", required=True)
+@click.option("--name", default="")
+@click.option("--rpm", type=click.IntRange(min=0), help="Requests per window (0: no limit).")
+@click.option("--tpm", type=click.IntRange(min=0), help="Tokens per window (0: no limit).")
+@click.option("--max-queued", type=click.IntRange(min=0), help="Jobs queued at once.")
+def keys_create(
+    tenant: str, name: str, rpm: int | None, tpm: int | None, max_queued: int | None
+) -> None:
+    """Create a key; it is printed once and only its hash is stored.
+
+    Limits not given are the settings' defaults (INFERQ_TENANT_*).
+    """
+    from app.api.auth import create_key
+    from app.core.db import session_scope
+
+    with session_scope() as session:
+        row, plaintext = create_key(
+            session,
+            tenant,
+            name,
+            requests_per_minute=rpm,
+            tokens_per_minute=tpm,
+            max_queued=max_queued,
+        )
+    click.echo(plaintext)
+    click.echo(
+        f"id {row.id}  tenant {tenant}  (store the key now: only its hash is kept)", err=True
+    )
+
+
+@keys.command("list")
+@click.option("--tenant", default=None)
+def keys_list(tenant: str | None) -> None:
+    """List keys (ids and prefixes, never the keys)."""
+    from sqlalchemy import select
+
+    from app.core.db import session_scope
+    from app.core.models import ApiKey
+
+    with session_scope() as session:
+        query = select(ApiKey).order_by(ApiKey.created_at)
+        if tenant:
+            query = query.where(ApiKey.tenant == tenant)
+        for row in session.scalars(query):
+            state = "revoked" if row.revoked_at else "active"
+            own = {
+                "rpm": row.requests_per_minute,
+                "tpm": row.tokens_per_minute,
+                "max-queued": row.max_queued,
+            }
+            overrides = " ".join(f"{k}={v}" for k, v in own.items() if v is not None)
+            click.echo(
+                f"{row.id}  {row.tenant:<16} {row.prefix}...  {state:<8} {row.name} {overrides}"
+            )
+
+
+@keys.command("revoke")
+@click.argument("key_id")
+def keys_revoke(key_id: str) -> None:
+    """Revoke a key by id."""
+    from app.api.auth import revoke_key
+    from app.core.db import session_scope
+
+    with session_scope() as session:
+        done = revoke_key(session, key_id)
+    click.echo("revoked" if done else "no such active key")
+    sys.exit(0 if done else 1)
+
+
+def _client() -> httpx.Client:
+    settings = get_settings()
+    headers = {}
+    if settings.api_key is not None:
+        headers["Authorization"] = f"Bearer {settings.api_key.get_secret_value()}"
+    return httpx.Client(base_url=settings.base_url, headers=headers, timeout=30)
+
+
+def _show(response: httpx.Response, echo: bool = True) -> dict[str, Any]:
+    body: dict[str, Any] = response.json()
+    if echo or response.status_code >= 400:
+        click.echo(json.dumps(body, indent=2))
+    if response.status_code >= 400:
+        sys.exit(1)
+    return body
+
+
+@main.command()
+@click.argument("prompt")
+@click.option("--lane", type=click.Choice(LANES), default="standard")
+@click.option("--max-tokens", type=int, default=None)
+@click.option("--temperature", type=float, default=None)
+@click.option("--chat", is_flag=True, help="Send the prompt as one user chat message.")
+@click.option("--wait", is_flag=True, help="Poll until the job finishes.")
+def submit(
+    prompt: str,
+    lane: str,
+    max_tokens: int | None,
+    temperature: float | None,
+    chat: bool,
+    wait: bool,
+) -> None:
+    """Submit a job to the API at INFERQ_API_URL (key from INFERQ_API_KEY)."""
+    body: dict[str, Any] = {"lane": lane, "params": {}}
+    if chat:
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    if max_tokens is not None:
+        body["params"]["max_tokens"] = max_tokens
+    if temperature is not None:
+        body["params"]["temperature"] = temperature
+    with _client() as client:
+        job = _show(client.post("/v1/jobs", json=body), echo=not wait)
+        while wait and job["status"] in ("queued", "running"):
+            time.sleep(0.2)
+            job = _show(client.get(f"/v1/jobs/{job['id']}"), echo=False)
+        if wait:
+            click.echo(json.dumps(job, indent=2))
+
+
+@main.command()
+@click.argument("job_id")
+def get(job_id: str) -> None:
+    """Print a job."""
+    with _client() as client:
+        _show(client.get(f"/v1/jobs/{job_id}"))
+
+
+@main.command("status")
+@click.option("--watch", is_flag=True, help="Keep refreshing until Ctrl-C.")
+@click.option(
+    "--interval",
+    type=click.FloatRange(min=0.1),
+    default=2.0,
+    show_default=True,
+    help="Seconds between refreshes with --watch.",
+)
+def status_command(watch: bool, interval: float) -> None:
+    """Lanes, workers and the last minute's throughput, read from Redis and the database."""
+    from app.cli.status import run
+
+    sys.exit(run(watch=watch, interval=interval))
+
+
+if __name__ == "__main__":
+    main()

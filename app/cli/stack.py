@@ -1,0 +1,316 @@
+"""`inferq up`: the whole stack on this machine, as supervised child processes.
+
+It starts a private ``redis-server`` when nothing answers at ``INFERQ_REDIS_URL`` (and says so),
+migrates the database, makes a dev API key, starts the API, the ops worker (webhooks, sweeps,
+beat) and one inference worker, waits until the API and the worker are ready, prints how to
+reach them, and stops every child - process groups included, so vLLM's engine processes go
+too - on Ctrl-C, SIGTERM, or when any child dies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from urllib.parse import urlparse
+
+import httpx
+import redis
+
+from app.api.auth import create_key, key_for
+from app.core import dispatch
+from app.core.db import migrate, session_scope
+from app.core.settings import Settings
+from app.core.webhooks import SECRET_FILE, load_secret
+
+LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+
+
+class StackError(RuntimeError):
+    pass
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = self.log_path.open("ab")
+        # Own process group: Ctrl-C reaches only the supervisor, which stops children in order.
+        self.proc = subprocess.Popen(
+            self.argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **self.env},
+        )
+        log.close()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, grace_s: float) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            _signal_group(self.proc.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(grace_s)
+        # Whatever is left in the group (engine processes of a worker) goes now.
+        _signal_group(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+def wait_ready(
+    what: str,
+    timeout_s: float,
+    ready: Callable[[], bool],
+    child: Child,
+    *,
+    poll_s: float = 0.5,
+    stopping: Callable[[], bool] = lambda: False,
+) -> None:
+    """Poll ``ready()`` until it is true; StackError if ``child`` exits or time runs out.
+
+    Connection errors from ``ready`` count as "not yet": the service is still coming up.
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if stopping():
+            raise StackError("stopping")
+        if not child.alive():
+            raise StackError(f"{what} exited during start-up; its log:\n{child.tail()}")
+        try:
+            if ready():
+                return
+        except (redis.RedisError, httpx.HTTPError, OSError):
+            pass
+        time.sleep(poll_s)
+    raise StackError(f"{what} was not ready after {timeout_s:.0f}s; its log:\n{child.tail()}")
+
+
+def _signal_group(pid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)
+
+
+def _say(message: str) -> None:
+    sys.stdout.write(message + "\n")
+    sys.stdout.flush()
+
+
+class Stack:
+    def __init__(self, settings: Settings, engine: str, concurrency: int | None) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.concurrency = concurrency
+        self.data_dir = settings.data_dir.resolve()
+        self.logs = self.data_dir / "logs"
+        self.children: list[Child] = []
+        self._stopping = False
+
+    # --- pieces --------------------------------------------------------------------------
+    def ensure_redis(self) -> str:
+        url = self.settings.redis_url
+        if dispatch.redis_ok():
+            return f"{url} (already running)"
+        parsed = urlparse(url)
+        host, port = parsed.hostname or "127.0.0.1", parsed.port or 6379
+        server = shutil.which("redis-server")
+        if host not in LOOPBACK or server is None:
+            raise StackError(
+                f"no Redis answers at {url}, and inferq can only start one on this machine "
+                "when redis-server is installed and the URL is a loopback address"
+            )
+        redis_dir = self.data_dir / "redis"
+        redis_dir.mkdir(parents=True, exist_ok=True)
+        child = Child("redis", redis_server_argv(server, port, redis_dir), self.logs / "redis.log")
+        self._spawn(child)
+        self._wait("Redis", 20, lambda: child.alive() and _ping(url), child)
+        return f"{url} (private redis-server started by inferq, data in {redis_dir})"
+
+    def dev_key(self) -> str:
+        path = self.data_dir / "dev-api-key"
+        with session_scope() as session:
+            if path.exists():
+                key = path.read_text().strip()
+                if key_for(session, key) is not None:
+                    return key
+            _, key = create_key(session, "dev", "inferq up")
+        path.write_text(key + "\n")
+        path.chmod(0o600)
+        return key
+
+    def start_api(self) -> str:
+        s = self.settings
+        child = Child(
+            "api",
+            [
+                sys.executable,
+                "-m",
+                "app.cli",
+                "api",
+                "--host",
+                s.api_host,
+                "--port",
+                str(s.api_port),
+            ],
+            self.logs / "api.log",
+        )
+        self._spawn(child)
+        url = s.base_url
+        self._wait("the API", 60, lambda: _ready(url), child)
+        return url
+
+    def start_worker(self) -> dict[str, object]:
+        argv = [sys.executable, "-m", "app.cli", "worker", "--engine", self.engine]
+        if self.concurrency:
+            argv += ["--concurrency", str(self.concurrency)]
+        child = Child("worker", argv, self.logs / "worker.log")
+        self._spawn(child)
+        assert child.proc is not None
+        pid = child.proc.pid
+        found: dict[str, object] = {}
+
+        def announced() -> bool:
+            for key in dispatch.redis_client().scan_iter(dispatch.WORKERS_KEY_PREFIX + "*"):
+                raw = dispatch.redis_client().get(key)
+                record = json.loads(raw) if raw else {}
+                if record.get("pid") == pid:
+                    found.update(record)
+                    return True
+            return False
+
+        _say("starting the worker (the first start builds the demo model; vLLM needs ~1 min)")
+        self._wait("the worker", 900, announced, child)
+        return found
+
+    def start_ops(self) -> str:
+        """The ops worker; returns where receivers find the signing secret."""
+        load_secret(self.settings)  # made here so the banner can point at it
+        self._spawn(Child("ops", [sys.executable, "-m", "app.cli", "ops"], self.logs / "ops.log"))
+        if self.settings.webhook_secret is not None:
+            return "INFERQ_WEBHOOK_SECRET"
+        return str(self.data_dir / SECRET_FILE)
+
+    # --- supervision ---------------------------------------------------------------------
+    def _spawn(self, child: Child) -> None:
+        child.start()
+        self.children.append(child)
+
+    def _wait(self, what: str, timeout_s: float, ready: Callable[[], bool], child: Child) -> None:
+        wait_ready(what, timeout_s, ready, child, stopping=lambda: self._stopping)
+
+    def stop(self) -> None:
+        self._stopping = True
+        # A second Ctrl-C or SIGTERM (a supervisor's, say) must not cut the stop short and
+        # orphan the children not yet stopped.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        for child in reversed(self.children):
+            child.stop(grace_s=30 if child.name == "worker" else 10)
+
+    def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, self._on_signal)
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            redis_line = self.ensure_redis()
+            migrate()
+            key = self.dev_key() if self.settings.require_auth else "(auth disabled)"
+            api = self.start_api()
+            secret = self.start_ops()
+            worker = self.start_worker()
+            self._banner(api, key, worker, redis_line, secret)
+            while all(child.alive() for child in self.children):
+                time.sleep(0.5)
+            dead = next(child for child in self.children if not child.alive())
+            _say(f"{dead.name} exited unexpectedly; stopping. Its log:\n{dead.tail()}")
+            return 1
+        except KeyboardInterrupt:
+            _say("\nstopping inferq ...")
+            return 0
+        except StackError as exc:
+            _say(f"inferq up failed: {exc}")
+            return 1
+        finally:
+            self.stop()
+
+    def _banner(
+        self, api: str, key: str, worker: dict[str, object], redis_line: str, secret: str
+    ) -> None:
+        engine = worker.get("engine")
+        label = " (SIMULATED engine: no real model)" if engine == "simulated" else ""
+        _say(
+            "\ninferq is up\n"
+            f"  API       {api}   (OpenAPI docs: {api}/docs)\n"
+            f"  OpenAI    base_url={api}/v1   (chat/completions, files, batches)\n"
+            f"  API key   {key}\n"
+            f"  engine    {engine}{label}, model {worker.get('model')}, "
+            f"{worker.get('batching')} batching\n"
+            f"  database  {self.settings.sqlalchemy_url}\n"
+            f"  redis     {redis_line}\n"
+            f"  webhooks  signed with the secret in {secret}\n"
+            f"  metrics   {api}/metrics, worker {worker.get('metrics_url')}, ops port "
+            f"{self.settings.ops_metrics_port}\n"
+            f"  status    inferq status --watch   (Flower: inferq flower)\n"
+            f"  logs      {self.logs}\n\n"
+            "Try:\n"
+            f"  curl -s {api}/v1/jobs -H 'Authorization: Bearer {key}' "
+            "-H 'Content-Type: application/json' "
+            '-d \'{"prompt": "Hello", "lane": "realtime"}\'\n'
+            "Ctrl-C stops everything."
+        )
+
+
+def redis_server_argv(server: str, port: int, directory: Path) -> list[str]:
+    """A private redis-server on loopback, durable the way the compose file's is: an
+    append-only file synced every second (a crash loses at most ~1 s of enqueues, which the
+    reaper restores from the database) and no eviction (evicted kombu keys would drop queues)."""
+    return [
+        server,
+        "--bind",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dir",
+        str(directory),
+        "--appendonly",
+        "yes",
+        "--appendfsync",
+        "everysec",
+        "--save",
+        "",
+        "--maxmemory-policy",
+        "noeviction",
+    ]
+
+
+def _ping(url: str) -> bool:
+    return bool(redis.Redis.from_url(url, socket_connect_timeout=1).ping())
+
+
+def _ready(url: str) -> bool:
+    return httpx.get(f"{url}/readyz", timeout=2).status_code == 200

@@ -1,0 +1,176 @@
+"""`inferq status`: a terminal view of lanes, workers and the last minute's throughput.
+
+The numbers come from :mod:`app.core.snapshot` (the same reads as the API's /metrics); this module
+only collects them once and draws them with rich.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from datetime import datetime
+
+import redis
+from rich.console import Console, Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+from sqlalchemy.exc import SQLAlchemyError
+
+from app.core import dispatch, snapshot
+from app.core.db import session_scope
+from app.core.settings import LANES
+
+THROUGHPUT_WINDOW_S = 60.0
+
+
+class Unavailable(Exception):
+    """Redis or the database could not be read; the message is one line for a person."""
+
+
+def collect() -> snapshot.Snapshot:
+    now = time.time()
+    try:
+        client = dispatch.redis_client()
+        messages = snapshot.lane_messages(client)
+        workers = snapshot.workers(client)
+    except redis.RedisError as exc:
+        raise Unavailable(f"cannot read Redis (INFERQ_REDIS_URL): {exc}") from None
+    try:
+        with session_scope() as session:
+            lanes = snapshot.lane_jobs(session, now)
+            throughput = snapshot.throughput(session, now, THROUGHPUT_WINDOW_S)
+    except SQLAlchemyError as exc:
+        # The driver's own message is the useful line; SQLAlchemy's adds the SQL and a link.
+        reason = str(getattr(exc, "orig", None) or exc).splitlines()[0]
+        raise Unavailable(f"cannot read the database (INFERQ_DATABASE_URL): {reason}") from None
+    return snapshot.Snapshot(now, messages, lanes, workers, throughput)
+
+
+def _age(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    if seconds < 3600:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def _number(value: object, fmt: str = "{}") -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def _lanes_table(snap: snapshot.Snapshot) -> Table:
+    table = Table(title="Lanes", title_justify="left")
+    table.add_column("lane")
+    table.add_column("messages in Redis", justify="right")
+    table.add_column("queued jobs", justify="right")
+    table.add_column("running jobs", justify="right")
+    table.add_column("oldest queued", justify="right")
+    for lane in LANES:
+        jobs = snap.lanes[lane]
+        table.add_row(
+            lane,
+            str(snap.messages.get(lane, 0)),
+            str(jobs.queued),
+            str(jobs.running),
+            _age(jobs.oldest_queued_age_s) if jobs.queued else "-",
+        )
+    return table
+
+
+def _workers_table(snap: snapshot.Snapshot) -> Table:
+    table = Table(title="Workers", title_justify="left")
+    # The worker id is hostname:pid. Long names (a model's repository) wrap rather than hide.
+    for name in ("worker", "engine", "model", "lanes"):
+        table.add_column(name, overflow="fold")
+    for name in ("in flight", "running", "waiting", "KV cache", "tokens/s", "last seen"):
+        table.add_column(name, justify="right")
+    if not snap.workers:
+        table.add_row("no worker is announced (start one: inferq worker)")
+    for record in snap.workers:
+        kv = record.get("kv_cache_usage")
+        seen = record.get("seen_at")
+        table.add_row(
+            str(record["worker_id"]),
+            _number(record.get("engine")),
+            _number(record.get("model")),
+            ",".join(record.get("lanes") or []) or "-",
+            _number(record.get("in_flight")),
+            _number(record.get("running")),
+            _number(record.get("waiting")),
+            "-" if kv is None else f"{float(kv) * 100:.0f}%",
+            _number(record.get("tokens_per_s"), "{:.1f}"),
+            "-" if seen is None else f"{_age(max(0.0, snap.taken_at - float(seen)))} ago",
+        )
+    return table
+
+
+def _throughput_table(snap: snapshot.Snapshot) -> Table:
+    done = snap.throughput
+    table = Table(title=f"Throughput, last {done.window_s:.0f} s", title_justify="left")
+    table.add_column("finished")
+    table.add_column("jobs/s", justify="right")
+    # Completion tokens of the jobs that finished in the window: a long job counts when it
+    # ends. What engines generate right now is the workers' tokens/s.
+    table.add_column("tokens/s (finished jobs)", justify="right")
+    finished = ", ".join(f"{status} {n}" for status, n in sorted(done.finished.items()))
+    table.add_row(finished or "none", f"{done.jobs_per_s:.2f}", f"{done.tokens_per_s:.1f}")
+    return table
+
+
+def render(snap: snapshot.Snapshot) -> RenderableType:
+    stamp = datetime.fromtimestamp(snap.taken_at).strftime("%Y-%m-%d %H:%M:%S")
+    return Group(
+        Text(f"inferq status at {stamp}", style="bold"),
+        _lanes_table(snap),
+        _workers_table(snap),
+        _throughput_table(snap),
+    )
+
+
+def _console() -> Console:
+    if sys.stdout.isatty() or "COLUMNS" in os.environ:
+        return Console()
+    # Piped output (a log, a test) is not cut to rich's default 80 columns: the workers table
+    # is wider than that.
+    return Console(width=200)
+
+
+def run(watch: bool = False, interval: float = 2.0) -> int:
+    """Print the status once, or keep it on screen until Ctrl-C; returns the exit code."""
+    from rich.live import Live
+
+    console = _console()
+    try:
+        try:
+            first = render(collect())
+        except Unavailable as exc:
+            sys.stderr.write(f"inferq status: {exc}\n")
+            return 1
+        if not watch:
+            console.print(first)
+            return 0
+        if console.is_terminal:
+            with Live(first, console=console, auto_refresh=False) as live:
+                while True:
+                    time.sleep(interval)
+                    live.update(_frame(), refresh=True)
+        else:
+            # Live draws only its last frame where it cannot move the cursor: print each one.
+            console.print(first)
+            while True:
+                time.sleep(interval)
+                console.print()
+                console.print(_frame())
+    except KeyboardInterrupt:
+        # Ctrl-C is how --watch ends; a one-off status cut short reports it the shell's way.
+        return 0 if watch else 130
+
+
+def _frame() -> RenderableType:
+    """The next frame; a dependency that went away is shown, and tried again next time."""
+    try:
+        return render(collect())
+    except Unavailable as exc:
+        stamp = datetime.now().strftime("%H:%M:%S")
+        return Text(f"inferq status at {stamp}: {exc} (retrying)", style="red")

@@ -1,0 +1,150 @@
+"""The one owner of the SQLAlchemy engine and sessions.
+
+The API takes a session per request through :func:`get_session`; workers and the CLI use
+:func:`session_scope`, which commits or rolls back. SQLite runs in WAL mode and starts every
+transaction with ``BEGIN IMMEDIATE``: with many writer threads and processes, a deferred
+transaction that reads and then writes fails at once with SQLITE_BUSY instead of waiting, while
+an immediate one waits for ``busy_timeout``. That makes SQLite the single-writer path.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Any
+
+from fastapi import Depends
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import make_url
+from sqlalchemy.orm import Session, sessionmaker
+
+from app.core.settings import get_settings
+
+_lock = threading.Lock()
+_engine: Engine | None = None
+_sessionmaker: sessionmaker[Session] | None = None
+
+SQLITE_BUSY_TIMEOUT_MS = 30_000
+
+
+def _sqlite_engine(url: str) -> Engine:
+    database = make_url(url).database
+    if database and database != ":memory:":
+        Path(database).parent.mkdir(parents=True, exist_ok=True)
+    engine = create_engine(
+        url,
+        connect_args={"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT_MS / 1000},
+        pool_size=20,
+        max_overflow=40,
+    )
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        # Take transaction control away from pysqlite so that "begin" below decides.
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(connection: Any) -> None:
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+    return engine
+
+
+def get_engine() -> Engine:
+    """Return the process-wide engine, creating it on first use."""
+    global _engine, _sessionmaker
+    with _lock:
+        if _engine is None:
+            settings = get_settings()
+            url = settings.sqlalchemy_url
+            if url.startswith("sqlite"):
+                _engine = _sqlite_engine(url)
+            else:
+                _engine = create_engine(
+                    url,
+                    pool_pre_ping=True,
+                    pool_size=20,
+                    max_overflow=40,
+                    pool_timeout=settings.dependency_timeout_s * 5,
+                    connect_args=_connect_args(
+                        url, settings.dependency_timeout_s, settings.lease_ttl_s
+                    ),
+                )
+            _sessionmaker = sessionmaker(_engine, expire_on_commit=False)
+        return _engine
+
+
+def _connect_args(url: str, timeout_s: float, lease_s: float) -> dict[str, Any]:
+    if make_url(url).get_backend_name() == "postgresql":
+        # No transaction here waits on anything but the database, so one left idle for a
+        # lease is a paused or cut-off process's: the server ends it, freeing the rows it
+        # locked (a paused worker mid-claim would otherwise block the reaper on them).
+        idle_ms = max(1000, int(lease_s * 1000))
+        return {
+            "connect_timeout": max(1, int(timeout_s)),
+            "options": f"-c idle_in_transaction_session_timeout={idle_ms}",
+        }
+    return {}
+
+
+def _factory() -> sessionmaker[Session]:
+    get_engine()
+    assert _sessionmaker is not None
+    return _sessionmaker
+
+
+@contextmanager
+def session_scope() -> Iterator[Session]:
+    """A unit of work: commit on success, roll back on error, always close."""
+    session = _factory()()
+    try:
+        yield session
+        session.commit()
+    except BaseException:
+        session.rollback()
+        raise
+    finally:
+        session.close()
+
+
+def get_session() -> Iterator[Session]:
+    """FastAPI dependency: one session per request; the service layer commits."""
+    session = _factory()()
+    try:
+        yield session
+    finally:
+        session.close()
+
+
+# A route's parameter type for the request's session.
+SessionDep = Annotated[Session, Depends(get_session)]
+
+
+def migrate(revision: str = "head") -> None:
+    """Bring the schema to ``revision`` with Alembic (what `inferq migrate` runs)."""
+    from importlib.resources import files
+
+    from alembic import command
+    from alembic.config import Config
+
+    config = Config()
+    config.set_main_option("script_location", str(files("migrations")))
+    command.upgrade(config, revision)
+
+
+def dispose() -> None:
+    """Drop pooled connections (after fork, or at shutdown)."""
+    global _engine, _sessionmaker
+    with _lock:
+        if _engine is not None:
+            _engine.dispose()
+        _engine = None
+        _sessionmaker = None

@@ -1,0 +1,190 @@
+"""The only place the API touches Celery and Redis: enqueue by task name, signal workers.
+
+Messages carry job ids, never payloads: the row is the truth. A realtime or standard message
+carries one job; bulk messages carry up to ``bulk_chunk_size`` jobs, so a backlog of a million
+bulk jobs is ~30k messages and a worker claims a chunk in one transaction. Queue declarations
+and broker options are defined here once and reused by ``workers/celery_app.py`` so that
+producer and consumers cannot disagree about them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+import redis
+from celery import Celery
+from kombu import Exchange, Queue
+from kombu.utils.scheduling import priority_cycle
+
+from app.core.settings import LANES, Settings, get_settings
+
+log = logging.getLogger("inferq.dispatch")
+
+RUN_JOBS_TASK = "inferq.run_jobs"
+DELIVER_WEBHOOK_TASK = "inferq.deliver_webhook"
+SWEEP_WEBHOOKS_TASK = "inferq.sweep_webhooks"
+START_BATCH_TASK = "inferq.start_batch"
+SWEEP_BATCHES_TASK = "inferq.sweep_batches"
+REAP_TASK = "inferq.reap"
+# Queues of the ops worker (`inferq ops`): deliveries, and the periodic sweeps beat sends.
+WEBHOOK_QUEUE = "webhooks"
+MAINTENANCE_QUEUE = "maintenance"
+QUEUES: tuple[str, ...] = (*LANES, WEBHOOK_QUEUE, MAINTENANCE_QUEUE)
+CONTROL_CHANNEL = "inferq:control"
+WORKERS_KEY_PREFIX = "inferq:worker:"
+BROKER_POLL_S = 0.05
+
+_lock = threading.Lock()
+_producer: Celery | None = None
+_redis: redis.Redis | None = None
+
+
+def task_queues(names: Iterable[str] = QUEUES) -> list[Queue]:
+    """Queues in strict priority order: a worker polls them in exactly this order."""
+    return [Queue(name, Exchange(name, type="direct"), routing_key=name) for name in names]
+
+
+class LaneOrder(priority_cycle):  # type: ignore[misc]
+    """kombu queue cycle that always polls lanes in priority order.
+
+    Workers cancel and re-add lane consumers at run time (``workers/intake.py``); kombu's own
+    "priority" cycle keeps the order in which queues were added, so a re-added realtime queue
+    would end up behind bulk. Sorting by lane restores the order on every change.
+    """
+
+    def update(self, it: Iterable[str]) -> None:
+        rank = {lane: i for i, lane in enumerate(LANES)}
+        self.items[:] = sorted(it, key=lambda q: rank.get(q, len(rank)))
+
+
+def broker_transport_options(settings: Settings) -> dict[str, Any]:
+    return {
+        "visibility_timeout": settings.visibility_timeout_s,
+        # BRPOP the queues in strict lane order instead of kombu's default round robin.
+        "queue_order_strategy": f"{__name__}:LaneOrder",
+        "priority_steps": [0],
+        # A broker poll (BRPOP) that is already waiting does not see a lane the intake has
+        # just re-opened; a short poll bounds that delay (at the cost of ~20 polls/s idle).
+        "polling_interval": BROKER_POLL_S,
+        "socket_connect_timeout": settings.dependency_timeout_s,
+        "socket_timeout": max(30.0, settings.dependency_timeout_s),
+    }
+
+
+def _celery() -> Celery:
+    global _producer
+    with _lock:
+        if _producer is None:
+            settings = get_settings()
+            app = Celery("inferq-api", broker=settings.redis_url, set_as_current=False)
+            app.conf.update(
+                task_queues=task_queues(),
+                broker_transport_options=broker_transport_options(settings),
+                broker_connection_timeout=settings.dependency_timeout_s,
+                # A task-sent event per message (a Redis PUBLISH, dropped when nobody listens):
+                # the only event that carries the routing key, i.e. the lane, to Flower.
+                task_send_sent_event=True,
+                task_publish_retry_policy={
+                    "max_retries": 2,
+                    "interval_start": 0.1,
+                    "interval_step": 0.2,
+                    "interval_max": 0.5,
+                },
+            )
+            _producer = app
+        return _producer
+
+
+def redis_client() -> redis.Redis:
+    global _redis
+    with _lock:
+        if _redis is None:
+            timeout = get_settings().dependency_timeout_s
+            _redis = redis.Redis.from_url(
+                get_settings().redis_url,
+                socket_connect_timeout=timeout,
+                socket_timeout=timeout,
+                health_check_interval=30,
+            )
+        return _redis
+
+
+def redis_ok() -> bool:
+    try:
+        return bool(redis_client().ping())
+    except redis.RedisError:
+        return False
+
+
+def messages(jobs: Iterable[tuple[str, str]], chunk: int) -> list[tuple[str, list[str]]]:
+    """Group (job id, lane) pairs into (lane, job ids) messages: bulk in chunks, others alone."""
+    out: list[tuple[str, list[str]]] = []
+    bulk: list[str] = []
+    for job_id, lane in jobs:
+        if lane != "bulk":
+            out.append((lane, [job_id]))
+            continue
+        bulk.append(job_id)
+        if len(bulk) == chunk:
+            out.append((lane, bulk))
+            bulk = []
+    if bulk:
+        out.append(("bulk", bulk))
+    return out
+
+
+def enqueue(jobs: Iterable[tuple[str, str]]) -> list[str]:
+    """Send ``run_jobs`` messages for (job id, lane) pairs. Returns the ids that were not sent.
+
+    A failure here never loses a job: the row is committed first and the reaper re-enqueues
+    queued rows whose message went missing.
+    """
+    app = _celery()
+    failed: list[str] = []
+    with app.producer_or_acquire() as producer:
+        for lane, ids in messages(jobs, get_settings().bulk_chunk_size):
+            try:
+                # A direct queue is published through the anonymous exchange (LPUSH onto the
+                # lane's list), so delivery does not depend on kombu's binding keys in Redis.
+                app.send_task(RUN_JOBS_TASK, args=[ids, lane], queue=lane, producer=producer)
+            except Exception:  # kombu raises several connection error types
+                log.exception("could not enqueue %d job(s) on %s", len(ids), lane)
+                failed.extend(ids)
+    return failed
+
+
+def deliver_webhooks(event_ids: Iterable[str]) -> list[str]:
+    """Send one delivery message per committed webhook event; returns the ids not sent."""
+    app = _celery()
+    ids = list(event_ids)
+    with app.producer_or_acquire() as producer:
+        for i, event_id in enumerate(ids):
+            try:
+                app.send_task(
+                    DELIVER_WEBHOOK_TASK, args=[event_id], queue=WEBHOOK_QUEUE, producer=producer
+                )
+            except Exception:
+                # The broker is down: the rest would fail the same way, slowly.
+                log.exception("could not enqueue %d webhook event(s)", len(ids) - i)
+                return ids[i:]
+    return []
+
+
+def start_batch(batch_id: str) -> bool:
+    """Ask the ops worker to validate a batch's file and start its jobs; False if not sent."""
+    try:
+        _celery().send_task(START_BATCH_TASK, args=[batch_id], queue=MAINTENANCE_QUEUE)
+    except Exception:
+        log.exception("could not enqueue batch %s; the batch sweep will", batch_id)
+        return False
+    return True
+
+
+def publish_control(action: str, **fields: Any) -> int:
+    """Broadcast a control message (e.g. cancel a running job) to every worker."""
+    message = json.dumps({"action": action, **fields})
+    return int(redis_client().publish(CONTROL_CHANNEL, message))

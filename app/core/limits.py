@@ -1,0 +1,202 @@
+"""Admission control: per-tenant rate limits and per-lane backpressure.
+
+Checked after a request is validated and before anything is written, so a refused request
+leaves nothing behind (no row, no message). A prompt longer than the model's context is refused
+first (422, app/core/tokens.py): bad input costs no rate budget.
+
+**Tenant limits** (429 with ``Retry-After`` and the limit's name), shared by every API replica
+through Redis:
+
+- ``requests_per_minute``: calls that submit work (a job, a bulk request, a chat/completion
+  call, a batch);
+- ``tokens_per_minute``: prompt tokens (counted with the served model's tokenizer,
+  app/core/tokens.py; estimated where no worker has published one) plus ``max_tokens``,
+  summed over the jobs submitted;
+- ``max_queued``: the tenant's jobs queued at once (a count of its queued rows).
+
+The two rates are fixed windows of ``INFERQ_LIMIT_WINDOW_S`` (a Redis counter per tenant and
+window; a request that would pass the limit is refunded and refused). Defaults come from
+settings; an API key may override each one (``inferq keys create --rpm/--tpm/--max-queued``),
+and counters are per tenant.
+
+**Backpressure** (503 with ``Retry-After``): a lane refuses new jobs while the jobs queued at or
+above its priority — the work a new job would wait behind — reach ``INFERQ_LANE_MAX_QUEUED``
+for that lane: realtime counts realtime, standard counts realtime and standard, bulk counts
+everything, so under a general backlog bulk is shed first and realtime last. Depths are read
+from the database at most once per ``BACKLOG_CACHE_S`` per API process.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import redis
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from app.api.errors import ApiError
+from app.core import dispatch, snapshot, tokens
+from app.core.models import LANE_PRIORITY, Job, JobStatus
+from app.core.schemas import JobCreate
+from app.core.settings import get_settings
+
+KEY_PREFIX = "inferq:limit:"
+BACKLOG_CACHE_S = 1.0
+BACKPRESSURE_RETRY_S = 5
+
+
+@dataclass(frozen=True)
+class Limits:
+    """A caller's limits (0: none)."""
+
+    requests_per_minute: int
+    tokens_per_minute: int
+    max_queued: int
+
+
+def for_key(rpm: int | None, tpm: int | None, queued: int | None) -> Limits:
+    """The limits of a key: its overrides, else the defaults in settings."""
+    s = get_settings()
+    return Limits(
+        s.tenant_requests_per_minute if rpm is None else rpm,
+        s.tenant_tokens_per_minute if tpm is None else tpm,
+        s.tenant_max_queued if queued is None else queued,
+    )
+
+
+def defaults() -> Limits:
+    return for_key(None, None, None)
+
+
+def admit(
+    session: Session,
+    tenant: str,
+    limits: Limits,
+    bodies: Sequence[JobCreate] = (),
+    field: str | None = None,
+) -> None:
+    """Refuse (422/429/503) or let through a call that submits ``bodies`` (none: a batch).
+
+    ``field``: the list the bodies came in, for naming one in an error (``jobs``).
+    """
+    prompt_tokens = _prompt_tokens(bodies, field)
+    lanes = {body.lane.value for body in bodies}
+    for lane in sorted(lanes, key=lambda name: LANE_PRIORITY[name]):
+        _backpressure(session, lane)
+    if limits.max_queued and bodies:
+        queued = session.scalar(
+            select(func.count())
+            .select_from(Job)
+            .where(Job.tenant == tenant, Job.status == JobStatus.QUEUED)
+        )
+        session.rollback()  # end the read; the caller's write opens its own transaction
+        if (queued or 0) + len(bodies) > limits.max_queued:
+            raise _over(
+                "max_queued",
+                f"{queued} of this tenant's jobs are queued; at most {limits.max_queued} may be",
+                BACKPRESSURE_RETRY_S,
+            )
+    default = get_settings().default_max_tokens
+    tokens = sum(prompt_tokens) + sum(body.params.max_tokens or default for body in bodies)
+    _take(tenant, limits, tokens)
+
+
+def _prompt_tokens(bodies: Sequence[JobCreate], field: str | None) -> list[int]:
+    if not bodies:
+        return []
+    return tokens.check(dispatch.redis_client(), get_settings().model_name, bodies, field)
+
+
+def _take(tenant: str, limits: Limits, tokens: int) -> None:
+    """Count one request and ``tokens`` in this window; refunded and refused when over."""
+    window = get_settings().limit_window_s
+    now = time.time()
+    slot = int(now // window)
+    retry_after = max(1, math.ceil((slot + 1) * window - now))
+    wanted = [
+        ("requests_per_minute", 1, limits.requests_per_minute),
+        ("tokens_per_minute", tokens, limits.tokens_per_minute),
+    ]
+    wanted = [(name, amount, limit) for name, amount, limit in wanted if limit and amount]
+    if not wanted:
+        return
+    keys = [f"{KEY_PREFIX}{tenant}:{name}:{slot}" for name, _, _ in wanted]
+    try:
+        pipe = dispatch.redis_client().pipeline(transaction=True)
+        for key, (_, amount, _) in zip(keys, wanted, strict=True):
+            pipe.incrby(key, amount)
+            pipe.expire(key, int(window) + 5)
+        counts = pipe.execute()[::2]
+        over = [
+            (name, limit)
+            for (name, _, limit), count in zip(wanted, counts, strict=True)
+            if count > limit
+        ]
+        if over:
+            refund = dispatch.redis_client().pipeline(transaction=True)
+            for key, (_, amount, _) in zip(keys, wanted, strict=True):
+                refund.decrby(key, amount)
+            refund.execute()
+    except redis.RedisError:
+        raise ApiError(
+            503,
+            "broker_unavailable",
+            "the queue (Redis) is unavailable; retry later",
+            headers={"Retry-After": "5"},
+        ) from None
+    if over:
+        name, limit = over[0]
+        raise _over(
+            name,
+            f"this tenant's {name.replace('_', ' ')} limit ({limit} per "
+            f"{window:g} s window) is used up",
+            retry_after,
+        )
+
+
+def _over(limit: str, message: str, retry_after: int) -> ApiError:
+    return ApiError(
+        429,
+        f"{limit}_exceeded",
+        message,
+        headers={"Retry-After": str(retry_after), "inferq-limit": limit},
+    )
+
+
+_backlog_lock = threading.Lock()
+_backlog: tuple[float, dict[str, int]] = (0.0, {})
+
+
+def _depths(session: Session) -> dict[str, int]:
+    """Queued jobs per lane, cached for ``BACKLOG_CACHE_S``."""
+    global _backlog
+    with _backlog_lock:
+        at, depths = _backlog
+        if time.monotonic() - at < BACKLOG_CACHE_S:
+            return depths
+    depths = snapshot.queued_jobs(session)
+    session.rollback()
+    with _backlog_lock:
+        _backlog = (time.monotonic(), depths)
+    return depths
+
+
+def _backpressure(session: Session, lane: str) -> None:
+    top = get_settings().lane_max_queued.get(lane, 0)
+    if not top:
+        return
+    depths = _depths(session)
+    ahead = sum(n for other, n in depths.items() if LANE_PRIORITY[other] <= LANE_PRIORITY[lane])
+    if ahead >= top:
+        raise ApiError(
+            503,
+            "lane_overloaded",
+            f"the {lane} lane is full: {ahead} jobs are queued ahead of a new one "
+            f"(at most {top}); retry later",
+            param="lane",
+            headers={"Retry-After": str(BACKPRESSURE_RETRY_S)},
+        )

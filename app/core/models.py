@@ -1,0 +1,358 @@
+"""SQLAlchemy models, identifiers, lanes and the job status machine.
+
+The ``jobs`` row is the source of truth for a job; a Redis message only says that work may
+exist. Every status change is a compare-and-set on the row (see ``workers/executor.py`` and
+``app/core/jobs.py``), and :data:`TRANSITIONS` lists the changes that are allowed at all.
+Times are unix seconds as floats, the same on SQLite and PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Collection
+from enum import StrEnum
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    Boolean,
+    Double,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    Update,
+    update,
+)
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+JSONType = JSON().with_variant(JSONB(), "postgresql")
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Lane(StrEnum):
+    REALTIME = "realtime"
+    STANDARD = "standard"
+    BULK = "bulk"
+
+
+# vLLM's priority scheduler runs lower values first.
+LANE_PRIORITY: dict[str, int] = {Lane.REALTIME: 0, Lane.STANDARD: 1, Lane.BULK: 2}
+
+
+class JobStatus(StrEnum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    EXPIRED = "expired"
+
+
+TERMINAL: frozenset[str] = frozenset(
+    {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED, JobStatus.EXPIRED}
+)
+
+TRANSITIONS: dict[str, frozenset[str]] = {
+    JobStatus.QUEUED: frozenset(
+        {JobStatus.RUNNING, JobStatus.CANCELLED, JobStatus.EXPIRED, JobStatus.FAILED}
+    ),
+    # running -> queued is the reaper handing an abandoned job back (lease expired).
+    JobStatus.RUNNING: frozenset(
+        {
+            JobStatus.SUCCEEDED,
+            JobStatus.FAILED,
+            JobStatus.CANCELLED,
+            JobStatus.EXPIRED,
+            JobStatus.QUEUED,
+        }
+    ),
+    **{status: frozenset() for status in TERMINAL},
+}
+
+
+def can_transition(current: str, new: str) -> bool:
+    return new in TRANSITIONS.get(current, frozenset())
+
+
+def job_update(
+    job_id: str | Collection[str],
+    *,
+    expect: str,
+    to: str | None = None,
+    token: int | None = None,
+    **values: Any,
+) -> Update:
+    """A compare-and-set on one job (or several): it changes a row only while its status (and
+    lease token, when given) are still what the caller saw. ``to`` must be an allowed
+    transition."""
+    if to is not None:
+        if not can_transition(expect, to):
+            raise ValueError(f"a job cannot go from {expect} to {to}")
+        values["status"] = to
+    which = Job.id == job_id if isinstance(job_id, str) else Job.id.in_(list(job_id))
+    statement = update(Job).where(which, Job.status == expect)
+    if token is not None:
+        statement = statement.where(Job.lease_token == token)
+    return statement.values(**values)
+
+
+DEADLINE_EXCEEDED = "deadline_exceeded"
+
+
+def expire_overdue(job_ids: Collection[str], stamp: float) -> Update:
+    """The queued jobs among ``job_ids`` whose deadline has passed end ``expired`` unstarted
+    (a worker's claim and the reaper both apply it). Returns the ended rows' id, lane and
+    tenant, what their transitions are made of (``app.core.transitions.of_rows``)."""
+    return (
+        job_update(
+            job_ids,
+            expect=JobStatus.QUEUED,
+            to=JobStatus.EXPIRED,
+            finished_at=stamp,
+            updated_at=stamp,
+            error_code=DEADLINE_EXCEEDED,
+            error_message="the job's timeout_s passed before it started",
+        )
+        .where(Job.deadline_at <= stamp)
+        .returning(Job.id, Job.lane, Job.tenant)
+    )
+
+
+_CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
+
+
+def new_id(prefix: str) -> str:
+    """A time-ordered id (48-bit milliseconds + 80 random bits, Crockford base32).
+
+    Sorting ids sorts by creation time, which is what cursor pagination relies on.
+    """
+    value = (int(time.time() * 1000) << 80) | secrets.randbits(80)
+    chars = []
+    for _ in range(26):
+        value, rem = divmod(value, 32)
+        chars.append(_CROCKFORD[rem])
+    return f"{prefix}_{''.join(reversed(chars)).lower()}"
+
+
+def now() -> float:
+    return time.time()
+
+
+class ApiKey(Base):
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(64), index=True)
+    name: Mapped[str] = mapped_column(String(128), default="")
+    prefix: Mapped[str] = mapped_column(String(16))
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[float] = mapped_column(Double)
+    revoked_at: Mapped[float | None] = mapped_column(Double, nullable=True)
+    # Per-key overrides of the tenant limits (None: the setting's default; 0: no limit).
+    requests_per_minute: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    tokens_per_minute: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    max_queued: Mapped[int | None] = mapped_column(Integer, nullable=True)
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(64))
+    lane: Mapped[str] = mapped_column(String(16))
+    model: Mapped[str] = mapped_column(String(256))
+    prompt: Mapped[str | None] = mapped_column(Text, nullable=True)
+    messages: Mapped[list[dict[str, Any]] | None] = mapped_column(JSONType, nullable=True)
+    params: Mapped[dict[str, Any]] = mapped_column(JSONType)
+    webhook_url: Mapped[str | None] = mapped_column(Text, nullable=True)
+    meta: Mapped[dict[str, str]] = mapped_column("metadata", JSONType)
+    batch_id: Mapped[str | None] = mapped_column(String(40), nullable=True, index=True)
+    # A batch line's custom_id and its line number in the input file (1-based).
+    custom_id: Mapped[str | None] = mapped_column(String(512), nullable=True)
+    batch_line: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    # What the worker relays through Redis while the job runs (app/core/relay.py): None, "end"
+    # (a caller waits for the outcome) or "tokens" (a caller streams the output).
+    relay: Mapped[str | None] = mapped_column(String(8), nullable=True)
+
+    status: Mapped[str] = mapped_column(String(16))
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    # Fencing: every claim increments the token; result writes must present the current one.
+    lease_token: Mapped[int] = mapped_column(Integer, default=0)
+    lease_owner: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    lease_expires_at: Mapped[float | None] = mapped_column(Double, nullable=True)
+    cancel_requested_at: Mapped[float | None] = mapped_column(Double, nullable=True)
+    timeout_s: Mapped[float | None] = mapped_column(Double, nullable=True)
+    deadline_at: Mapped[float | None] = mapped_column(Double, nullable=True)
+
+    created_at: Mapped[float] = mapped_column(Double)
+    enqueued_at: Mapped[float | None] = mapped_column(Double, nullable=True)
+    started_at: Mapped[float | None] = mapped_column(Double, nullable=True)
+    first_token_at: Mapped[float | None] = mapped_column(Double, nullable=True)
+    finished_at: Mapped[float | None] = mapped_column(Double, nullable=True)
+    updated_at: Mapped[float] = mapped_column(Double)
+
+    result_text: Mapped[str | None] = mapped_column(Text, nullable=True)
+    finish_reason: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    prompt_tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    completion_tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    error_code: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    error_message: Mapped[str | None] = mapped_column(Text, nullable=True)
+
+    __table_args__ = (
+        Index("ix_jobs_tenant_id", "tenant", "id"),
+        Index("ix_jobs_status_lane", "status", "lane"),
+        Index("ix_jobs_batch_line", "batch_id", "batch_line"),
+        Index("ix_jobs_tenant_status", "tenant", "status"),
+    )
+
+
+class IdempotencyKey(Base):
+    """A submission's Idempotency-Key, written in the same transaction as its job."""
+
+    __tablename__ = "idempotency_keys"
+
+    tenant: Mapped[str] = mapped_column(String(64), primary_key=True)
+    key: Mapped[str] = mapped_column(String(255), primary_key=True)
+    request_hash: Mapped[str] = mapped_column(String(64))
+    job_id: Mapped[str] = mapped_column(String(40), ForeignKey("jobs.id", ondelete="CASCADE"))
+    created_at: Mapped[float] = mapped_column(Double)
+    expires_at: Mapped[float] = mapped_column(Double, index=True)
+
+
+class WebhookStatus(StrEnum):
+    PENDING = "pending"  # an attempt is due at next_attempt_at (or under way)
+    DELIVERED = "delivered"
+    FAILED = "failed"  # the last attempt of the schedule failed
+
+
+class WebhookEvent(Base):
+    """One event to one URL (the outbox row), written in the transaction that caused it.
+
+    ``id`` is the ``webhook-id`` header: the same on every attempt and redelivery.
+    ``next_attempt_at`` doubles as the attempt lease: a delivery moves it past its own timeout
+    before it sends, so a sweep re-sends an attempt whose ops worker died.
+    """
+
+    __tablename__ = "webhook_events"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(64))
+    type: Mapped[str] = mapped_column(String(32))
+    job_id: Mapped[str | None] = mapped_column(
+        String(40), ForeignKey("jobs.id", ondelete="CASCADE"), nullable=True, index=True
+    )
+    batch_id: Mapped[str | None] = mapped_column(String(40), nullable=True, index=True)
+    url: Mapped[str] = mapped_column(Text)
+    occurred_at: Mapped[float] = mapped_column(Double)
+    # The exact bytes sent, fixed at the first attempt so that every retry is identical.
+    body: Mapped[str | None] = mapped_column(Text, nullable=True)
+    status: Mapped[str] = mapped_column(String(16))
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    # Attempts made in the current round of the schedule (a redelivery starts a new round).
+    round_attempts: Mapped[int] = mapped_column(Integer, default=0)
+    next_attempt_at: Mapped[float | None] = mapped_column(Double, nullable=True)
+    dispatched_at: Mapped[float | None] = mapped_column(Double, nullable=True)
+    created_at: Mapped[float] = mapped_column(Double)
+    updated_at: Mapped[float] = mapped_column(Double)
+
+    __table_args__ = (Index("ix_webhook_events_due", "status", "next_attempt_at"),)
+
+
+class WebhookAttempt(Base):
+    """One HTTP attempt to deliver an event, whatever its outcome."""
+
+    __tablename__ = "webhook_attempts"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    event_id: Mapped[str] = mapped_column(
+        String(40), ForeignKey("webhook_events.id", ondelete="CASCADE"), index=True
+    )
+    number: Mapped[int] = mapped_column(Integer)
+    kind: Mapped[str] = mapped_column(String(16))  # scheduled | redelivery
+    url: Mapped[str] = mapped_column(Text)
+    address: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    started_at: Mapped[float] = mapped_column(Double)
+    latency_ms: Mapped[float | None] = mapped_column(Double, nullable=True)
+    status_code: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    ok: Mapped[bool] = mapped_column(Boolean)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    response_body: Mapped[str | None] = mapped_column(Text, nullable=True)
+
+
+class File(Base):
+    """An uploaded batch input or a generated batch output (bytes: app/core/storage.py)."""
+
+    __tablename__ = "files"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(64))
+    purpose: Mapped[str] = mapped_column(String(32))  # batch | batch_output
+    filename: Mapped[str] = mapped_column(String(255))
+    bytes: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[float] = mapped_column(Double)
+
+    __table_args__ = (Index("ix_files_tenant_id", "tenant", "id"),)
+
+
+class BatchStatus(StrEnum):
+    VALIDATING = "validating"
+    FAILED = "failed"
+    IN_PROGRESS = "in_progress"
+    FINALIZING = "finalizing"
+    COMPLETED = "completed"
+    EXPIRED = "expired"
+    CANCELLING = "cancelling"
+    CANCELLED = "cancelled"
+
+
+BATCH_TERMINAL: frozenset[str] = frozenset(
+    {BatchStatus.FAILED, BatchStatus.COMPLETED, BatchStatus.EXPIRED, BatchStatus.CANCELLED}
+)
+
+
+class Batch(Base):
+    """An OpenAI-style batch: one input file whose lines run as bulk jobs (``jobs.batch_id``)."""
+
+    __tablename__ = "batches"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(64))
+    endpoint: Mapped[str] = mapped_column(String(64))
+    input_file_id: Mapped[str] = mapped_column(String(40))
+    completion_window: Mapped[str] = mapped_column(String(16))
+    status: Mapped[str] = mapped_column(String(16))
+    output_file_id: Mapped[str | None] = mapped_column(String(40), nullable=True)
+    error_file_id: Mapped[str | None] = mapped_column(String(40), nullable=True)
+    # Validation errors of the input file: [{"code", "message", "param", "line"}].
+    errors: Mapped[list[dict[str, Any]] | None] = mapped_column(JSONType, nullable=True)
+    meta: Mapped[dict[str, str]] = mapped_column("metadata", JSONType)
+    webhook_url: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # Counts are kept live from the jobs while the batch runs and frozen when it ends.
+    request_total: Mapped[int] = mapped_column(Integer, default=0)
+    request_completed: Mapped[int] = mapped_column(Integer, default=0)
+    request_failed: Mapped[int] = mapped_column(Integer, default=0)
+
+    created_at: Mapped[float] = mapped_column(Double)
+    expires_at: Mapped[float] = mapped_column(Double)
+    in_progress_at: Mapped[float | None] = mapped_column(Double, nullable=True)
+    finalizing_at: Mapped[float | None] = mapped_column(Double, nullable=True)
+    completed_at: Mapped[float | None] = mapped_column(Double, nullable=True)
+    failed_at: Mapped[float | None] = mapped_column(Double, nullable=True)
+    expired_at: Mapped[float | None] = mapped_column(Double, nullable=True)
+    cancelling_at: Mapped[float | None] = mapped_column(Double, nullable=True)
+    cancelled_at: Mapped[float | None] = mapped_column(Double, nullable=True)
+    # An ops worker validating or finalizing the batch holds it from this time (a lease).
+    claimed_at: Mapped[float | None] = mapped_column(Double, nullable=True)
+    updated_at: Mapped[float] = mapped_column(Double)
+
+    __table_args__ = (
+        Index("ix_batches_tenant_id", "tenant", "id"),
+        Index("ix_batches_status", "status"),
+    )

@@ -1,0 +1,215 @@
+"""The OpenAI wire format: request bodies in, job bodies out, and job rows back to responses.
+
+One translation serves the realtime endpoints (``/v1/chat/completions``, ``/v1/completions``)
+and batch lines, so a line is valid in a batch exactly when the same body would be accepted by
+the endpoint. Bounds are the jobs API's own (``JobCreate``); an OpenAI parameter inferq does not
+implement is refused by name (422), never silently ignored. inferq's additions: ``lane``
+(default realtime), ``metadata`` and ``timeout_s``, as on jobs.
+
+A completion's ``id`` is its job's id, so ``GET /v1/jobs/<id>`` finds every call.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field, ValidationError, field_validator
+
+from app.api.errors import ApiError, param_path
+from app.core.models import Job, JobStatus, Lane
+from app.core.schemas import ChatMessage, JobCreate, StrictModel
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+ENDPOINTS = (CHAT, COMPLETIONS)
+# OpenAI's default for the legacy completions endpoint (vLLM's too); chat has none.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+# Engine errors that are the request's fault (HTTP 400, like OpenAI's invalid_request_error).
+REQUEST_ERRORS = frozenset({"context_length_exceeded", "invalid_request"})
+
+
+class StreamOptions(StrictModel):
+    include_usage: bool = False
+
+
+class _Request(StrictModel):
+    model: str = Field(min_length=1, max_length=256)
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = Field(None, max_length=256)  # accepted for compatibility, not stored
+    metadata: dict[str, str] = Field(default_factory=dict)
+    lane: Lane = Lane.REALTIME
+    timeout_s: float | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, value: int) -> int:
+        if value != 1:
+            raise ValueError("only n=1 is supported")
+        return value
+
+    def _params(self, max_tokens: int | None) -> dict[str, Any]:
+        params: dict[str, Any] = {"max_tokens": max_tokens, "stop": self.stop, "seed": self.seed}
+        if self.temperature is not None:
+            params["temperature"] = self.temperature
+        if self.top_p is not None:
+            params["top_p"] = self.top_p
+        return params
+
+    def _job(self, fields: dict[str, Any]) -> JobCreate:
+        """The job body, with the jobs API's bounds; errors name the OpenAI parameter."""
+        try:
+            return JobCreate.model_validate(
+                {
+                    "lane": self.lane,
+                    "model": self.model,
+                    "metadata": self.metadata,
+                    "timeout_s": self.timeout_s,
+                    **fields,
+                }
+            )
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            param = param_path(("body", *first["loc"]))
+            if param is not None:
+                param = param.removeprefix("params.")
+            message = str(first["msg"]).removeprefix("Value error, ")
+            raise ApiError(
+                422, str(first["type"]), f"{param}: {message}" if param else message, param=param
+            ) from None
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+
+    def job(self) -> JobCreate:
+        max_tokens = self.max_completion_tokens or self.max_tokens
+        return self._job({"messages": self.messages, "params": self._params(max_tokens)})
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[str]
+    echo: bool = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, value: str | list[str]) -> str:
+        if isinstance(value, list):
+            if len(value) != 1:
+                raise ValueError("exactly one prompt per request (send a batch for many)")
+            return value[0]
+        return value
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("echo is not supported")
+        return value
+
+    def job(self) -> JobCreate:
+        max_tokens = self.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
+        return self._job({"prompt": self.prompt, "params": self._params(max_tokens)})
+
+
+REQUEST_TYPES: dict[str, type[ChatCompletionRequest] | type[CompletionRequest]] = {
+    CHAT: ChatCompletionRequest,
+    COMPLETIONS: CompletionRequest,
+}
+
+
+def endpoint_of(job: Job) -> str:
+    return CHAT if job.messages is not None else COMPLETIONS
+
+
+def usage(job: Job) -> dict[str, int]:
+    prompt = job.prompt_tokens or 0
+    completion = job.completion_tokens or 0
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+def response_body(job: Job) -> dict[str, Any]:
+    """The OpenAI response of a succeeded job (``chat.completion`` or ``text_completion``)."""
+    text = job.result_text or ""
+    if endpoint_of(job) == CHAT:
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": job.finish_reason,
+        }
+        kind = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": job.finish_reason}
+        kind = "text_completion"
+    return {
+        "id": job.id,
+        "object": kind,
+        "created": int(job.created_at),
+        "model": job.model,
+        "choices": [choice],
+        "usage": usage(job),
+    }
+
+
+def chunk(
+    job: Job,
+    *,
+    text: str | None = None,
+    role: bool = False,
+    finish_reason: str | None = None,
+    with_usage: bool = False,
+) -> dict[str, Any]:
+    """One streamed chunk (``chat.completion.chunk`` or ``text_completion``).
+
+    With ``with_usage`` it is the final usage chunk OpenAI sends for
+    ``stream_options.include_usage``: no choices, the job's usage.
+    """
+    chat = endpoint_of(job) == CHAT
+    body: dict[str, Any] = {
+        "id": job.id,
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": int(job.created_at),
+        "model": job.model,
+    }
+    if with_usage:
+        body["choices"] = []
+        body["usage"] = usage(job)
+        return body
+    if chat:
+        delta: dict[str, Any] = {}
+        if role:
+            delta["role"] = "assistant"
+        if text is not None:
+            delta["content"] = text
+        choice: dict[str, Any] = {"index": 0, "delta": delta}
+    else:
+        choice = {"index": 0, "text": text or ""}
+    choice["logprobs"] = None
+    choice["finish_reason"] = finish_reason
+    body["choices"] = [choice]
+    return body
+
+
+def job_error(job: Job) -> ApiError:
+    """The HTTP error for a job that ended without succeeding."""
+    code = job.error_code or str(job.status)
+    message = job.error_message or f"the job ended {job.status}"
+    if job.status == JobStatus.FAILED:
+        status = 400 if code in REQUEST_ERRORS else 500
+    elif job.status == JobStatus.EXPIRED:
+        status = 504
+    else:  # cancelled (POST /v1/jobs/{id}/cancel, or its batch was cancelled)
+        status, code, message = 409, "job_cancelled", "the job was cancelled"
+    return ApiError(status, code, f"{message} (job {job.id})")

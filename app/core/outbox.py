@@ -1,0 +1,240 @@
+"""Webhook events as an outbox: written in the transaction of the change that causes them.
+
+Every place that moves a job to a terminal state (the API's cancel, a worker's claim that
+finds the deadline passed, a worker's outcome write, the reaper) runs
+:func:`record_job_events` in the same transaction, with the ``finished_at`` stamp it wrote: an
+event exists if and only if the transition committed, and a write that was fenced off creates
+none. After the commit the events are announced to the ops worker (:func:`announce`); an
+announcement that fails is made by the ops worker's sweep instead, like a job whose enqueue
+failed.
+
+A job ends once, so it has at most one event; its id (the ``webhook-id``) is derived from the
+job id, which makes the insert a single ``INSERT ... SELECT`` on SQLite and PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+from collections.abc import Collection
+from typing import Any
+
+from sqlalchemy import Insert, Select, String, func, insert, literal, select, update
+from sqlalchemy.engine import Connection
+from sqlalchemy.orm import Session
+
+from app.api.errors import ApiError
+from app.core import dispatch
+from app.core.db import session_scope
+from app.core.models import (
+    BATCH_TERMINAL,
+    TERMINAL,
+    Batch,
+    Job,
+    WebhookAttempt,
+    WebhookEvent,
+    WebhookStatus,
+    now,
+)
+from app.core.schemas import BatchOut, JobOut
+from app.core.webhooks import BATCH_EVENT_PREFIX, JOB_EVENT_PREFIX
+
+log = logging.getLogger("inferq.outbox")
+
+EVENT_PREFIX = "msg_"
+SWEEP_BATCH = 1000  # most events announced at once
+
+
+def event_id_for_job(job_id: str) -> str:
+    return EVENT_PREFIX + job_id.removeprefix("job_")
+
+
+def job_events(job_ids: Collection[str], stamp: float) -> Insert:
+    """Insert the events of the jobs among ``job_ids`` that this transaction finished.
+
+    "This transaction" is told by ``finished_at == stamp``; jobs without a webhook_url get
+    none. Returns the new event ids.
+    """
+    suffix = func.substr(Job.id, len("job_") + 1)
+    source = select(
+        literal(EVENT_PREFIX, String) + suffix,
+        Job.tenant,
+        literal(JOB_EVENT_PREFIX, String) + Job.status,
+        Job.id,
+        Job.webhook_url,
+        Job.finished_at,
+        literal(str(WebhookStatus.PENDING), String),
+        literal(0),
+        literal(0),
+        Job.finished_at,
+        Job.finished_at,
+        Job.finished_at,
+    ).where(
+        Job.id.in_(list(job_ids)),
+        Job.webhook_url.is_not(None),
+        Job.status.in_(list(TERMINAL)),
+        Job.finished_at == stamp,
+    )
+    return _insert_events("job_id", source)
+
+
+def _insert_events(owner: str, source: Select[*tuple[Any, ...]]) -> Insert:
+    """INSERT ... SELECT of event rows; ``source`` yields the columns below, in order."""
+    columns = [
+        "id",
+        "tenant",
+        "type",
+        owner,
+        "url",
+        "occurred_at",
+        "status",
+        "attempts",
+        "round_attempts",
+        "next_attempt_at",
+        "created_at",
+        "updated_at",
+    ]
+    return insert(WebhookEvent).from_select(columns, source).returning(WebhookEvent.id)
+
+
+def record_job_events(connection: Connection, job_ids: Collection[str], stamp: float) -> list[str]:
+    if not job_ids:
+        return []
+    return list(connection.execute(job_events(job_ids, stamp)).scalars())
+
+
+def record_batch_event(connection: Connection, batch_id: str, stamp: float) -> list[str]:
+    """The ``batch.<status>`` event of a batch that has just ended (if it has a webhook_url)."""
+    source = select(
+        literal(EVENT_PREFIX, String) + Batch.id,
+        Batch.tenant,
+        literal(BATCH_EVENT_PREFIX, String) + Batch.status,
+        Batch.id,
+        Batch.webhook_url,
+        literal(stamp),
+        literal(str(WebhookStatus.PENDING), String),
+        literal(0),
+        literal(0),
+        literal(stamp),
+        literal(stamp),
+        literal(stamp),
+    ).where(
+        Batch.id == batch_id,
+        Batch.webhook_url.is_not(None),
+        Batch.status.in_(list(BATCH_TERMINAL)),
+    )
+    return list(connection.execute(_insert_events("batch_id", source)).scalars())
+
+
+def event_data(session: Session, job_id: str | None, batch_id: str | None) -> dict[str, Any]:
+    """The ``data`` of an event: the job or batch exactly as the API returns it."""
+    if job_id is not None:
+        job = session.get(Job, job_id)
+        if job is not None:
+            return JobOut.from_row(job).model_dump(mode="json")
+    if batch_id is not None:
+        batch = session.get(Batch, batch_id)
+        if batch is not None:
+            return BatchOut.from_row(batch).model_dump(mode="json")
+    return {"id": job_id or batch_id}
+
+
+def announce(event_ids: list[str]) -> None:
+    """Tell the ops worker about committed events, and stamp the ones that went out.
+
+    Never raises for a broker or database failure: the sweep finds what was not stamped.
+    """
+    if not event_ids:
+        return
+    try:
+        failed = set(dispatch.deliver_webhooks(event_ids))
+        sent = [event_id for event_id in event_ids if event_id not in failed]
+        if sent:
+            with session_scope() as session:
+                session.execute(
+                    update(WebhookEvent)
+                    .where(WebhookEvent.id.in_(sent))
+                    .values(dispatched_at=now())
+                )
+    except Exception:
+        log.exception("announcing %d webhook event(s) failed; the sweep will", len(event_ids))
+
+
+class Announcer:
+    """Announces events from a thread of its own, so the caller never waits on the broker.
+
+    The inference worker's result writer uses it: a slow or absent Redis must not hold up
+    the recording of job outcomes.
+    """
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[list[str]] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name="announcer", daemon=True)
+        self._thread.start()
+
+    def put(self, event_ids: list[str]) -> None:
+        if event_ids:
+            self._queue.put(event_ids)
+
+    def _loop(self) -> None:
+        while True:
+            ids = self._queue.get()
+            with contextlib.suppress(queue.Empty):
+                while len(ids) < SWEEP_BATCH:
+                    ids += self._queue.get_nowait()
+            announce(ids)
+
+
+def job_event(session: Session, job: Job) -> WebhookEvent | None:
+    return session.scalars(select(WebhookEvent).where(WebhookEvent.job_id == job.id)).first()
+
+
+def attempts(session: Session, event: WebhookEvent) -> list[WebhookAttempt]:
+    query = select(WebhookAttempt).where(WebhookAttempt.event_id == event.id)
+    return list(session.scalars(query.order_by(WebhookAttempt.number, WebhookAttempt.started_at)))
+
+
+def _in_flight(session: Session, event: WebhookEvent) -> bool:
+    """An attempt was claimed and has not been recorded yet, and its lease still runs."""
+    recorded = session.scalar(
+        select(func.count()).select_from(WebhookAttempt).where(WebhookAttempt.event_id == event.id)
+    )
+    lease = event.next_attempt_at
+    return (
+        event.status == WebhookStatus.PENDING
+        and event.attempts > (recorded or 0)
+        and lease is not None
+        and lease > now()
+    )
+
+
+def redeliver(session: Session, job: Job) -> WebhookEvent:
+    """Send a finished job's event again, same ``webhook-id``, with a fresh retry schedule."""
+    if job.webhook_url is None:
+        raise ApiError(409, "no_webhook", "this job has no webhook_url", param="id")
+    if job.status not in TERMINAL or job.finished_at is None:
+        raise ApiError(409, "job_not_finished", "the job has no event until it ends", param="id")
+    event = job_event(session, job)
+    if event is not None and _in_flight(session, event):
+        raise ApiError(
+            409,
+            "delivery_in_progress",
+            "an attempt to deliver this event is under way; retry when it has ended",
+            param="id",
+        )
+    if event is None:
+        # Finished before it had an event (e.g. before webhooks existed): create it now.
+        record_job_events(session.connection(), [job.id], job.finished_at)
+        event = job_event(session, job)
+        assert event is not None
+    stamp = now()
+    event.status = WebhookStatus.PENDING
+    event.round_attempts = 0
+    event.next_attempt_at = stamp
+    event.updated_at = stamp
+    session.commit()
+    announce([event.id])
+    session.refresh(event)
+    return event

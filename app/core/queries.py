@@ -1,0 +1,48 @@
+"""Reads every tenant-owned resource shares (jobs, files, batches): one row, and a page.
+
+Another tenant's row is "not found", never "forbidden", so existence is not leaked. Ids sort by
+creation time (``new_id``), which makes ``after`` (the last id of the previous page) a stable
+cursor for newest-first pages.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+from sqlalchemy import Select
+from sqlalchemy.orm import Session
+
+from app.api.errors import ApiError
+from app.core.schemas import storable
+from app.core.settings import get_settings
+
+T = TypeVar("T")
+
+
+def owned(session: Session, model: type[T], tenant: str, row_id: str, what: str) -> T:
+    """The tenant's ``model`` row ``row_id``, else 404 ``<what>_not_found``."""
+    row: Any = session.get(model, row_id) if storable(row_id) else None
+    if row is None or row.tenant != tenant:
+        param = "id" if what == "job" else f"{what}_id"
+        raise ApiError(404, f"{what}_not_found", f"no {what} {row_id!r}", param=param)
+    result: T = row
+    return result
+
+
+def check_limit(limit: int) -> int:
+    top = get_settings().list_max_limit
+    if limit > top:
+        raise ApiError(422, "limit_too_large", f"limit must be at most {top}", param="limit")
+    return limit
+
+
+def page(
+    session: Session, query: Select[T], id_column: Any, limit: int, after: str | None
+) -> tuple[list[T], bool]:
+    """Newest first, at most ``limit`` rows after the cursor; (rows, has_more)."""
+    if after is not None:
+        if not storable(after):
+            raise ApiError(422, "invalid_cursor", "after is not an id", param="after")
+        query = query.where(id_column < after)
+    rows = list(session.scalars(query.order_by(id_column.desc()).limit(check_limit(limit) + 1)))
+    return rows[:limit], len(rows) > limit

@@ -1,0 +1,531 @@
+"""Pydantic request and response models of the public HTTP contract (DESIGN §4).
+
+Bounds that operators may tune come from settings and are checked in validators, so an
+out-of-bounds value is a 422 that names its field. Unknown fields are refused (a typo such as
+``max_token`` must not be silently ignored).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+)
+
+from app.core.models import Batch, File, Job, JobStatus, Lane, WebhookAttempt, WebhookEvent
+from app.core.settings import get_settings
+
+
+def storable(text: str) -> bool:
+    """Text the databases can hold: no NUL (PostgreSQL refuses it), no lone surrogates."""
+    if "\x00" in text:
+        return False
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _check_storable(value: Any) -> None:
+    if isinstance(value, str):
+        if not storable(value):
+            raise ValueError("text must be valid Unicode without NUL characters")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_storable(key)
+            _check_storable(item)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            _check_storable(item)
+
+
+class StrictModel(BaseModel):
+    """Request bodies: unknown fields refused, every string storable as it is."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    @field_validator("*")
+    @classmethod
+    def _storable_text(cls, value: Any) -> Any:
+        _check_storable(value)
+        return value
+
+
+class TextPart(StrictModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(StrictModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart]
+    name: str | None = Field(None, max_length=64)
+
+    @field_validator("content")
+    @classmethod
+    def _content_bounds(cls, value: str | list[TextPart]) -> str:
+        text = value if isinstance(value, str) else "".join(part.text for part in value)
+        limit = get_settings().max_prompt_chars
+        if len(text) > limit:
+            raise ValueError(f"message content is longer than {limit} characters")
+        return text
+
+
+def check_webhook_scheme(value: str | None) -> str | None:
+    if value is not None and not value.lower().startswith(("http://", "https://")):
+        raise ValueError("webhook_url must be an http(s) URL")
+    return value
+
+
+def check_metadata(value: dict[str, str]) -> dict[str, str]:
+    s = get_settings()
+    if len(value) > s.metadata_max_pairs:
+        raise ValueError(f"at most {s.metadata_max_pairs} metadata pairs are allowed")
+    for key, item in value.items():
+        if not key or len(key) > s.metadata_max_key_chars:
+            raise ValueError(f"metadata keys must be 1 to {s.metadata_max_key_chars} chars")
+        if len(item) > s.metadata_max_value_chars:
+            raise ValueError(f"metadata values must be at most {s.metadata_max_value_chars}")
+    return value
+
+
+class JobParams(StrictModel):
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _max_tokens_bound(cls, value: int | None) -> int | None:
+        limit = get_settings().max_tokens_limit
+        if value is not None and value > limit:
+            raise ValueError(f"max_tokens must be at most {limit}")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_bounds(cls, value: str | list[str] | None) -> list[str] | None:
+        if value is None:
+            return None
+        stops = [value] if isinstance(value, str) else value
+        settings = get_settings()
+        if len(stops) > settings.max_stop_sequences:
+            raise ValueError(f"at most {settings.max_stop_sequences} stop sequences are allowed")
+        if any(not s or len(s) > settings.max_stop_chars for s in stops):
+            raise ValueError(
+                f"each stop sequence must be 1 to {settings.max_stop_chars} characters"
+            )
+        return stops
+
+
+class JobCreate(StrictModel):
+    lane: Lane = Lane.STANDARD
+    model: str | None = Field(None, min_length=1, max_length=256)
+    prompt: str | None = Field(None, min_length=1)
+    messages: list[ChatMessage] | None = Field(None, validate_default=True)
+    params: JobParams = Field(default_factory=lambda: JobParams())
+    webhook_url: str | None = Field(None, max_length=2048)
+    metadata: dict[str, str] = Field(default_factory=dict)
+    timeout_s: float | None = Field(None, gt=0)
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_bounds(cls, value: str | None) -> str | None:
+        limit = get_settings().max_prompt_chars
+        if value is not None and len(value) > limit:
+            raise ValueError(f"prompt is longer than {limit} characters")
+        return value
+
+    @field_validator("messages")
+    @classmethod
+    def _exactly_one_input(
+        cls, value: list[ChatMessage] | None, info: ValidationInfo
+    ) -> list[ChatMessage] | None:
+        # Field order makes `prompt` validated (or rejected) before this runs.
+        if "prompt" not in info.data:
+            return value
+        if (value is None) == (info.data["prompt"] is None):
+            raise ValueError("exactly one of `prompt` or `messages` is required")
+        if value is not None:
+            limit = get_settings().max_messages
+            if not value:
+                raise ValueError("messages must not be empty")
+            if len(value) > limit:
+                raise ValueError(f"at most {limit} messages are allowed")
+        return value
+
+    @field_validator("webhook_url")
+    @classmethod
+    def _webhook_scheme(cls, value: str | None) -> str | None:
+        return check_webhook_scheme(value)
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_bounds(cls, value: dict[str, str]) -> dict[str, str]:
+        return check_metadata(value)
+
+    @field_validator("timeout_s")
+    @classmethod
+    def _timeout_bound(cls, value: float | None) -> float | None:
+        limit = get_settings().max_timeout_s
+        if value is not None and value > limit:
+            raise ValueError(f"timeout_s must be at most {limit}")
+        return value
+
+
+class JobBulkCreate(StrictModel):
+    """``POST /v1/jobs/bulk``: many job bodies, accepted or refused together."""
+
+    jobs: list[JobCreate] = Field(min_length=1)
+
+    @field_validator("jobs")
+    @classmethod
+    def _count(cls, value: list[JobCreate]) -> list[JobCreate]:
+        limit = get_settings().bulk_max_jobs
+        if len(value) > limit:
+            raise ValueError(f"at most {limit} jobs per request (got {len(value)})")
+        return value
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class JobResult(BaseModel):
+    text: str
+    finish_reason: str | None
+    usage: Usage
+
+
+class JobError(BaseModel):
+    code: str
+    message: str
+
+
+def _secs(value: float | None) -> int | None:
+    return None if value is None else int(value)
+
+
+def _ms(start: float | None, end: float | None) -> int | None:
+    return None if start is None or end is None else max(0, round((end - start) * 1000))
+
+
+class JobTimings(BaseModel):
+    """When the job passed each point, in unix seconds with milliseconds, and the spans between.
+
+    ``started_at`` and ``first_token_at`` belong to the job's last attempt.
+    """
+
+    queued_at: float
+    started_at: float | None
+    first_token_at: float | None
+    finished_at: float | None
+    queue_ms: int | None = Field(description="queued_at to started_at: time spent waiting.")
+    ttft_ms: int | None = Field(description="queued_at to first_token_at: time to first token.")
+    duration_ms: int | None = Field(description="started_at to finished_at: time running.")
+
+    @classmethod
+    def from_row(cls, job: Job) -> JobTimings:
+        def ms3(value: float | None) -> float | None:
+            return None if value is None else round(value, 3)
+
+        started = job.started_at if job.status != JobStatus.QUEUED else None
+        return cls(
+            queued_at=round(job.created_at, 3),
+            started_at=ms3(started),
+            first_token_at=ms3(job.first_token_at),
+            finished_at=ms3(job.finished_at),
+            queue_ms=_ms(job.created_at, started),
+            ttft_ms=_ms(job.created_at, job.first_token_at),
+            duration_ms=_ms(started, job.finished_at),
+        )
+
+
+class JobOut(BaseModel):
+    id: str
+    object: Literal["job"] = "job"
+    status: str
+    lane: str
+    model: str
+    created_at: int
+    started_at: int | None
+    finished_at: int | None
+    result: JobResult | None
+    error: JobError | None
+    attempts: int
+    metadata: dict[str, str]
+    webhook_url: str | None
+    batch_id: str | None
+    timings: JobTimings
+
+    @classmethod
+    def from_row(cls, job: Job) -> JobOut:
+        result = None
+        if job.result_text is not None:
+            prompt_tokens = job.prompt_tokens or 0
+            completion_tokens = job.completion_tokens or 0
+            result = JobResult(
+                text=job.result_text,
+                finish_reason=job.finish_reason,
+                usage=Usage(
+                    prompt_tokens=prompt_tokens,
+                    completion_tokens=completion_tokens,
+                    total_tokens=prompt_tokens + completion_tokens,
+                ),
+            )
+        error = None
+        if job.error_code is not None:
+            error = JobError(code=job.error_code, message=job.error_message or "")
+        return cls(
+            id=job.id,
+            status=job.status,
+            lane=job.lane,
+            model=job.model,
+            created_at=int(job.created_at),
+            started_at=_secs(job.started_at),
+            finished_at=_secs(job.finished_at),
+            result=result,
+            error=error,
+            attempts=job.attempts,
+            metadata=dict(job.meta or {}),
+            webhook_url=job.webhook_url,
+            batch_id=job.batch_id,
+            timings=JobTimings.from_row(job),
+        )
+
+
+class JobList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[JobOut]
+    has_more: bool
+
+
+class JobBulkOut(BaseModel):
+    data: list[JobOut]
+
+
+class ErrorDetail(BaseModel):
+    type: str
+    code: str | None
+    message: str
+    param: str | None
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail
+
+
+class WebhookEventOut(BaseModel):
+    id: str  # the webhook-id header of every attempt
+    object: Literal["webhook_event"] = "webhook_event"
+    type: str
+    url: str
+    status: str
+    attempts: int
+    next_attempt_at: int | None
+    created_at: int
+
+    @classmethod
+    def from_row(cls, event: WebhookEvent) -> WebhookEventOut:
+        return cls(
+            id=event.id,
+            type=event.type,
+            url=event.url,
+            status=event.status,
+            attempts=event.attempts,
+            next_attempt_at=_secs(event.next_attempt_at),
+            created_at=int(event.created_at),
+        )
+
+
+class WebhookDeliveryOut(BaseModel):
+    id: str
+    object: Literal["webhook_delivery"] = "webhook_delivery"
+    webhook_id: str
+    attempt: int
+    kind: str
+    url: str
+    address: str | None
+    created_at: float
+    latency_ms: float | None
+    status_code: int | None
+    ok: bool
+    error: str | None
+    response_body: str | None
+
+    @classmethod
+    def from_row(cls, attempt: WebhookAttempt) -> WebhookDeliveryOut:
+        return cls(
+            id=attempt.id,
+            webhook_id=attempt.event_id,
+            attempt=attempt.number,
+            kind=attempt.kind,
+            url=attempt.url,
+            address=attempt.address,
+            created_at=attempt.started_at,
+            latency_ms=attempt.latency_ms,
+            status_code=attempt.status_code,
+            ok=attempt.ok,
+            error=attempt.error,
+            response_body=attempt.response_body,
+        )
+
+
+class WebhookDeliveryList(BaseModel):
+    object: Literal["list"] = "list"
+    event: WebhookEventOut | None
+    data: list[WebhookDeliveryOut]
+
+
+# --- files and batches (OpenAI's Files and Batch APIs) ----------------------------------------
+
+
+class FileOut(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: str
+    status: Literal["processed"] = "processed"
+    expires_at: int | None = None
+    status_details: str | None = None
+
+    @classmethod
+    def from_row(cls, row: File) -> FileOut:
+        return cls(
+            id=row.id,
+            bytes=row.bytes,
+            created_at=int(row.created_at),
+            filename=row.filename,
+            purpose=row.purpose,
+        )
+
+
+class FileList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[FileOut]
+    has_more: bool
+    first_id: str | None
+    last_id: str | None
+
+
+class FileDeleted(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    deleted: bool = True
+
+
+class BatchCreate(StrictModel):
+    input_file_id: str = Field(min_length=1, max_length=64)
+    endpoint: str
+    completion_window: str = Field(
+        description='"24h" as with OpenAI, or any duration like "90s", "30m", "2h" up to '
+        "INFERQ_BATCH_MAX_WINDOW_S."
+    )
+    metadata: dict[str, str] | None = None
+    # inferq's addition: batch.* events are signed and delivered like job events.
+    webhook_url: str | None = Field(None, max_length=2048)
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_bounds(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        return None if value is None else check_metadata(value)
+
+    @field_validator("webhook_url")
+    @classmethod
+    def _webhook_scheme(cls, value: str | None) -> str | None:
+        return check_webhook_scheme(value)
+
+
+class BatchError(BaseModel):
+    code: str
+    message: str
+    param: str | None = None
+    line: int | None = None
+
+
+class BatchErrors(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[BatchError]
+
+
+class RequestCounts(BaseModel):
+    total: int
+    completed: int
+    failed: int
+
+
+class BatchOut(BaseModel):
+    id: str
+    object: Literal["batch"] = "batch"
+    endpoint: str
+    errors: BatchErrors | None
+    input_file_id: str
+    completion_window: str
+    status: str
+    output_file_id: str | None
+    error_file_id: str | None
+    created_at: int
+    in_progress_at: int | None
+    expires_at: int | None
+    finalizing_at: int | None
+    completed_at: int | None
+    failed_at: int | None
+    expired_at: int | None
+    cancelling_at: int | None
+    cancelled_at: int | None
+    request_counts: RequestCounts
+    metadata: dict[str, str] | None
+    webhook_url: str | None
+
+    @classmethod
+    def from_row(cls, batch: Batch, counts: RequestCounts | None = None) -> BatchOut:
+        errors = None
+        if batch.errors:
+            errors = BatchErrors(data=[BatchError(**e) for e in batch.errors])
+        return cls(
+            id=batch.id,
+            endpoint=batch.endpoint,
+            errors=errors,
+            input_file_id=batch.input_file_id,
+            completion_window=batch.completion_window,
+            status=batch.status,
+            output_file_id=batch.output_file_id,
+            error_file_id=batch.error_file_id,
+            created_at=int(batch.created_at),
+            in_progress_at=_secs(batch.in_progress_at),
+            expires_at=_secs(batch.expires_at),
+            finalizing_at=_secs(batch.finalizing_at),
+            completed_at=_secs(batch.completed_at),
+            failed_at=_secs(batch.failed_at),
+            expired_at=_secs(batch.expired_at),
+            cancelling_at=_secs(batch.cancelling_at),
+            cancelled_at=_secs(batch.cancelled_at),
+            request_counts=counts
+            or RequestCounts(
+                total=batch.request_total,
+                completed=batch.request_completed,
+                failed=batch.request_failed,
+            ),
+            metadata=batch.meta or None,
+            webhook_url=batch.webhook_url,
+        )
+
+
+class BatchList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[BatchOut]
+    has_more: bool
+    first_id: str | None
+    last_id: str | None

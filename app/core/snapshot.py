@@ -1,0 +1,143 @@
+"""What the system looks like right now, read from Redis and the database; shared by
+`inferq status` and the API's /metrics.
+
+Nothing here is kept in memory between calls: every function reads its source afresh, so any
+process (the CLI, any API process) gives the same answer at the same moment.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+from sqlalchemy import Connection, case, func, select
+from sqlalchemy.orm import Session
+
+from app.core.dispatch import WORKERS_KEY_PREFIX
+from app.core.models import Job, JobStatus
+from app.core.settings import LANES
+
+
+@dataclass(frozen=True)
+class LaneJobs:
+    queued: int = 0
+    running: int = 0
+    oldest_queued_age_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Throughput:
+    window_s: float
+    finished: dict[str, int] = field(default_factory=dict)
+    completion_tokens: int = 0
+
+    @property
+    def jobs_per_s(self) -> float:
+        return sum(self.finished.values()) / self.window_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.completion_tokens / self.window_s
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    taken_at: float
+    messages: dict[str, int]
+    lanes: dict[str, LaneJobs]
+    workers: list[dict[str, Any]]
+    throughput: Throughput
+
+
+def lane_messages(client: redis.Redis) -> dict[str, int]:
+    """Messages waiting in each lane's Redis list.
+
+    With ``priority_steps=[0]`` (app/core/dispatch.py) kombu keeps a queue's messages in one list
+    named after the queue. Messages a worker has fetched but not acknowledged are not counted.
+    """
+    with client.pipeline(transaction=False) as pipe:
+        for lane in LANES:
+            pipe.llen(lane)
+        sizes = pipe.execute()
+    return {lane: int(size) for lane, size in zip(LANES, sizes, strict=True)}
+
+
+def queued_jobs(db: Session | Connection) -> dict[str, int]:
+    """Queued jobs per lane, for admission's backpressure.
+
+    Apart from :func:`lane_jobs` because it runs every second while a backlog is deepest:
+    this count is answered from the ``(status, lane)`` index alone, where the oldest job's age
+    reads every queued row.
+    """
+    rows = db.execute(
+        select(Job.lane, func.count()).where(Job.status == JobStatus.QUEUED).group_by(Job.lane)
+    ).all()
+    counts = {lane: int(count) for lane, count in rows}
+    return {lane: counts.get(lane, 0) for lane in LANES}
+
+
+def lane_jobs(db: Session | Connection, now: float) -> dict[str, LaneJobs]:
+    """Queued and running jobs per lane and the age of each lane's oldest queued job."""
+    rows = db.execute(
+        select(Job.lane, Job.status, func.count(), func.min(Job.created_at))
+        .where(Job.status.in_([JobStatus.QUEUED, JobStatus.RUNNING]))
+        .group_by(Job.lane, Job.status)
+    ).all()
+    counts: dict[tuple[str, str], int] = {}
+    oldest: dict[str, float] = {}
+    for lane, status, count, first_created in rows:
+        counts[(lane, status)] = int(count)
+        if status == JobStatus.QUEUED and first_created is not None:
+            # Clocks of the API hosts and this one may disagree a little; an age is never < 0.
+            oldest[lane] = max(0.0, now - float(first_created))
+    return {
+        lane: LaneJobs(
+            queued=counts.get((lane, JobStatus.QUEUED), 0),
+            running=counts.get((lane, JobStatus.RUNNING), 0),
+            oldest_queued_age_s=oldest.get(lane, 0.0),
+        )
+        for lane in LANES
+    }
+
+
+def workers(client: redis.Redis) -> list[dict[str, Any]]:
+    """The presence records of live workers (``workers/heartbeat.py``), sorted by worker id.
+
+    A record expires a few heartbeats after its worker stops announcing, so a dead worker
+    drops out of this list by itself.
+    """
+    found: list[dict[str, Any]] = []
+    for key in client.scan_iter(match=WORKERS_KEY_PREFIX + "*", count=100):
+        raw = client.get(key)
+        if raw is None:  # expired between SCAN and GET
+            continue
+        try:
+            record = json.loads(raw)
+        except ValueError:
+            continue
+        if not isinstance(record, dict):
+            continue
+        name = key.decode() if isinstance(key, bytes) else str(key)
+        record.setdefault("worker_id", name.removeprefix(WORKERS_KEY_PREFIX))
+        found.append(record)
+    return sorted(found, key=lambda record: str(record["worker_id"]))
+
+
+def throughput(db: Session | Connection, now: float, window_s: float = 60.0) -> Throughput:
+    """Jobs that finished in the last ``window_s`` seconds, by status, and the completion
+    tokens of the succeeded ones."""
+    succeeded_tokens = case(
+        (Job.status == JobStatus.SUCCEEDED, func.coalesce(Job.completion_tokens, 0)), else_=0
+    )
+    rows = db.execute(
+        select(Job.status, func.count(), func.sum(succeeded_tokens))
+        .where(Job.finished_at > now - window_s, Job.finished_at <= now)
+        .group_by(Job.status)
+    ).all()
+    return Throughput(
+        window_s=window_s,
+        finished={status: int(count) for status, count, _ in rows},
+        completion_tokens=sum(int(tokens or 0) for _, _, tokens in rows),
+    )

@@ -1,0 +1,181 @@
+"""Prompt token counts as the served model counts them, from the model card workers publish.
+
+The API holds no model, so it cannot know on its own how many tokens a prompt is or how long
+the model's context is. Workers know both once their engine is up, and publish a **model card**
+in Redis (``inferq:model:<served name>``): the engine's context length and its tokenizer, stored
+beside it as a ``tokenizer.json`` under its digest (``inferq:tokenizer:<sha256>``; the simulated
+engine's word counter is named ``words``). The API reads the card at most once per
+``CARD_CACHE_S``, builds the tokenizer once per digest with the ``tokenizers`` library (no
+torch, no vLLM), and counts:
+
+- a ``prompt`` exactly as the engine does (with the tokenizer's special tokens);
+- ``messages`` as the sum of their contents: a lower bound, since the chat template adds tokens
+  of its own, so a refusal is always right; a prompt that only the template pushes past the
+  context is refused by the engine (the job fails with ``context_length_exceeded``).
+
+With no card yet (no worker has started) or no tokenizer to publish, nothing is checked here
+and the engine stays the judge. The counts also feed the tokens-per-minute limit
+(app/core/limits.py), which falls back to an estimate of four characters a token.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import re
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import redis
+from tokenizers import Tokenizer
+
+from app.api.errors import ApiError
+from app.core.schemas import JobCreate
+
+log = logging.getLogger("inferq.tokens")
+
+CARD_KEY = "inferq:model:"
+TOKENIZER_KEY = "inferq:tokenizer:"
+WORDS = "words"  # the simulated engine's tokenizer: words and punctuation marks
+CARD_CACHE_S = 10.0
+
+_WORD_RE = re.compile(r"\w+|[^\w\s]")
+
+
+def count_words(text: str) -> int:
+    """The simulated tokenizer: words and punctuation marks."""
+    return max(1, len(_WORD_RE.findall(text)))
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    """What the API needs to know about the served model."""
+
+    model: str
+    max_model_len: int
+    tokenizer: str  # WORDS, "sha256:<hex>" of a stored tokenizer.json, or "" (none)
+
+
+def publish(
+    client: redis.Redis, model: str, max_model_len: int, tokenizer: str | None
+) -> ModelCard:
+    """Store the card of ``model`` (``tokenizer``: a tokenizer.json, WORDS, or None)."""
+    name = tokenizer or ""
+    if tokenizer and tokenizer != WORDS:
+        digest = hashlib.sha256(tokenizer.encode()).hexdigest()
+        client.set(TOKENIZER_KEY + digest, tokenizer)
+        name = f"sha256:{digest}"
+    card = ModelCard(model, max_model_len, name)
+    client.set(CARD_KEY + model, json.dumps(asdict(card)))
+    return card
+
+
+class Counter:
+    """Counts prompt tokens for one model card."""
+
+    def __init__(self, card: ModelCard, tokenizer: Tokenizer | None) -> None:
+        self.card = card
+        self._tokenizer = tokenizer
+
+    def count(self, body: JobCreate) -> int:
+        if body.messages is not None:
+            texts = [str(m.content) for m in body.messages]
+            specials = False
+        else:
+            texts = [body.prompt or ""]
+            specials = True
+        if self._tokenizer is None:
+            return sum(count_words(text) for text in texts)
+        encoded = self._tokenizer.encode_batch(texts, add_special_tokens=specials)
+        return sum(len(e.ids) for e in encoded)
+
+
+_lock = threading.Lock()
+_cards: dict[str, tuple[float, Counter | None]] = {}
+_tokenizers: dict[str, Tokenizer] = {}
+
+
+def counter(client: redis.Redis, model: str) -> Counter | None:
+    """The counter of ``model``'s published card; None when there is none to use."""
+    now = time.monotonic()
+    with _lock:
+        cached = _cards.get(model)
+    if cached is not None and now - cached[0] < CARD_CACHE_S:
+        return cached[1]
+    found = _load(client, model)
+    with _lock:
+        _cards[model] = (now, found)
+    return found
+
+
+def _load(client: redis.Redis, model: str) -> Counter | None:
+    try:
+        raw = client.get(CARD_KEY + model)
+        if raw is None:
+            return None
+        card = ModelCard(**json.loads(raw))
+        if card.tokenizer == WORDS:
+            return Counter(card, None)
+        if not card.tokenizer.startswith("sha256:"):
+            return None
+        digest = card.tokenizer.removeprefix("sha256:")
+        tokenizer = _tokenizers.get(digest)
+        if tokenizer is None:
+            source = client.get(TOKENIZER_KEY + digest)
+            if source is None:
+                return None
+            tokenizer = Tokenizer.from_str(source.decode() if isinstance(source, bytes) else source)
+            with _lock:
+                _tokenizers.clear()  # one model per deployment: keep the newest only
+                _tokenizers[digest] = tokenizer
+        return Counter(card, tokenizer)
+    except redis.RedisError:
+        return None
+    except Exception:
+        # A card this API cannot read (say, a newer tokenizers format) must not refuse work:
+        # the engine still checks every prompt.
+        log.warning("cannot use the model card of %s; prompts go unchecked", model, exc_info=True)
+        return None
+
+
+def check(
+    client: redis.Redis, model: str, bodies: Sequence[JobCreate], field: str | None = None
+) -> list[int]:
+    """Prompt tokens of each body; 422 for the first that leaves no room in the context.
+
+    ``field`` names the list the bodies came in (``jobs``: the error names ``jobs.3.prompt``).
+    Without a card the counts are estimates (four characters a token) and nothing is refused.
+    """
+    found = counter(client, model)
+    if found is None:
+        return [estimate(body) for body in bodies]
+    counts = []
+    for index, body in enumerate(bodies):
+        n = found.count(body)
+        limit = found.card.max_model_len
+        # vLLM's rule: the context holds the prompt and at least one generated token.
+        if limit and n >= limit:
+            name = "messages" if body.messages is not None else "prompt"
+            param = f"{field}.{index}.{name}" if field else name
+            raise ApiError(
+                422,
+                "context_length_exceeded",
+                f"{param}: the prompt is at least {n} tokens; this model's context of {limit} "
+                "tokens must also hold the output",
+                param=param,
+            )
+        counts.append(n)
+    return counts
+
+
+def estimate(body: JobCreate) -> int:
+    """Prompt tokens when no tokenizer is published: about four characters each."""
+    if body.messages is not None:
+        chars = sum(len(str(m.content)) for m in body.messages) + 16 * len(body.messages)
+    else:
+        chars = len(body.prompt or "")
+    return math.ceil(chars / 4)
