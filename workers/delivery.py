@@ -26,12 +26,11 @@ import httpx
 from sqlalchemy import or_, select, update
 
 from app.core import dispatch, outbox, webhooks
-from app.core.db import session_scope
+from app.core.db import session_scope, with_db_retry
 from app.core.models import WebhookAttempt, WebhookEvent, WebhookStatus, new_id, now
 from app.core.outbox import SWEEP_BATCH
 from app.core.settings import Settings
 from workers import metrics
-from workers.executor import with_db_retry
 
 log = logging.getLogger("inferq.delivery")
 

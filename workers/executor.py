@@ -1,103 +1,73 @@
-"""Running a message's jobs: claim them under a lease, generate, record outcomes behind the fence.
+"""Running a message's jobs: claim them under a lease, generate, hand the outcomes to the recorder.
 
-- A claim is a compare-and-set from ``queued`` to ``running`` that increments the fencing token;
-  a message's jobs (one, or a bulk chunk) are claimed in one transaction. A redelivered message
+- A claim (``transitions.claim``) moves a message's jobs (one, or a bulk chunk) from ``queued``
+  to ``running`` in one transaction and gives each a new fencing token. A redelivered message
   for jobs that are running, finished or cancelled claims nothing, so jobs cancelled while
   queued never run.
-- Every job of a message is in the engine at once; each outcome is written as soon as the job
-  finishes, ``WHERE lease_token = <ours> AND status = 'running'``: a worker that lost its lease
-  (paused, partitioned, presumed dead) changes nothing. Outcomes from all task threads are
-  group-committed by one recorder thread, so a busy worker writes many results per transaction.
+- The jobs go into the engine at once, at most the worker's slots at a time; each outcome goes
+  to the recorder (``workers/recorder.py``) as soon as its job leaves the engine.
 - No DB transaction is open while the engine works. Database errors are retried with backoff
   and the Celery message is acknowledged only after every outcome is committed.
-- Job slots are taken from the lane intake when the message starts and given back as each job
+- Job slots are taken from the lane intake when the message arrives and given back as each job
   leaves the engine (``workers/intake.py``).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
-import queue
 import threading
-import time
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from functools import partial
-from typing import Any, TypeVar
+from typing import Any
 
-from sqlalchemy import bindparam, select, update
-from sqlalchemy.exc import InterfaceError, OperationalError
-
-from app.core import dispatch, jobs, outbox, relay, transitions
-from app.core.db import session_scope
-from app.core.models import (
-    DEADLINE_EXCEEDED,
-    LANE_PRIORITY,
-    Job,
-    JobStatus,
-    can_transition,
-    expire_overdue,
-    job_update,
-    now,
-)
+from app.core import dispatch, outbox, relay, transitions
+from app.core.db import session_scope, with_db_retry
+from app.core.models import LANE_PRIORITY, JobStatus, now
 from app.core.settings import Settings
-from app.core.transitions import Transition
+from app.core.transitions import DEADLINE_EXCEEDED, Lease, Outcome
 from workers import metrics
 from workers.engines.base import EngineDeadError, EngineRequestError, GenRequest
 from workers.intake import Intake
+from workers.recorder import Recorder
 from workers.runner import GenResult, Runner
 
 log = logging.getLogger("inferq.executor")
-T = TypeVar("T")
-
-
-def with_db_retry(fn: Callable[[], T], what: str, stop: threading.Event | None = None) -> T:
-    """Run ``fn`` until the database answers: workers pause while it is down."""
-    delay = 0.2
-    while True:
-        try:
-            return fn()
-        except (OperationalError, InterfaceError) as exc:
-            if stop is not None and stop.is_set():
-                raise
-            log.warning(
-                "database unavailable during %s, retrying in %.1fs: %s",
-                what,
-                delay,
-                exc.orig if hasattr(exc, "orig") else exc,
-            )
-            time.sleep(delay)
-            delay = min(delay * 2, 5.0)
 
 
 @dataclass(frozen=True)
 class Claim:
-    job_id: str
-    token: int
+    """A job this worker claimed: its lease, its engine request and what its caller awaits."""
+
+    lease: Lease
     request: GenRequest
     deadline: float | None
-    webhook: bool  # the job has a webhook_url: its end creates an event
     relay: str | None  # a caller waits on app/core/relay.py: "end" or "tokens"
-    lane: str
-    tenant: str
-    attempt: int
+
+    @property
+    def job_id(self) -> str:
+        return self.lease.job_id
+
+    @property
+    def token(self) -> int:
+        return self.lease.token
 
     @property
     def created_at(self) -> float:
         return self.request.arrival
 
-    def moved(self, to: str, source: str, error_code: str | None = None) -> Transition:
-        return Transition(self.job_id, self.lane, self.tenant, to, source, self.attempt, error_code)
-
 
 @dataclass(frozen=True)
-class Outcome:
-    status: str
-    result: GenResult | None = None
-    error_code: str | None = None
-    error_message: str | None = None
+class Released:
+    """A job that left this worker without an outcome: someone else owns it now.
+
+    ``reason``: ``shutdown`` (handed back to the queue), ``lease_lost`` (reclaimed by the
+    reaper) or ``dropped`` (the engine stopped it for no reason of ours).
+    """
+
+    reason: str
 
 
 def request_id(job_id: str, token: int) -> str:
@@ -106,7 +76,7 @@ def request_id(job_id: str, token: int) -> str:
 
 
 def request_for(job: Any, token: int) -> GenRequest:
-    """The engine request for a job row (an ORM ``Job`` or a row with the same columns)."""
+    """The engine request for a claimed row (``transitions.CLAIMED``) or an ORM ``Job``."""
     params: dict[str, Any] = job.params
     return GenRequest(
         request_id=request_id(job.id, token),
@@ -122,116 +92,37 @@ def request_for(job: Any, token: int) -> GenRequest:
     )
 
 
-def outcome_of(result: GenResult) -> Outcome | None:
-    """Map a finished generation to the job's final state (None: write nothing)."""
-    reason = result.abort_reason
-    if reason is None:
-        if result.finish_reason == "abort":
-            return Outcome(
-                JobStatus.FAILED, result, "engine_aborted", "the engine aborted the request"
-            )
-        return Outcome(JobStatus.SUCCEEDED, result)
-    if reason == "cancelled":
-        result.finish_reason = "cancelled"
-        return Outcome(JobStatus.CANCELLED, result)
-    if reason == "deadline":
-        result.finish_reason = "deadline"
-        return Outcome(
-            JobStatus.EXPIRED,
-            result,
-            DEADLINE_EXCEEDED,
-            "the job's timeout_s passed while it was running",
-        )
-    return None  # lease lost or shutting down: someone else owns the job now
-
-
-RECORD_BATCH = 512
-
-# The fenced outcome write, one row per parameter set (see Executor._record_many).
-RECORD_STATEMENT = (
-    update(Job)
-    .where(
-        Job.id == bindparam("b_id"),
-        Job.lease_token == bindparam("b_token"),
-        Job.status == JobStatus.RUNNING,
-    )
-    .values(
-        status=bindparam("b_status"),
-        finished_at=bindparam("b_stamp"),
-        updated_at=bindparam("b_stamp"),
-        lease_expires_at=None,
-        error_code=bindparam("b_error_code"),
-        error_message=bindparam("b_error_message"),
-        result_text=bindparam("b_text"),
-        finish_reason=bindparam("b_finish_reason"),
-        prompt_tokens=bindparam("b_prompt_tokens"),
-        completion_tokens=bindparam("b_completion_tokens"),
-        first_token_at=bindparam("b_first_token_at"),
-    )
-)
-
-
-def _record_params(claim: Claim, outcome: Outcome, stamp: float) -> dict[str, Any]:
-    if not can_transition(JobStatus.RUNNING, outcome.status):
-        raise ValueError(f"a job cannot go from running to {outcome.status}")
-    r = outcome.result
-    return {
-        "b_id": claim.job_id,
-        "b_token": claim.token,
-        "b_status": str(outcome.status),
-        "b_stamp": stamp,
-        "b_error_code": outcome.error_code,
-        "b_error_message": outcome.error_message,
-        # PostgreSQL text cannot hold NUL, which a model can emit: store U+FFFD instead.
-        "b_text": r.text.replace("\x00", "\ufffd") if r is not None else None,
-        "b_finish_reason": r.finish_reason if r is not None else None,
-        "b_prompt_tokens": r.prompt_tokens if r is not None else None,
-        "b_completion_tokens": r.completion_tokens if r is not None else None,
-        "b_first_token_at": r.first_token_at if r is not None else None,
+def ending_of(result: GenResult) -> Outcome | Released:
+    """How a generation that left the engine ends its job."""
+    produced: dict[str, Any] = {
+        "text": result.text,
+        "prompt_tokens": result.prompt_tokens,
+        "completion_tokens": result.completion_tokens,
+        "first_token_at": result.first_token_at,
     }
-
-
-class Recorder:
-    """Group commit of outcomes: one thread writes whatever has queued up in one transaction."""
-
-    def __init__(self, write: Callable[[list[tuple[Claim, Outcome]]], list[bool]]) -> None:
-        self._write = write
-        self._queue: queue.SimpleQueue[tuple[Claim, Outcome, concurrent.futures.Future[bool]]] = (
-            queue.SimpleQueue()
-        )
-        self._thread = threading.Thread(target=self._loop, name="recorder", daemon=True)
-        self._thread.start()
-
-    def put(self, claim: Claim, outcome: Outcome) -> concurrent.futures.Future[bool]:
-        """Queue an outcome; the future says whether it was written (False: fenced off)."""
-        future: concurrent.futures.Future[bool] = concurrent.futures.Future()
-        self._queue.put((claim, outcome, future))
-        return future
-
-    def _loop(self) -> None:
-        while True:
-            batch = [self._queue.get()]
-            while len(batch) < RECORD_BATCH:
-                try:
-                    batch.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
-            try:
-                self._settle(batch)
-            except Exception:
-                # One bad row must not take the others down with it: write them one by one.
-                log.exception("recording %d outcomes together failed; one by one now", len(batch))
-                for item in batch:
-                    try:
-                        self._settle([item])
-                    except Exception as exc:
-                        item[2].set_exception(exc)
-
-    def _settle(self, batch: list[tuple[Claim, Outcome, concurrent.futures.Future[bool]]]) -> None:
-        items = [(claim, outcome) for claim, outcome, _ in batch]
-        written = with_db_retry(partial(self._write, items), "record")
-        for (_, _, future), ok in zip(batch, written, strict=True):
-            future.set_result(ok)
+    match result.abort_reason:
+        case None if result.finish_reason == "abort":
+            return Outcome(
+                JobStatus.FAILED,
+                error_code="engine_aborted",
+                error_message="the engine aborted the request",
+                finish_reason="abort",
+                **produced,
+            )
+        case None:
+            return Outcome(JobStatus.SUCCEEDED, finish_reason=result.finish_reason, **produced)
+        case "cancelled":
+            return Outcome(JobStatus.CANCELLED, finish_reason="cancelled", **produced)
+        case "deadline":
+            return Outcome(
+                JobStatus.EXPIRED,
+                error_code=DEADLINE_EXCEEDED,
+                error_message="the job's timeout_s passed while it was running",
+                finish_reason="deadline",
+                **produced,
+            )
+        case reason:
+            return Released(reason)
 
 
 class Executor:
@@ -248,17 +139,18 @@ class Executor:
         self.worker_id = worker_id
         self.settings = settings
         self.intake = intake or Intake.from_settings(settings)
-        self.recorder = Recorder(self._record_many)
         self.announcer = outbox.Announcer()
-        self.relay = relay.Publisher(dispatch.redis_client())
+        publisher = relay.Publisher(dispatch.redis_client())
+        self.recorder = Recorder(worker_id, publisher, self.announcer)
         self._lock = threading.Lock()
-        # job id -> lease token (None until claimed); membership is set before the claim so
-        # that a cancel published right after the claim commits is not missed.
+        # job id -> lease token (None until claimed, and again once out of the engine);
+        # membership is set before the claim so that a cancel published right after the claim
+        # commits is not missed.
         self._held: dict[str, int | None] = {}
         self._aborts: dict[str, str] = {}
 
     def held(self) -> dict[str, int]:
-        """The leases this worker holds: job id -> token."""
+        """The leases this worker holds in its engine: job id -> token."""
         with self._lock:
             return {job_id: token for job_id, token in self._held.items() if token is not None}
 
@@ -281,16 +173,10 @@ class Executor:
         Slots were usually taken when the message was received; ``message_id`` says which.
         """
         ids = list(dict.fromkeys(job_ids))
-        self.intake.take(lane, len(ids), key=message_id)
-        slots = len(ids)
-        with self._lock:
-            for job_id in ids:
-                self._held[job_id] = None
-        try:
-            claims = with_db_retry(lambda: self._claim(ids), "claim")
+        with self.intake.hold(lane, len(ids), key=message_id) as slots, self._holding(ids):
+            claims = with_db_retry(lambda: self.claim(ids), "claim")
+            slots.release(len(ids) - len(claims))
             ended: Counter[str] = Counter(skipped=len(ids) - len(claims))
-            self.intake.give(lane, slots - len(claims))
-            slots = len(claims)
             with self._lock:
                 for claim in claims:
                     self._held[claim.job_id] = claim.token
@@ -305,8 +191,7 @@ class Executor:
                     done, running = concurrent.futures.wait(
                         running, return_when=concurrent.futures.FIRST_COMPLETED
                     )
-                    self.intake.give(lane, len(done))
-                    slots -= len(done)
+                    slots.release(len(done))
                     with self._lock:
                         # Out of the engine: no lease to renew (the outcome write is fenced by
                         # its token), so a heartbeat does not take it for a lost lease.
@@ -314,14 +199,13 @@ class Executor:
                             self._held[futures[future].job_id] = None
                     for future in done:
                         claim = futures[future]
-                        outcome = self._outcome(claim, future)
-                        if isinstance(outcome, str):
-                            ended[outcome] += 1
+                        ending = self._ending(claim, future)
+                        if isinstance(ending, Released):
+                            if ending.reason == "shutdown":
+                                self._hand_back(claim)
+                            ended[ending.reason] += 1
                         else:
-                            written = self.recorder.put(claim, outcome)
-                            if claim.relay is not None:
-                                written.add_done_callback(partial(self._relay_end, claim))
-                            recorded.append((claim, outcome, written))
+                            recorded.append((claim, ending, self.recorder.put(claim, ending)))
                     running |= self._start_from(waiting, len(done), futures)
             except EngineDeadError:
                 unfinished = [c for f, c in futures.items() if not f.done() or f.exception()]
@@ -332,41 +216,22 @@ class Executor:
                 self.on_engine_dead()
                 raise
             for claim, outcome, written in recorded:
-                status = self._stored(claim, outcome, written)
-                if status is None:
-                    log.warning(
-                        "job %s: lease %d lost; result discarded", claim.job_id, claim.token
-                    )
-                    status = "fenced"
-                ended[status] += 1
+                ended[self.recorder.stored(claim, outcome, written) or "fenced"] += 1
             return {k: v for k, v in ended.items() if v}
+
+    @contextlib.contextmanager
+    def _holding(self, ids: list[str]) -> Iterator[None]:
+        """The message's jobs count as held (cancels find them) until it is done."""
+        with self._lock:
+            for job_id in ids:
+                self._held[job_id] = None
+        try:
+            yield
         finally:
-            if slots:
-                self.intake.give(lane, slots)
-            self.intake.settle(message_id)
             with self._lock:
                 for job_id in ids:
                     self._held.pop(job_id, None)
                     self._aborts.pop(job_id, None)
-
-    def _stored(
-        self, claim: Claim, outcome: Outcome, written: concurrent.futures.Future[bool]
-    ) -> str | None:
-        """The status the job was left in (None: fenced off, nothing written).
-
-        An outcome the database refuses fails the job instead of leaving it running.
-        """
-        try:
-            return str(outcome.status) if written.result() else None
-        except Exception as exc:
-            log.exception("job %s: its outcome could not be stored; failing it", claim.job_id)
-            failed = Outcome(
-                JobStatus.FAILED,
-                None,
-                "result_not_stored",
-                f"the result could not be stored ({type(exc).__name__})",
-            )
-            return str(failed.status) if self.recorder.put(claim, failed).result() else None
 
     def _start_from(
         self,
@@ -393,172 +258,59 @@ class Executor:
         """The engine's output pieces of a streamed job go to its caller (on the loop thread)."""
         if claim.relay != "tokens":
             return None
-        job_id, token, publish = claim.job_id, claim.token, self.relay.piece
+        job_id, token, publish = claim.job_id, claim.token, self.recorder.relay.piece
         return lambda text, _tokens: publish(job_id, token, text) if text else None
 
-    def _relay_end(self, claim: Claim, written: concurrent.futures.Future[bool]) -> None:
-        """The outcome is committed (or fenced off): a waiting caller may read the row now."""
-        if not written.cancelled() and written.exception() is None and written.result():
-            self.relay.end(claim.job_id, claim.token)
-
-    def _outcome(self, claim: Claim, future: concurrent.futures.Future[GenResult]) -> Outcome | str:
-        """The outcome to record, or why nothing is recorded (raises EngineDeadError)."""
+    def _ending(
+        self, claim: Claim, future: concurrent.futures.Future[GenResult]
+    ) -> Outcome | Released:
+        """How the job left the engine (raises EngineDeadError)."""
         try:
-            result = future.result()
+            return ending_of(future.result())
         except EngineRequestError as exc:
-            return Outcome(JobStatus.FAILED, None, exc.code, str(exc))
+            return Outcome(JobStatus.FAILED, error_code=exc.code, error_message=str(exc))
         except EngineDeadError:
             raise
         except Exception as exc:
             log.exception("job %s failed in the engine", claim.job_id)
-            return Outcome(JobStatus.FAILED, None, "engine_error", type(exc).__name__)
-        finished = outcome_of(result)
-        if finished is None:
-            # Stopped by this worker for a reason that leaves the job to someone else.
-            if result.abort_reason == "shutdown":
-                self._hand_back(claim)
-            return result.abort_reason or "dropped"
-        return finished
+            return Outcome(
+                JobStatus.FAILED, error_code="engine_error", error_message=type(exc).__name__
+            )
 
-    def _claim(self, job_ids: list[str]) -> list[Claim]:
+    def claim(self, job_ids: list[str]) -> list[Claim]:
         """Claim the queued ones among ``job_ids`` in one transaction; expire the overdue."""
         stamp = now()
         with session_scope() as session:
             # Core execution: the ORM's bulk-update bookkeeping costs more than the SQL here.
-            connection = session.connection()
-            expired = transitions.of_rows(
-                connection.execute(expire_overdue(job_ids, stamp)),
-                JobStatus.EXPIRED,
-                JobStatus.QUEUED,
-                DEADLINE_EXCEEDED,
+            rows, after = transitions.claim(
+                session.connection(),
+                job_ids,
+                worker=self.worker_id,
+                lease_s=self.settings.lease_ttl_s,
+                stamp=stamp,
             )
-            events: list[str] = []
-            if expired:
-                events = outbox.record_job_events(connection, job_ids, stamp)
-            rows = connection.execute(
-                job_update(
-                    job_ids,
-                    expect=JobStatus.QUEUED,
-                    to=JobStatus.RUNNING,
-                    lease_token=Job.lease_token + 1,
-                    lease_owner=self.worker_id,
-                    lease_expires_at=stamp + self.settings.lease_ttl_s,
-                    attempts=Job.attempts + 1,
-                    started_at=stamp,
-                    updated_at=stamp,
-                ).returning(
-                    Job.id,
-                    Job.lease_token,
-                    Job.lane,
-                    Job.prompt,
-                    Job.messages,
-                    Job.params,
-                    Job.created_at,
-                    Job.deadline_at,
-                    Job.webhook_url,
-                    Job.relay,
-                    Job.tenant,
-                    Job.attempts,
-                )
-            ).all()
-        self.announcer.put(events)
-        order = {job_id: i for i, job_id in enumerate(job_ids)}
         claims = [
             Claim(
-                row.id,
-                row.lease_token,
-                request_for(row, row.lease_token),
-                row.deadline_at,
-                row.webhook_url is not None,
-                row.relay,
-                row.lane,
-                row.tenant,
-                row.attempts,
+                lease=transitions.lease_of(row),
+                request=request_for(row, row.lease_token),
+                deadline=row.deadline_at,
+                relay=row.relay,
             )
-            for row in sorted(rows, key=lambda row: order[row.id])
+            for row in rows
         ]
         for claim in claims:
-            metrics.QUEUE_WAIT.labels(claim.lane).observe(max(0.0, stamp - claim.created_at))
-        transitions.emit(
-            expired + [c.moved(JobStatus.RUNNING, JobStatus.QUEUED) for c in claims],
-            by="worker",
-            worker=self.worker_id,
-        )
+            metrics.QUEUE_WAIT.labels(claim.lease.lane).observe(max(0.0, stamp - claim.created_at))
+        after.run(announce=self.announcer.put)
         return claims
-
-    def _record_many(self, items: list[tuple[Claim, Outcome]]) -> list[bool]:
-        """Write outcomes in one transaction; each is fenced by its own lease token.
-
-        One executemany (pipelined by the driver) writes every row whose status and token are
-        still ours; a read in the same transaction then tells which rows were written, by their
-        token and this write's ``finished_at`` stamp. Per-row round trips made the recorder the
-        bottleneck of a busy worker.
-        """
-        stamp = now()
-        params = [_record_params(claim, outcome, stamp) for claim, outcome in items]
-        with session_scope() as session:
-            connection = session.connection()
-            connection.execute(RECORD_STATEMENT, params)
-            rows = connection.execute(
-                select(Job.id, Job.lease_token, Job.finished_at).where(
-                    Job.id.in_([claim.job_id for claim, _ in items])
-                )
-            ).all()
-            mine = {row.id for row in rows if row.finished_at == stamp}
-            tokens = {row.id: row.lease_token for row in rows}
-            written = [
-                claim.job_id in mine and tokens.get(claim.job_id) == claim.token
-                for claim, _ in items
-            ]
-            hooked = [
-                c.job_id for (c, _), ok in zip(items, written, strict=True) if ok and c.webhook
-            ]
-            events = outbox.record_job_events(connection, hooked, stamp)
-        self.announcer.put(events)
-        self._observe([item for item, ok in zip(items, written, strict=True) if ok], stamp)
-        return written
-
-    def _observe(self, recorded: list[tuple[Claim, Outcome]], stamp: float) -> None:
-        """Metrics and log lines of committed outcomes."""
-        for claim, outcome in recorded:
-            r = outcome.result
-            if r is not None and r.first_token_at is not None:
-                metrics.TTFT.labels(claim.lane).observe(
-                    max(0.0, r.first_token_at - claim.created_at)
-                )
-            if outcome.status == JobStatus.SUCCEEDED:
-                metrics.E2E.labels(claim.lane).observe(max(0.0, stamp - claim.created_at))
-        transitions.emit(
-            [c.moved(o.status, JobStatus.RUNNING, o.error_code) for c, o in recorded],
-            by="worker",
-            worker=self.worker_id,
-        )
 
     def _hand_back(self, claim: Claim) -> None:
         """Return a job this worker cannot finish to the queue, without waiting for its lease."""
 
         def release() -> None:
             with session_scope() as session:
-                lane = session.execute(
-                    job_update(
-                        claim.job_id,
-                        expect=JobStatus.RUNNING,
-                        to=JobStatus.QUEUED,
-                        token=claim.token,
-                        lease_owner=None,
-                        lease_expires_at=None,
-                        enqueued_at=None,
-                        updated_at=now(),
-                    ).returning(Job.lane)
-                ).scalar()
-                if lane is not None:
-                    session.commit()
-                    transitions.emit(
-                        [claim.moved(JobStatus.QUEUED, JobStatus.RUNNING)],
-                        by="worker",
-                        worker=self.worker_id,
-                        reason="handed_back",
-                    )
-                    jobs.send(session, [(claim.job_id, lane)])
+                after = transitions.hand_back(
+                    session.connection(), claim.lease, now(), worker=self.worker_id
+                )
+            after.run()
 
         with_db_retry(release, "hand back")

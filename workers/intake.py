@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from types import TracebackType
 from typing import Any
 
 from app.core.settings import Settings
@@ -90,6 +91,10 @@ class Intake:
                 self._keys.add(key)
             self.used[lane] = self.used.get(lane, 0) + n
         self._reconcile()
+
+    def hold(self, lane: str, n: int, key: str | None = None) -> Hold:
+        """The ``n`` slots of one message, given back as its jobs leave (:class:`Hold`)."""
+        return Hold(self, lane, n, key)
 
     def settle(self, key: str | None) -> None:
         """The message ``key`` is finished (its slots were given back job by job)."""
@@ -159,3 +164,30 @@ class Intake:
                         lane,
                         exc,
                     )
+
+
+class Hold:
+    """One message's slots: taken when it arrives (once per ``key``), given back job by job with
+    :meth:`release`, and whatever is left when the message is done."""
+
+    def __init__(self, intake: Intake, lane: str, n: int, key: str | None) -> None:
+        self.intake, self.lane, self.key = intake, lane, key
+        intake.take(lane, n, key=key)
+        self.left = n
+
+    def release(self, n: int) -> None:
+        if n > 0:
+            self.intake.give(self.lane, n)
+            self.left -= n
+
+    def __enter__(self) -> Hold:
+        return self
+
+    def __exit__(
+        self,
+        _type: type[BaseException] | None,
+        _value: BaseException | None,
+        _tb: TracebackType | None,
+    ) -> None:
+        self.release(self.left)
+        self.intake.settle(self.key)

@@ -7,7 +7,7 @@ Redis message only a hint, so the sweep repairs what a crash or a lost message l
    off) goes back to ``queued`` and is re-sent; its ``attempts`` grows with the next claim. After
    ``INFERQ_MAX_ATTEMPTS`` claims it ends ``failed`` (``worker_lost``) instead, and one past its
    deadline ends ``expired``. The old worker's token no longer matches, so its late writes change
-   nothing (the fence in workers/executor.py).
+   nothing (the fence in app/core/transitions.py, which makes every status change here).
 2. **Never sent**: a ``queued`` job without ``enqueued_at`` (the API or a worker committed it and
    could not send its message, or crashed in between) is sent once it is ``REAPER_GRACE_S`` old.
 3. **Lost with Redis**: Redis restarted empty or was wiped. The reaper keeps a marker key in
@@ -26,19 +26,17 @@ from __future__ import annotations
 
 import logging
 import secrets
-from dataclasses import dataclass, field
 from typing import Any
 
 import redis
-from sqlalchemy import or_, select, update
+from sqlalchemy import select, update
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import InterfaceError, OperationalError
 
-from app.core import dispatch, jobs, outbox, snapshot, transitions
+from app.core import dispatch, snapshot, transitions
 from app.core.db import session_scope
-from app.core.models import DEADLINE_EXCEEDED, Job, JobStatus, expire_overdue, job_update, now
+from app.core.models import Job, JobStatus, now
 from app.core.settings import LANES, get_settings
-from app.core.transitions import Transition
 from workers import metrics
 
 log = logging.getLogger("inferq.reaper")
@@ -46,26 +44,6 @@ log = logging.getLogger("inferq.reaper")
 EPOCH_KEY = "inferq:epoch"
 REAPER_GRACE_S = 10.0  # a job this young may still be on its way to Redis
 SWEEP_LIMIT = 5000  # rows per step and sweep: a huge backlog is repaired over several sweeps
-
-
-@dataclass
-class Reaped:
-    failed: int = 0
-    expired: int = 0
-    sent: int = 0
-    # Queued again by this sweep: sent now, without the grace that protects the API's own sends.
-    requeued_ids: list[str] = field(default_factory=list)
-    events: list[str] = field(default_factory=list)
-    moved: list[Transition] = field(default_factory=list)
-
-    def summary(self) -> dict[str, int]:
-        counts = {
-            "requeued": len(self.requeued_ids),
-            "failed": self.failed,
-            "expired": self.expired,
-            "sent": self.sent,
-        }
-        return {k: v for k, v in counts.items() if v}
 
 
 def sweep() -> dict[str, int]:
@@ -79,13 +57,20 @@ def sweep() -> dict[str, int]:
 
 
 def _sweep() -> dict[str, int]:
-    reaped = Reaped()
     stamp = now()
     with session_scope() as session:
         connection = session.connection()
-        _expire_queued(connection, stamp, reaped)
-        _reclaim_leases(connection, stamp, reaped)
-    transitions.emit(reaped.moved, by="reaper")
+        overdue = _take(connection, Job.status == JobStatus.QUEUED, Job.deadline_at <= stamp)
+        after = transitions.expire_queued(connection, [r.id for r in overdue], stamp, "reaper")
+        after += transitions.reclaim(
+            connection,
+            _take(connection, Job.status == JobStatus.RUNNING, Job.lease_expires_at < stamp),
+            stamp,
+            max_attempts=get_settings().max_attempts,
+        )
+    after.run()  # sends the jobs queued again now, without the grace that protects the API's
+    if after.send:
+        log.warning("reaper: %d job(s) lost their worker; queued again", len(after.send))
     if _redis_was_emptied():
         log.warning("Redis lost its data (restart or wipe): sending every queued job again")
         _forget_enqueued(stamp, lanes=LANES)
@@ -94,9 +79,13 @@ def _sweep() -> dict[str, int]:
         if lost:
             log.warning("lane(s) %s are empty but hold queued jobs: sending them again", lost)
             _forget_enqueued(stamp, lanes=lost)
-    reaped.sent = _send_unsent(stamp, reaped.requeued_ids)
-    outbox.announce(reaped.events)
-    summary = reaped.summary()
+    counts = {
+        "requeued": after.count(JobStatus.QUEUED, source=JobStatus.RUNNING),
+        "failed": after.count(JobStatus.FAILED),
+        "expired": after.count(JobStatus.EXPIRED),
+        "sent": _send_unsent(stamp),
+    }
+    summary = {action: n for action, n in counts.items() if n}
     for action, n in summary.items():
         metrics.REAPER_ACTIONS.labels(action).inc(n)
     if summary:
@@ -113,81 +102,6 @@ def _take(connection: Connection, *conditions: Any) -> list[Any]:
         .with_for_update(skip_locked=True)
     )
     return list(connection.execute(query).all())
-
-
-def _expire_queued(connection: Connection, stamp: float, reaped: Reaped) -> None:
-    rows = _take(connection, Job.status == JobStatus.QUEUED, Job.deadline_at <= stamp)
-    ids = [row.id for row in rows]
-    if not ids:
-        return
-    ended = transitions.of_rows(
-        connection.execute(expire_overdue(ids, stamp)),
-        JobStatus.EXPIRED,
-        JobStatus.QUEUED,
-        DEADLINE_EXCEEDED,
-    )
-    reaped.expired += len(ended)
-    reaped.moved += ended
-    reaped.events += outbox.record_job_events(connection, [t.job_id for t in ended], stamp)
-
-
-def _reclaim_leases(connection: Connection, stamp: float, reaped: Reaped) -> None:
-    settings = get_settings()
-    rows = _take(connection, Job.status == JobStatus.RUNNING, Job.lease_expires_at < stamp)
-    if not rows:
-        return
-    ends: dict[str, dict[str, Any]] = {
-        JobStatus.EXPIRED: {
-            "error_code": DEADLINE_EXCEEDED,
-            "error_message": "the job's timeout_s passed while its worker was lost",
-            "finished_at": stamp,
-        },
-        JobStatus.FAILED: {
-            "error_code": "worker_lost",
-            "error_message": f"its worker was lost {settings.max_attempts} times",
-            "finished_at": stamp,
-        },
-        JobStatus.QUEUED: {"enqueued_at": None},
-    }
-    groups: dict[str, list[str]] = {to: [] for to in ends}
-    for row in rows:
-        if row.deadline_at is not None and row.deadline_at <= stamp:
-            groups[JobStatus.EXPIRED].append(row.id)
-        elif row.attempts >= settings.max_attempts:
-            groups[JobStatus.FAILED].append(row.id)
-        else:
-            groups[JobStatus.QUEUED].append(row.id)
-    ended: list[str] = []
-    for to, ids in groups.items():
-        if not ids:
-            continue
-        changed_rows = connection.execute(
-            job_update(
-                ids,
-                expect=JobStatus.RUNNING,
-                to=to,
-                lease_owner=None,
-                lease_expires_at=None,
-                updated_at=stamp,
-                **ends[to],
-            )
-            .where(Job.lease_expires_at < stamp)
-            .returning(Job.id, Job.lane, Job.tenant, Job.attempts)
-        ).all()
-        changed = [row.id for row in changed_rows]
-        code = ends[to].get("error_code", "lease_expired")
-        reaped.moved += transitions.of_rows(changed_rows, to, JobStatus.RUNNING, code)
-        if to == JobStatus.QUEUED:
-            reaped.requeued_ids += changed
-        else:
-            ended += changed
-            if to == JobStatus.EXPIRED:
-                reaped.expired += len(changed)
-            else:
-                reaped.failed += len(changed)
-    if reaped.requeued_ids:
-        log.warning("reaper: %d job(s) lost their worker; queued again", len(reaped.requeued_ids))
-    reaped.events += outbox.record_job_events(connection, ended, stamp)
 
 
 def _redis_was_emptied() -> bool:
@@ -240,7 +154,7 @@ def _forget_enqueued(stamp: float, lanes: list[str] | tuple[str, ...]) -> None:
         )
 
 
-def _send_unsent(stamp: float, requeued: list[str]) -> int:
+def _send_unsent(stamp: float) -> int:
     """Send queued jobs that have no message, oldest first (lane order within a message)."""
     with session_scope() as session:
         rows = session.execute(
@@ -248,7 +162,7 @@ def _send_unsent(stamp: float, requeued: list[str]) -> int:
             .where(
                 Job.status == JobStatus.QUEUED,
                 Job.enqueued_at.is_(None),
-                or_(Job.updated_at <= stamp - REAPER_GRACE_S, Job.id.in_(requeued)),
+                Job.updated_at <= stamp - REAPER_GRACE_S,
             )
             .order_by(Job.id)
             .limit(SWEEP_LIMIT)
@@ -256,5 +170,5 @@ def _send_unsent(stamp: float, requeued: list[str]) -> int:
         ).all()
         if not rows:
             return 0
-        jobs.send(session, [(row.id, row.lane) for row in rows])
+        dispatch.send(session.connection(), [(row.id, row.lane) for row in rows])
         return len(rows)

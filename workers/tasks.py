@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from celery import Task
 
-from app.batches import service as batches
+from app.batches import finalize, validation
 from app.core.dispatch import (
     DELIVER_WEBHOOK_TASK,
     REAP_TASK,
@@ -39,13 +39,13 @@ def sweep_webhooks() -> int:
 @celery_app.task(name=START_BATCH_TASK)  # type: ignore[untyped-decorator]
 def start_batch(batch_id: str) -> str:
     """Validate a batch's input file and start its jobs, or fail it (ops worker)."""
-    return batches.start(batch_id)
+    return validation.start(batch_id)
 
 
 @celery_app.task(name=SWEEP_BATCHES_TASK)  # type: ignore[untyped-decorator]
 def sweep_batches() -> int:
     """Expire overdue batches and finalize finished ones (beat, ops worker)."""
-    return batches.sweep()
+    return finalize.sweep()
 
 
 @celery_app.task(name=REAP_TASK)  # type: ignore[untyped-decorator]

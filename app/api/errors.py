@@ -1,23 +1,30 @@
-"""The error envelope and the one map from failures to HTTP status codes.
+"""The one map from failures to HTTP answers: status code, error envelope and headers.
 
-Every error leaves the API as ``{"error": {"type", "code", "message", "param"}}``. Routes and
-services raise :class:`ApiError`; request validation, unknown routes and dependency failures are
-translated here, so no route builds an error response by hand.
+Every error leaves the API as ``{"error": {"type", "code", "message", "param"}}``. The core
+raises :class:`~app.core.errors.DomainError` of a kind; this module says which status each kind
+is (README, "Errors"). The API's exception handlers (``app/api/handlers.py``) answer with it,
+and batch output lines record it too (OpenAI's format gives each line the HTTP answer its
+request would have had), so this module imports nothing of FastAPI.
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Sequence
 from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from sqlalchemy.exc import InterfaceError, OperationalError
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from app.core.errors import DomainError, Kind
 
-log = logging.getLogger("inferq.api")
+STATUS: dict[Kind, int] = {
+    Kind.MALFORMED: 400,
+    Kind.UNAUTHENTICATED: 401,
+    Kind.NOT_FOUND: 404,
+    Kind.CONFLICT: 409,
+    Kind.TOO_LARGE: 413,
+    Kind.INVALID: 422,
+    Kind.OVER_LIMIT: 429,
+    Kind.UNAVAILABLE: 503,
+    Kind.FAILED: 500,
+    Kind.TIMED_OUT: 504,
+}
 
 _TYPES = {
     400: "invalid_request_error",
@@ -33,24 +40,19 @@ _TYPES = {
 }
 
 
-class ApiError(Exception):
-    """An error with its HTTP status, machine-readable code and the offending parameter."""
+def status_of(error: DomainError) -> int:
+    return STATUS[error.kind]
 
-    def __init__(
-        self,
-        status: int,
-        code: str,
-        message: str,
-        *,
-        param: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.code = code
-        self.message = message
-        self.param = param
-        self.headers = headers or {}
+
+def headers_of(error: DomainError) -> dict[str, str]:
+    headers: dict[str, str] = {}
+    if error.retry_after_s is not None:
+        headers["Retry-After"] = str(error.retry_after_s)
+    if error.limit is not None:
+        headers["inferq-limit"] = error.limit
+    if error.kind == Kind.UNAUTHENTICATED:
+        headers["WWW-Authenticate"] = "Bearer"
+    return headers
 
 
 def error_body(status: int, code: str | None, message: str, param: str | None) -> dict[str, Any]:
@@ -64,84 +66,5 @@ def error_body(status: int, code: str | None, message: str, param: str | None) -
     }
 
 
-def _respond(
-    status: int,
-    code: str | None,
-    message: str,
-    param: str | None = None,
-    headers: dict[str, str] | None = None,
-) -> JSONResponse:
-    return JSONResponse(error_body(status, code, message, param), status, headers=headers)
-
-
-def param_path(loc: Sequence[int | str]) -> str | None:
-    """("body", "messages", 0, "content") -> "messages[0].content"."""
-    parts = list(loc[1:] if loc and loc[0] in ("body", "query", "path", "header") else loc)
-    out = ""
-    for part in parts:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif "[" in part or "(" in part or part in ("str", "int", "float"):
-            # pydantic names union branches ("str", "list[TextPart]") in locations.
-            continue
-        else:
-            out += f".{part}" if out else str(part)
-    return out or None
-
-
-async def _validation_error(_request: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, RequestValidationError)
-    errors = exc.errors()
-    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": "invalid"}
-    if first.get("type") in ("json_invalid", "json_type"):
-        return _respond(400, "invalid_json", f"request body is not valid JSON: {first['msg']}")
-    param = param_path(first.get("loc", ()))
-    message = str(first.get("msg", "invalid value"))
-    if message.startswith("Value error, "):
-        message = message[len("Value error, ") :]
-    if param:
-        message = f"{param}: {message}"
-    if len(errors) > 1:
-        message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
-    return _respond(422, str(first.get("type", "invalid_value")), message, param)
-
-
-async def _api_error(_request: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, ApiError)
-    return _respond(exc.status, exc.code, exc.message, exc.param, exc.headers)
-
-
-async def _http_error(_request: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, StarletteHTTPException)
-    codes = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed"}
-    return _respond(
-        exc.status_code,
-        codes.get(exc.status_code, "http_error"),
-        str(exc.detail),
-        headers=dict(exc.headers or {}),
-    )
-
-
-async def _database_down(_request: Request, exc: Exception) -> JSONResponse:
-    log.warning("database unavailable: %s", exc)
-    return _respond(
-        503,
-        "database_unavailable",
-        "the database is unavailable; retry later",
-        None,
-        {"Retry-After": "5"},
-    )
-
-
-async def _internal(_request: Request, exc: Exception) -> JSONResponse:
-    log.error("unhandled error", exc_info=exc)
-    return _respond(500, "internal_error", "internal server error")
-
-
-def install(app: FastAPI) -> None:
-    app.add_exception_handler(RequestValidationError, _validation_error)
-    app.add_exception_handler(ApiError, _api_error)
-    app.add_exception_handler(StarletteHTTPException, _http_error)
-    app.add_exception_handler(OperationalError, _database_down)
-    app.add_exception_handler(InterfaceError, _database_down)
-    app.add_exception_handler(Exception, _internal)
+def body_of(error: DomainError) -> dict[str, Any]:
+    return error_body(status_of(error), error.code, error.message, error.param)

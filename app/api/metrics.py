@@ -1,8 +1,9 @@
-"""Prometheus metrics of the job layer, and the API's ``/metrics`` exposition.
+"""The API's ``/metrics`` exposition: its job counters and the lane gauges.
 
-The counters every kind of process increases (jobs submitted and finished) are defined here,
-once; workers define their own (engine, latency histograms, webhooks, reaper) in
-``workers/metrics.py``. Names and labels are the README's metrics table.
+The job counters every kind of process increases (submitted and finished) are defined with the
+transitions that move them (app/core/transitions.py); workers define their own (engine, latency
+histograms, webhooks, reaper) in ``workers/metrics.py``. Names and labels are the README's
+metrics table.
 
 The API can run as several uvicorn processes (``inferq api --workers N``): ``inferq api`` then
 points ``PROMETHEUS_MULTIPROC_DIR`` at a fresh directory and each scrape merges every process's
@@ -21,7 +22,6 @@ from prometheus_client import (
     CONTENT_TYPE_LATEST,
     REGISTRY,
     CollectorRegistry,
-    Counter,
     generate_latest,
     multiprocess,
 )
@@ -35,13 +35,6 @@ from app.core.settings import LANES
 log = logging.getLogger("inferq.metrics")
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
-
-JOBS_SUBMITTED = Counter("inferq_jobs_submitted", "Jobs accepted (committed), by lane.", ["lane"])
-JOBS_FINISHED = Counter(
-    "inferq_jobs_finished",
-    "Jobs that reached a terminal status, counted by the process that wrote it.",
-    ["lane", "status"],
-)
 
 
 class LaneCollector(Collector):

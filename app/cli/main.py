@@ -165,8 +165,8 @@ def keys_create(
 
     Limits not given are the settings' defaults (INFERQ_TENANT_*).
     """
-    from app.api.auth import create_key
     from app.core.db import session_scope
+    from app.core.keys import create_key
 
     with session_scope() as session:
         row, plaintext = create_key(
@@ -213,8 +213,8 @@ def keys_list(tenant: str | None) -> None:
 @click.argument("key_id")
 def keys_revoke(key_id: str) -> None:
     """Revoke a key by id."""
-    from app.api.auth import revoke_key
     from app.core.db import session_scope
+    from app.core.keys import revoke_key
 
     with session_scope() as session:
         done = revoke_key(session, key_id)

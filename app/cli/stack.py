@@ -26,9 +26,9 @@ from urllib.parse import urlparse
 import httpx
 import redis
 
-from app.api.auth import create_key, key_for
 from app.core import dispatch
 from app.core.db import migrate, session_scope
+from app.core.keys import create_key, key_for
 from app.core.settings import Settings
 from app.core.webhooks import SECRET_FILE, load_secret
 

@@ -1,7 +1,8 @@
 """The one owner of the SQLAlchemy engine and sessions.
 
-The API takes a session per request through :func:`get_session`; workers and the CLI use
-:func:`session_scope`, which commits or rolls back. SQLite runs in WAL mode and starts every
+The API takes a session per request (``app/api/deps.py``, from :func:`new_session`); workers
+and the CLI use :func:`session_scope`, which commits or rolls back, and wrap work that must
+outlive a database outage in :func:`with_db_retry`. SQLite runs in WAL mode and starts every
 transaction with ``BEGIN IMMEDIATE``: with many writer threads and processes, a deferred
 transaction that reads and then writes fails at once with SQLITE_BUSY instead of waiting, while
 an immediate one waits for ``busy_timeout``. That makes SQLite the single-writer path.
@@ -9,18 +10,23 @@ an immediate one waits for ``busy_timeout``. That makes SQLite the single-writer
 
 from __future__ import annotations
 
+import logging
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any, TypeVar
 
-from fastapi import Depends
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.core.settings import get_settings
+
+log = logging.getLogger("inferq.db")
+T = TypeVar("T")
 
 _lock = threading.Lock()
 _engine: Engine | None = None
@@ -115,17 +121,29 @@ def session_scope() -> Iterator[Session]:
         session.close()
 
 
-def get_session() -> Iterator[Session]:
-    """FastAPI dependency: one session per request; the service layer commits."""
-    session = _factory()()
-    try:
-        yield session
-    finally:
-        session.close()
+def new_session() -> Session:
+    """A session the caller closes (the API's per-request dependency)."""
+    return _factory()()
 
 
-# A route's parameter type for the request's session.
-SessionDep = Annotated[Session, Depends(get_session)]
+def with_db_retry(fn: Callable[[], T], what: str, stop: threading.Event | None = None) -> T:
+    """Run ``fn`` until the database answers: workers pause while it is down (README,
+    reliability contract), acknowledging nothing that is not committed."""
+    delay = 0.2
+    while True:
+        try:
+            return fn()
+        except (OperationalError, InterfaceError) as exc:
+            if stop is not None and stop.is_set():
+                raise
+            log.warning(
+                "database unavailable during %s, retrying in %.1fs: %s",
+                what,
+                delay,
+                exc.orig if hasattr(exc, "orig") else exc,
+            )
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
 
 
 def migrate(revision: str = "head") -> None:

@@ -19,7 +19,10 @@ import redis
 from celery import Celery
 from kombu import Exchange, Queue
 from kombu.utils.scheduling import priority_cycle
+from sqlalchemy import update
+from sqlalchemy.engine import Connection
 
+from app.core.models import Job, now
 from app.core.settings import LANES, Settings, get_settings
 
 log = logging.getLogger("inferq.dispatch")
@@ -99,6 +102,14 @@ def _celery() -> Celery:
         return _producer
 
 
+def reset() -> None:
+    """Drop this process's Celery producer and Redis client; the next use builds them from the
+    settings of that moment (tests that change ``INFERQ_REDIS_URL`` call it)."""
+    global _producer, _redis
+    with _lock:
+        _producer = _redis = None
+
+
 def redis_client() -> redis.Redis:
     global _redis
     with _lock:
@@ -155,6 +166,16 @@ def enqueue(jobs: Iterable[tuple[str, str]]) -> list[str]:
                 log.exception("could not enqueue %d job(s) on %s", len(ids), lane)
                 failed.extend(ids)
     return failed
+
+
+def send(connection: Connection, jobs: list[tuple[str, str]]) -> None:
+    """Enqueue committed (job id, lane) pairs and stamp, in the caller's transaction, the ones
+    that went out. A job whose message could not be sent keeps ``enqueued_at`` empty; the
+    reaper sends it (workers/reaper.py)."""
+    failed = set(enqueue(jobs))
+    sent = [job_id for job_id, _ in jobs if job_id not in failed]
+    if sent:
+        connection.execute(update(Job).where(Job.id.in_(sent)).values(enqueued_at=now()))
 
 
 def deliver_webhooks(event_ids: Iterable[str]) -> list[str]:

@@ -12,8 +12,8 @@ from typing import BinaryIO
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from app.api.errors import ApiError
 from app.core import queries, storage
+from app.core.errors import DomainError, Kind
 from app.core.models import File, new_id, now
 from app.core.schemas import storable
 from app.core.settings import get_settings
@@ -24,21 +24,23 @@ OUTPUT_PURPOSE = "batch_output"
 
 def upload(session: Session, tenant: str, source: BinaryIO, filename: str, purpose: str) -> File:
     if purpose not in UPLOAD_PURPOSES:
-        raise ApiError(
-            422,
+        raise DomainError(
+            Kind.INVALID,
             "invalid_purpose",
             f"purpose must be one of {', '.join(UPLOAD_PURPOSES)} (got {purpose!r})",
             param="purpose",
         )
     if not storable(filename):
-        raise ApiError(422, "invalid_filename", "the file name is not valid text", param="file")
+        raise DomainError(
+            Kind.INVALID, "invalid_filename", "the file name is not valid text", param="file"
+        )
     file_id = new_id("file")
     limit = get_settings().files_max_bytes
     try:
         size = storage.save(file_id, source, limit)
     except storage.TooLarge:
-        raise ApiError(
-            413, "file_too_large", f"the file is larger than {limit} bytes", param="file"
+        raise DomainError(
+            Kind.TOO_LARGE, "file_too_large", f"the file is larger than {limit} bytes", param="file"
         ) from None
     return _commit(session, tenant, file_id, filename, purpose, size)
 

@@ -2,10 +2,10 @@
 
 Checked after a request is validated and before anything is written, so a refused request
 leaves nothing behind (no row, no message). A prompt longer than the model's context is refused
-first (422, app/core/tokens.py): bad input costs no rate budget.
+first (invalid, app/core/tokens.py): bad input costs no rate budget.
 
-**Tenant limits** (429 with ``Retry-After`` and the limit's name), shared by every API replica
-through Redis:
+**Tenant limits** (over limit: 429 with ``Retry-After`` and the limit's name), shared by every
+API replica through Redis:
 
 - ``requests_per_minute``: calls that submit work (a job, a bulk request, a chat/completion
   call, a batch);
@@ -19,11 +19,12 @@ window; a request that would pass the limit is refunded and refused). Defaults c
 settings; an API key may override each one (``inferq keys create --rpm/--tpm/--max-queued``),
 and counters are per tenant.
 
-**Backpressure** (503 with ``Retry-After``): a lane refuses new jobs while the jobs queued at or
-above its priority — the work a new job would wait behind — reach ``INFERQ_LANE_MAX_QUEUED``
-for that lane: realtime counts realtime, standard counts realtime and standard, bulk counts
-everything, so under a general backlog bulk is shed first and realtime last. Depths are read
-from the database at most once per ``BACKLOG_CACHE_S`` per API process.
+**Backpressure** (unavailable: 503 with ``Retry-After``): a lane refuses new jobs while the jobs
+queued at or above its priority — the work a new job would wait behind — reach
+``INFERQ_LANE_MAX_QUEUED`` for that lane: realtime counts realtime, standard counts realtime
+and standard, bulk counts everything, so under a general backlog bulk is shed first and
+realtime last. Depths are read from the database at most once per ``BACKLOG_CACHE_S`` per API
+process.
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ import redis
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from app.api.errors import ApiError
 from app.core import dispatch, snapshot, tokens
+from app.core.errors import BROKER_DOWN, DomainError, Kind, unavailable
 from app.core.models import LANE_PRIORITY, Job, JobStatus
 from app.core.schemas import JobCreate
 from app.core.settings import get_settings
@@ -79,7 +80,8 @@ def admit(
     bodies: Sequence[JobCreate] = (),
     field: str | None = None,
 ) -> None:
-    """Refuse (422/429/503) or let through a call that submits ``bodies`` (none: a batch).
+    """Refuse (invalid, over limit, unavailable) or let through a call that submits ``bodies``
+    (none: a batch).
 
     ``field``: the list the bodies came in, for naming one in an error (``jobs``).
     """
@@ -142,12 +144,7 @@ def _take(tenant: str, limits: Limits, tokens: int) -> None:
                 refund.decrby(key, amount)
             refund.execute()
     except redis.RedisError:
-        raise ApiError(
-            503,
-            "broker_unavailable",
-            "the queue (Redis) is unavailable; retry later",
-            headers={"Retry-After": "5"},
-        ) from None
+        raise unavailable(*BROKER_DOWN) from None
     if over:
         name, limit = over[0]
         raise _over(
@@ -158,12 +155,9 @@ def _take(tenant: str, limits: Limits, tokens: int) -> None:
         )
 
 
-def _over(limit: str, message: str, retry_after: int) -> ApiError:
-    return ApiError(
-        429,
-        f"{limit}_exceeded",
-        message,
-        headers={"Retry-After": str(retry_after), "inferq-limit": limit},
+def _over(limit: str, message: str, retry_after: int) -> DomainError:
+    return DomainError(
+        Kind.OVER_LIMIT, f"{limit}_exceeded", message, retry_after_s=retry_after, limit=limit
     )
 
 
@@ -192,11 +186,11 @@ def _backpressure(session: Session, lane: str) -> None:
     depths = _depths(session)
     ahead = sum(n for other, n in depths.items() if LANE_PRIORITY[other] <= LANE_PRIORITY[lane])
     if ahead >= top:
-        raise ApiError(
-            503,
+        raise DomainError(
+            Kind.UNAVAILABLE,
             "lane_overloaded",
             f"the {lane} lane is full: {ahead} jobs are queued ahead of a new one "
             f"(at most {top}); retry later",
             param="lane",
-            headers={"Retry-After": str(BACKPRESSURE_RETRY_S)},
+            retry_after_s=BACKPRESSURE_RETRY_S,
         )

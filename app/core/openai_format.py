@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import Field, ValidationError, field_validator
 
-from app.api.errors import ApiError, param_path
+from app.core.errors import DomainError, Kind, param_path
 from app.core.models import Job, JobStatus, Lane
 from app.core.schemas import ChatMessage, JobCreate, StrictModel
 
@@ -24,7 +24,8 @@ COMPLETIONS = "/v1/completions"
 ENDPOINTS = (CHAT, COMPLETIONS)
 # OpenAI's default for the legacy completions endpoint (vLLM's too); chat has none.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
-# Engine errors that are the request's fault (HTTP 400, like OpenAI's invalid_request_error).
+# Errors that are the request's fault: OpenAI answers them as an invalid request (400), on the
+# realtime endpoints and in batch output lines alike.
 REQUEST_ERRORS = frozenset({"context_length_exceeded", "invalid_request"})
 
 
@@ -80,8 +81,11 @@ class _Request(StrictModel):
             if param is not None:
                 param = param.removeprefix("params.")
             message = str(first["msg"]).removeprefix("Value error, ")
-            raise ApiError(
-                422, str(first["type"]), f"{param}: {message}" if param else message, param=param
+            raise DomainError(
+                Kind.INVALID,
+                str(first["type"]),
+                f"{param}: {message}" if param else message,
+                param=param,
             ) from None
 
 
@@ -202,14 +206,14 @@ def chunk(
     return body
 
 
-def job_error(job: Job) -> ApiError:
-    """The HTTP error for a job that ended without succeeding."""
+def job_error(job: Job) -> DomainError:
+    """The error a call answers for its job that ended without succeeding."""
     code = job.error_code or str(job.status)
     message = job.error_message or f"the job ended {job.status}"
     if job.status == JobStatus.FAILED:
-        status = 400 if code in REQUEST_ERRORS else 500
+        kind = Kind.MALFORMED if code in REQUEST_ERRORS else Kind.FAILED
     elif job.status == JobStatus.EXPIRED:
-        status = 504
+        kind = Kind.TIMED_OUT
     else:  # cancelled (POST /v1/jobs/{id}/cancel, or its batch was cancelled)
-        status, code, message = 409, "job_cancelled", "the job was cancelled"
-    return ApiError(status, code, f"{message} (job {job.id})")
+        kind, code, message = Kind.CONFLICT, "job_cancelled", "the job was cancelled"
+    return DomainError(kind, code, f"{message} (job {job.id})")

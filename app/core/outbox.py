@@ -1,12 +1,11 @@
 """Webhook events as an outbox: written in the transaction of the change that causes them.
 
-Every place that moves a job to a terminal state (the API's cancel, a worker's claim that
-finds the deadline passed, a worker's outcome write, the reaper) runs
-:func:`record_job_events` in the same transaction, with the ``finished_at`` stamp it wrote: an
-event exists if and only if the transition committed, and a write that was fenced off creates
-none. After the commit the events are announced to the ops worker (:func:`announce`); an
-announcement that fails is made by the ops worker's sweep instead, like a job whose enqueue
-failed.
+Every transition that ends a job (app/core/transitions.py) runs :func:`record_job_events` in
+the same transaction, with the ``finished_at`` stamp it wrote: an event exists if and only if
+the transition committed, and a write that was fenced off creates none. After the commit the
+events are announced to the ops worker (:func:`announce`); an announcement that fails is made
+by the ops worker's sweep instead, like a job whose enqueue failed. A batch's end writes its
+``batch.<status>`` event the same way (:func:`record_batch_event`).
 
 A job ends once, so it has at most one event; its id (the ``webhook-id``) is derived from the
 job id, which makes the insert a single ``INSERT ... SELECT`` on SQLite and PostgreSQL.
@@ -25,9 +24,9 @@ from sqlalchemy import Insert, Select, String, func, insert, literal, select, up
 from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
-from app.api.errors import ApiError
 from app.core import dispatch
 from app.core.db import session_scope
+from app.core.errors import DomainError, Kind
 from app.core.models import (
     BATCH_TERMINAL,
     TERMINAL,
@@ -213,13 +212,15 @@ def _in_flight(session: Session, event: WebhookEvent) -> bool:
 def redeliver(session: Session, job: Job) -> WebhookEvent:
     """Send a finished job's event again, same ``webhook-id``, with a fresh retry schedule."""
     if job.webhook_url is None:
-        raise ApiError(409, "no_webhook", "this job has no webhook_url", param="id")
+        raise DomainError(Kind.CONFLICT, "no_webhook", "this job has no webhook_url", param="id")
     if job.status not in TERMINAL or job.finished_at is None:
-        raise ApiError(409, "job_not_finished", "the job has no event until it ends", param="id")
+        raise DomainError(
+            Kind.CONFLICT, "job_not_finished", "the job has no event until it ends", param="id"
+        )
     event = job_event(session, job)
     if event is not None and _in_flight(session, event):
-        raise ApiError(
-            409,
+        raise DomainError(
+            Kind.CONFLICT,
             "delivery_in_progress",
             "an attempt to deliver this event is under way; retry when it has ended",
             param="id",

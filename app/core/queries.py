@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 from sqlalchemy import Select
 from sqlalchemy.orm import Session
 
-from app.api.errors import ApiError
+from app.core.errors import DomainError, Kind
 from app.core.schemas import storable
 from app.core.settings import get_settings
 
@@ -24,7 +24,7 @@ def owned(session: Session, model: type[T], tenant: str, row_id: str, what: str)
     row: Any = session.get(model, row_id) if storable(row_id) else None
     if row is None or row.tenant != tenant:
         param = "id" if what == "job" else f"{what}_id"
-        raise ApiError(404, f"{what}_not_found", f"no {what} {row_id!r}", param=param)
+        raise DomainError(Kind.NOT_FOUND, f"{what}_not_found", f"no {what} {row_id!r}", param=param)
     result: T = row
     return result
 
@@ -32,7 +32,9 @@ def owned(session: Session, model: type[T], tenant: str, row_id: str, what: str)
 def check_limit(limit: int) -> int:
     top = get_settings().list_max_limit
     if limit > top:
-        raise ApiError(422, "limit_too_large", f"limit must be at most {top}", param="limit")
+        raise DomainError(
+            Kind.INVALID, "limit_too_large", f"limit must be at most {top}", param="limit"
+        )
     return limit
 
 
@@ -42,7 +44,7 @@ def page(
     """Newest first, at most ``limit`` rows after the cursor; (rows, has_more)."""
     if after is not None:
         if not storable(after):
-            raise ApiError(422, "invalid_cursor", "after is not an id", param="after")
+            raise DomainError(Kind.INVALID, "invalid_cursor", "after is not an id", param="after")
         query = query.where(id_column < after)
     rows = list(session.scalars(query.order_by(id_column.desc()).limit(check_limit(limit) + 1)))
     return rows[:limit], len(rows) > limit

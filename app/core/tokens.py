@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 import redis
 from tokenizers import Tokenizer
 
-from app.api.errors import ApiError
+from app.core.errors import DomainError, Kind
 from app.core.schemas import JobCreate
 
 log = logging.getLogger("inferq.tokens")
@@ -145,7 +145,7 @@ def _load(client: redis.Redis, model: str) -> Counter | None:
 def check(
     client: redis.Redis, model: str, bodies: Sequence[JobCreate], field: str | None = None
 ) -> list[int]:
-    """Prompt tokens of each body; 422 for the first that leaves no room in the context.
+    """Prompt tokens of each body; refuses the first that leaves no room in the context.
 
     ``field`` names the list the bodies came in (``jobs``: the error names ``jobs.3.prompt``).
     Without a card the counts are estimates (four characters a token) and nothing is refused.
@@ -161,8 +161,8 @@ def check(
         if limit and n >= limit:
             name = "messages" if body.messages is not None else "prompt"
             param = f"{field}.{index}.{name}" if field else name
-            raise ApiError(
-                422,
+            raise DomainError(
+                Kind.INVALID,
                 "context_length_exceeded",
                 f"{param}: the prompt is at least {n} tokens; this model's context of {limit} "
                 "tokens must also hold the output",

@@ -1,10 +1,21 @@
-"""What follows a committed change of a job's status: one JSON log line, and the job counters.
+"""The one owner of a job's status: every write of ``jobs.status`` is in this module.
 
-Every place that changes a job's status (the API's submit and cancel, a worker's claim, result
-and hand-back, the reaper, a batch's start, cancel and expiry) calls :func:`emit` *after* its
-transaction committed, with the rows it changed, so a rolled-back change is never logged or
-counted. The lines go to the ``inferq.jobs`` logger, one JSON object each, whatever the format
-of the process's other logs, so they can be shipped and queried as they are::
+A job's life (docs/architecture.md, "Job states")::
+
+    create ──► queued ──claim──► running ──record──► succeeded | failed | cancelled | expired
+                 │ ▲                 │
+                 │ └── hand_back ────┤ (this worker stops; the job runs again elsewhere)
+                 │ └── reclaim ──────┤ (its lease ran out: queued again, or failed/expired)
+                 └── cancel, expire_queued, stop_batch ──► cancelled | expired
+
+Each function is a compare-and-set on the status (and, from ``running``, on the lease token)
+in the *caller's* transaction, with the webhook outbox rows of the jobs it ends
+(app/core/outbox.py), and returns an :class:`After`: what must happen once that transaction
+has committed - one JSON log line and the job counters for every change, the webhook events to
+announce, the jobs to enqueue and the running jobs whose workers must abort them. The caller
+commits and then calls ``after.run()``, so a change that rolled back is never logged, counted,
+announced or sent. The log lines go to the ``inferq.jobs`` logger, one JSON object each
+whatever the format of the process's other logs::
 
     {"ts": "2026-11-22T10:00:00.123Z", "event": "job.running", "job_id": "job_...",
      "lane": "standard", "tenant": "default", "from": "queued", "to": "running",
@@ -16,20 +27,39 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Iterable, Sequence
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
-from app.api.metrics import JOBS_FINISHED, JOBS_SUBMITTED
-from app.core.models import TERMINAL, JobStatus
+import redis
+from prometheus_client import Counter
+from sqlalchemy import Row, Table, Update, bindparam, insert, inspect, select, update
+from sqlalchemy.engine import Connection
+
+from app.core import dispatch, outbox
+from app.core.db import session_scope
+from app.core.models import TERMINAL, Job, JobStatus, can_transition
 
 log = logging.getLogger("inferq.jobs")
 
 By = Literal["api", "worker", "reaper", "ops"]
 
+# Every kind of process counts what it changed; names and labels are the README's metrics table.
+JOBS_SUBMITTED = Counter("inferq_jobs_submitted", "Jobs accepted (committed), by lane.", ["lane"])
+JOBS_FINISHED = Counter(
+    "inferq_jobs_finished",
+    "Jobs that reached a terminal status, counted by the process that wrote it.",
+    ["lane", "status"],
+)
 
-def _install() -> None:
+DEADLINE_EXCEEDED = "deadline_exceeded"
+WORKER_LOST = "worker_lost"
+INSERT_CHUNK = 500  # rows per INSERT of new jobs
+SEND_CHUNK = 5000  # (job id, lane) pairs enqueued per transaction after a commit
+
+
+def _install_log() -> None:
     """The lines are the message alone: a handler of their own, not the process's format."""
     if log.handlers:
         return
@@ -40,35 +70,63 @@ def _install() -> None:
     log.propagate = False
 
 
-_install()
+_install_log()
 
 
 @dataclass(frozen=True)
 class Transition:
+    """One committed change of one job's status (``source`` None: a new job)."""
+
     job_id: str
     lane: str
     tenant: str
     to: str
-    source: str | None = None  # the status it left; None for a new job
+    source: str | None = None
     attempt: int | None = None
     error_code: str | None = None
 
 
-def of_rows(
-    rows: Iterable[Any], to: str, source: str, error_code: str | None = None
-) -> list[Transition]:
-    """The transitions of rows an UPDATE returned: ``id``, ``lane``, ``tenant`` and, where it
-    was returned, ``attempts``."""
-    return [
-        Transition(r.id, r.lane, r.tenant, to, source, getattr(r, "attempts", None), error_code)
-        for r in rows
-    ]
+@dataclass
+class After:
+    """What follows a committed transaction of transitions, done by :meth:`run`."""
+
+    by: By
+    moved: list[Transition] = field(default_factory=list)
+    events: list[str] = field(default_factory=list)  # webhook events to announce
+    send: list[tuple[str, str]] = field(default_factory=list)  # (job id, lane) to enqueue
+    abort: list[str] = field(default_factory=list)  # running jobs their workers must stop
+    worker: str | None = None
+    fields: dict[str, Any] = field(default_factory=dict)  # added to every log line
+
+    def __iadd__(self, other: After) -> After:
+        self.moved += other.moved
+        self.events += other.events
+        self.send += other.send
+        self.abort += other.abort
+        return self
+
+    def count(self, to: str, source: str | None = None) -> int:
+        return sum(1 for t in self.moved if t.to == to and (source is None or t.source == source))
+
+    def run(self, announce: Callable[[list[str]], None] | None = None) -> None:
+        """Log and count the changes, announce the events (``announce``: the caller's own
+        announcer, e.g. a worker's thread), enqueue what was queued, and broadcast aborts."""
+        _emit(self.moved, by=self.by, worker=self.worker, **self.fields)
+        (announce or outbox.announce)(self.events)
+        if self.send:
+            with session_scope() as session:
+                for start in range(0, len(self.send), SEND_CHUNK):
+                    dispatch.send(session.connection(), self.send[start : start + SEND_CHUNK])
+                    session.commit()
+        for job_id in self.abort:
+            try:
+                dispatch.publish_control("cancel", job_id=job_id)
+            except redis.RedisError as exc:
+                # The workers' heartbeats read cancel_requested_at: the abort comes later.
+                log.warning("could not broadcast the abort of %s: %s", job_id, exc)
 
 
-def emit(
-    transitions: Iterable[Transition], *, by: By, worker: str | None = None, **fields: Any
-) -> None:
-    """Log and count committed transitions; ``fields`` are added to every line."""
+def _emit(transitions: Iterable[Transition], *, by: By, worker: str | None, **fields: Any) -> None:
     stamp = datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
     enabled = log.isEnabledFor(logging.INFO)
     for t in transitions:
@@ -95,3 +153,415 @@ def emit(
             line["error_code"] = t.error_code
         line.update(fields)
         log.info(json.dumps(line, separators=(",", ":")))
+
+
+def _moved(
+    rows: Iterable[Any], to: str, source: str, error_code: str | None = None
+) -> list[Transition]:
+    """The transitions of rows an UPDATE returned: ``id``, ``lane``, ``tenant`` and, where it
+    was returned, ``attempts``."""
+    return [
+        Transition(r.id, r.lane, r.tenant, to, source, getattr(r, "attempts", None), error_code)
+        for r in rows
+    ]
+
+
+def compare_and_set(
+    job_id: str | Collection[str],
+    *,
+    expect: str,
+    to: str | None = None,
+    token: int | None = None,
+    **values: Any,
+) -> Update:
+    """An UPDATE that changes a job (or several) only while its status (and lease token, when
+    given) are still what the caller saw; ``to`` must be an allowed transition."""
+    if to is not None:
+        if not can_transition(expect, to):
+            raise ValueError(f"a job cannot go from {expect} to {to}")
+        values["status"] = to
+    which = Job.id == job_id if isinstance(job_id, str) else Job.id.in_(list(job_id))
+    statement = update(Job).where(which, Job.status == expect)
+    if token is not None:
+        statement = statement.where(Job.lease_token == token)
+    return statement.values(**values)
+
+
+# --- queued: created, cancelled, expired ------------------------------------------------------
+
+
+def new_row(**values: Any) -> dict[str, Any]:
+    """The row of a new job: queued, never claimed. ``values`` are its other columns."""
+    return {**values, "status": JobStatus.QUEUED, "attempts": 0, "lease_token": 0}
+
+
+def as_job(row: dict[str, Any]) -> Job:
+    """A new job's row as the (unsaved) ORM object the API answers with."""
+    return Job(**row)
+
+
+def create(
+    connection: Connection, rows: Sequence[dict[str, Any]], *, by: By, **fields: Any
+) -> After:
+    """Insert new jobs (rows from :func:`new_row`); they are enqueued after the commit.
+    ``fields`` go into their log lines (a batch's id)."""
+    if any(row["status"] != JobStatus.QUEUED for row in rows):
+        raise ValueError("a new job starts queued (transitions.new_row)")
+    names = {attr.key: attr.columns[0].name for attr in inspect(Job).column_attrs}
+    table = cast(Table, Job.__table__)
+    # Core executemany, not the ORM unit of work: it was a third of a bulk request's cost.
+    for start in range(0, len(rows), INSERT_CHUNK):
+        chunk = rows[start : start + INSERT_CHUNK]
+        connection.execute(insert(table), [{names[k]: v for k, v in row.items()} for row in chunk])
+    return After(
+        by,
+        moved=[Transition(r["id"], r["lane"], r["tenant"], JobStatus.QUEUED) for r in rows],
+        send=[(r["id"], r["lane"]) for r in rows],
+        fields=fields,
+    )
+
+
+def cancel(connection: Connection, job_id: str, stamp: float) -> After:
+    """Cancel a job: a queued one ends ``cancelled``; a running one is marked for its worker to
+    abort (``After.abort``); a finished one is left as it is."""
+    ended = connection.execute(
+        compare_and_set(
+            job_id,
+            expect=JobStatus.QUEUED,
+            to=JobStatus.CANCELLED,
+            finished_at=stamp,
+            updated_at=stamp,
+            cancel_requested_at=stamp,
+        ).returning(Job.id, Job.lane, Job.tenant)
+    ).all()
+    if ended:
+        return After(
+            "api",
+            moved=_moved(ended, JobStatus.CANCELLED, JobStatus.QUEUED),
+            events=outbox.record_job_events(connection, [job_id], stamp),
+        )
+    # Claimed meanwhile (or long ago): the worker that holds it stops it.
+    running = connection.execute(
+        compare_and_set(
+            job_id, expect=JobStatus.RUNNING, cancel_requested_at=stamp, updated_at=stamp
+        ).returning(Job.id)
+    ).scalars()
+    return After("api", abort=list(running))
+
+
+def expire_queued(connection: Connection, job_ids: Collection[str], stamp: float, by: By) -> After:
+    """The queued jobs among ``job_ids`` whose deadline has passed end ``expired`` unstarted."""
+    if not job_ids:
+        return After(by)
+    ended = connection.execute(
+        compare_and_set(
+            job_ids,
+            expect=JobStatus.QUEUED,
+            to=JobStatus.EXPIRED,
+            finished_at=stamp,
+            updated_at=stamp,
+            error_code=DEADLINE_EXCEEDED,
+            error_message="the job's timeout_s passed before it started",
+        )
+        .where(Job.deadline_at <= stamp)
+        .returning(Job.id, Job.lane, Job.tenant)
+    ).all()
+    if not ended:
+        return After(by)
+    return After(
+        by,
+        moved=_moved(ended, JobStatus.EXPIRED, JobStatus.QUEUED, DEADLINE_EXCEEDED),
+        events=outbox.record_job_events(connection, [r.id for r in ended], stamp),
+    )
+
+
+STOPPED_BY_BATCH = {
+    "batch_cancelled": "the batch was cancelled",
+    "batch_expired": "the batch's completion window ended before this request ran",
+}
+
+
+def stop_batch(
+    connection: Connection, batch_id: str, stamp: float, *, to: str, code: str, by: By
+) -> After:
+    """End a batch's queued jobs with ``to`` and mark its running ones for their workers to
+    abort. Batch lines have no webhook_url, so no event is written."""
+    if not can_transition(JobStatus.QUEUED, to):
+        raise ValueError(f"a job cannot go from queued to {to}")
+    ended = connection.execute(
+        update(Job)
+        .where(Job.batch_id == batch_id, Job.status == JobStatus.QUEUED)
+        .values(
+            status=to,
+            finished_at=stamp,
+            updated_at=stamp,
+            cancel_requested_at=stamp,
+            error_code=code,
+            error_message=STOPPED_BY_BATCH[code],
+        )
+        .returning(Job.id, Job.lane, Job.tenant)
+        .execution_options(synchronize_session=False)
+    ).all()
+    running = connection.execute(
+        update(Job)
+        .where(Job.batch_id == batch_id, Job.status == JobStatus.RUNNING)
+        .values(cancel_requested_at=stamp, updated_at=stamp)
+        .returning(Job.id)
+        .execution_options(synchronize_session=False)
+    ).scalars()
+    return After(by, moved=_moved(ended, to, JobStatus.QUEUED, code), abort=list(running))
+
+
+# --- running: claimed, recorded, handed back, reclaimed ---------------------------------------
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A claimed job as the worker that holds it knows it: the fencing token and what a log
+    line and an outcome write need."""
+
+    job_id: str
+    token: int
+    lane: str
+    tenant: str
+    attempt: int
+    webhook: bool  # the job has a webhook_url: its end writes an event
+
+    def moved(self, to: str, source: str, error_code: str | None = None) -> Transition:
+        return Transition(self.job_id, self.lane, self.tenant, to, source, self.attempt, error_code)
+
+
+# What a claim returns of each job: its lease and what its engine request is made of.
+CLAIMED = (
+    Job.id,
+    Job.lease_token,
+    Job.lane,
+    Job.tenant,
+    Job.attempts,
+    Job.webhook_url,
+    Job.relay,
+    Job.prompt,
+    Job.messages,
+    Job.params,
+    Job.created_at,
+    Job.deadline_at,
+)
+
+
+def lease_of(row: Any) -> Lease:
+    """The lease of a row :func:`claim` returned."""
+    return Lease(
+        job_id=row.id,
+        token=row.lease_token,
+        lane=row.lane,
+        tenant=row.tenant,
+        attempt=row.attempts,
+        webhook=row.webhook_url is not None,
+    )
+
+
+def claim(
+    connection: Connection, job_ids: Sequence[str], *, worker: str, lease_s: float, stamp: float
+) -> tuple[list[Row[Any]], After]:
+    """Claim the queued ones among ``job_ids`` (``queued → running``, a new lease token, one
+    more attempt) in input order; the ones past their deadline expire instead. The rows
+    have the columns of :data:`CLAIMED`."""
+    after = expire_queued(connection, job_ids, stamp, "worker")
+    rows = connection.execute(
+        compare_and_set(
+            job_ids,
+            expect=JobStatus.QUEUED,
+            to=JobStatus.RUNNING,
+            lease_token=Job.lease_token + 1,
+            lease_owner=worker,
+            lease_expires_at=stamp + lease_s,
+            attempts=Job.attempts + 1,
+            started_at=stamp,
+            updated_at=stamp,
+        ).returning(*CLAIMED)
+    ).all()
+    rows = list(rows)
+    order = {job_id: i for i, job_id in enumerate(job_ids)}
+    rows.sort(key=lambda row: order[row.id])
+    after.worker = worker
+    after.moved += _moved(rows, JobStatus.RUNNING, JobStatus.QUEUED)
+    return rows, after
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How a running job ended, and what it produced."""
+
+    status: JobStatus
+    error_code: str | None = None
+    error_message: str | None = None
+    text: str | None = None
+    finish_reason: str | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    first_token_at: float | None = None
+
+    def __post_init__(self) -> None:
+        if not can_transition(JobStatus.RUNNING, self.status) or self.status == JobStatus.QUEUED:
+            raise ValueError(f"a running job cannot end {self.status}")
+
+
+# The fenced outcome write, one row per parameter set (see record).
+_RECORD = (
+    update(Job)
+    .where(
+        Job.id == bindparam("b_id"),
+        Job.lease_token == bindparam("b_token"),
+        Job.status == JobStatus.RUNNING,
+    )
+    .values(
+        status=bindparam("b_status"),
+        finished_at=bindparam("b_stamp"),
+        updated_at=bindparam("b_stamp"),
+        lease_expires_at=None,
+        error_code=bindparam("b_error_code"),
+        error_message=bindparam("b_error_message"),
+        result_text=bindparam("b_text"),
+        finish_reason=bindparam("b_finish_reason"),
+        prompt_tokens=bindparam("b_prompt_tokens"),
+        completion_tokens=bindparam("b_completion_tokens"),
+        first_token_at=bindparam("b_first_token_at"),
+    )
+)
+
+
+def _record_params(lease: Lease, outcome: Outcome, stamp: float) -> dict[str, Any]:
+    return {
+        "b_id": lease.job_id,
+        "b_token": lease.token,
+        "b_status": str(outcome.status),
+        "b_stamp": stamp,
+        "b_error_code": outcome.error_code,
+        "b_error_message": outcome.error_message,
+        # PostgreSQL text cannot hold NUL, which a model can emit: store U+FFFD instead.
+        "b_text": outcome.text.replace("\x00", "\ufffd") if outcome.text is not None else None,
+        "b_finish_reason": outcome.finish_reason,
+        "b_prompt_tokens": outcome.prompt_tokens,
+        "b_completion_tokens": outcome.completion_tokens,
+        "b_first_token_at": outcome.first_token_at,
+    }
+
+
+def record(
+    connection: Connection,
+    ended: Sequence[tuple[Lease, Outcome]],
+    *,
+    worker: str,
+    stamp: float,
+) -> tuple[list[bool], After]:
+    """Write outcomes, each fenced by its own lease token; returns which were written.
+
+    One executemany (pipelined by the driver) writes every row whose status and token are
+    still ours; a read in the same transaction then tells which rows were written, by their
+    token and this write's ``finished_at`` stamp. A worker that lost its lease (paused, cut
+    off, presumed dead) changes nothing. Per-row round trips made the recorder the
+    bottleneck of a busy worker (docs/architecture.md, "Group commit").
+    """
+    connection.execute(_RECORD, [_record_params(lease, o, stamp) for lease, o in ended])
+    rows = connection.execute(
+        select(Job.id, Job.lease_token, Job.finished_at).where(
+            Job.id.in_([lease.job_id for lease, _ in ended])
+        )
+    ).all()
+    mine = {row.id for row in rows if row.finished_at == stamp}
+    tokens = {row.id: row.lease_token for row in rows}
+    written = [
+        lease.job_id in mine and tokens.get(lease.job_id) == lease.token for lease, _ in ended
+    ]
+    recorded = [item for item, ok in zip(ended, written, strict=True) if ok]
+    hooked = [lease.job_id for lease, _ in recorded if lease.webhook]
+    after = After(
+        "worker",
+        moved=[lease.moved(o.status, JobStatus.RUNNING, o.error_code) for lease, o in recorded],
+        events=outbox.record_job_events(connection, hooked, stamp),
+        worker=worker,
+    )
+    return written, after
+
+
+def hand_back(connection: Connection, lease: Lease, stamp: float, *, worker: str) -> After:
+    """Return a job this worker cannot finish to the queue without waiting for its lease to
+    run out (shutdown, a dead engine); it is enqueued again after the commit."""
+    back = connection.execute(
+        compare_and_set(
+            lease.job_id,
+            expect=JobStatus.RUNNING,
+            to=JobStatus.QUEUED,
+            token=lease.token,
+            lease_owner=None,
+            lease_expires_at=None,
+            enqueued_at=None,
+            updated_at=stamp,
+        ).returning(Job.lane)
+    ).scalar()
+    if back is None:
+        return After("worker", worker=worker)
+    return After(
+        "worker",
+        moved=[lease.moved(JobStatus.QUEUED, JobStatus.RUNNING)],
+        send=[(lease.job_id, back)],
+        worker=worker,
+        fields={"reason": "handed_back"},
+    )
+
+
+def reclaim(
+    connection: Connection, rows: Iterable[Any], stamp: float, *, max_attempts: int
+) -> After:
+    """Jobs whose lease ran out (their worker was killed, paused or cut off): past their
+    deadline they end ``expired``; after ``max_attempts`` claims ``failed`` (worker_lost);
+    otherwise they are queued again and sent. ``rows``: ``id``, ``attempts``, ``deadline_at``.
+
+    The old worker's token no longer matches once the job is claimed again, so its late
+    writes change nothing (:func:`record`).
+    """
+    ends: dict[str, dict[str, Any]] = {
+        JobStatus.EXPIRED: {
+            "error_code": DEADLINE_EXCEEDED,
+            "error_message": "the job's timeout_s passed while its worker was lost",
+            "finished_at": stamp,
+        },
+        JobStatus.FAILED: {
+            "error_code": WORKER_LOST,
+            "error_message": f"its worker was lost {max_attempts} times",
+            "finished_at": stamp,
+        },
+        JobStatus.QUEUED: {"enqueued_at": None},
+    }
+    groups: dict[str, list[str]] = {to: [] for to in ends}
+    for row in rows:
+        if row.deadline_at is not None and row.deadline_at <= stamp:
+            groups[JobStatus.EXPIRED].append(row.id)
+        elif row.attempts >= max_attempts:
+            groups[JobStatus.FAILED].append(row.id)
+        else:
+            groups[JobStatus.QUEUED].append(row.id)
+    after = After("reaper")
+    for to, ids in groups.items():
+        if not ids:
+            continue
+        changed = connection.execute(
+            compare_and_set(
+                ids,
+                expect=JobStatus.RUNNING,
+                to=to,
+                lease_owner=None,
+                lease_expires_at=None,
+                updated_at=stamp,
+                **ends[to],
+            )
+            .where(Job.lease_expires_at < stamp)
+            .returning(Job.id, Job.lane, Job.tenant, Job.attempts)
+        ).all()
+        code = ends[to].get("error_code", "lease_expired")
+        after.moved += _moved(changed, to, JobStatus.RUNNING, code)
+        if to == JobStatus.QUEUED:
+            after.send += [(row.id, row.lane) for row in changed]
+        else:
+            after.events += outbox.record_job_events(connection, [r.id for r in changed], stamp)
+    return after

@@ -198,20 +198,20 @@ def run_in_stack(stack: Stack, code: str) -> subprocess.CompletedProcess[str]:
 
 SUBMIT = """
 import os
-from app.core import jobs
+from app.core import jobs, transitions
 from app.core.db import session_scope
 from app.core.schemas import JobCreate
-with session_scope() as session:
-    body = JobCreate(prompt="hi", params={{"max_tokens": 4}})
-    job, _ = jobs.submit(session, "default", body, None)
-    print(job.id, flush=True)
-    {after}
+row = jobs.job_values("default", JobCreate(prompt="hi", params={{"max_tokens": 4}}))
+with session_scope() as session:  # the transaction jobs.submit commits
+    after = transitions.create(session.connection(), [row], by="api")
+print(row["id"], flush=True)
+{after}
 """
 
 
 def test_crash_between_commit_and_enqueue(stack: Stack) -> None:
     stack.start_worker()
-    # The API's own submit path, in a process that dies right after the commit.
+    # The API's own submit transaction, in a process that dies right after the commit.
     crashed = run_in_stack(stack, SUBMIT.format(after="os._exit(1)"))
     assert crashed.returncode == 1, crashed.stderr
     job_id = crashed.stdout.strip()
@@ -226,7 +226,7 @@ def test_crash_between_commit_and_enqueue(stack: Stack) -> None:
 def test_duplicate_delivery_runs_once(stack: Stack) -> None:
     worker = stack.start_worker()
     # Two messages for one job, sent at once.
-    sent = run_in_stack(stack, SUBMIT.format(after="jobs.send(session, [(job.id, job.lane)] * 2)"))
+    sent = run_in_stack(stack, SUBMIT.format(after="after.send *= 2; after.run()"))
     assert sent.returncode == 0, sent.stderr
     job_id = sent.stdout.strip()
     done = stack.wait_job(job_id, timeout=60)

@@ -21,11 +21,12 @@ from app.core.models import Job, JobStatus, WebhookEvent
 from app.core.outbox import event_id_for_job
 from app.core.schemas import JobCreate
 from app.core.settings import get_settings
+from app.core.transitions import Outcome
 from tests.conftest import PostgresDatabases, database_url_for, fresh_redis_url
 from tests.support import wait_until
 from workers.engines.base import GenRequest
 from workers.engines.simulated import CostModel, SimulatedEngine
-from workers.executor import Executor, Outcome
+from workers.executor import Executor, ending_of
 from workers.heartbeat import Heartbeat
 from workers.runner import GenResult, Runner
 
@@ -41,14 +42,14 @@ def database(
     monkeypatch.setenv("INFERQ_DATABASE_URL", url)
     # Webhook events are announced on Redis: a database of this test's own, fresh clients.
     monkeypatch.setenv("INFERQ_REDIS_URL", fresh_redis_url())
-    monkeypatch.setattr(dispatch, "_producer", None)
-    monkeypatch.setattr(dispatch, "_redis", None)
     get_settings.cache_clear()
+    dispatch.reset()
     db.dispose()
     db.migrate()
     yield url
     db.dispose()
     get_settings.cache_clear()
+    dispatch.reset()
 
 
 @pytest.fixture
@@ -84,7 +85,7 @@ def test_a_worker_that_lost_its_lease_changes_nothing(database: str, runner: Run
     job_id = new_job(webhook_url="https://8.8.8.8/hook")
     a = Executor(runner, "worker-a", get_settings())
     b = Executor(runner, "worker-b", get_settings())
-    [claim_a] = a._claim([job_id])
+    [claim_a] = a.claim([job_id])
     assert claim_a.token == 1
     # Worker A stalls; its job is handed back (what the reaper does when a lease expires).
     with db.session_scope() as session:
@@ -94,7 +95,7 @@ def test_a_worker_that_lost_its_lease_changes_nothing(database: str, runner: Run
     assert winner.lease_token == 2 and winner.lease_owner == "worker-b" and winner.attempts == 2
     # A wakes up and tries to record its own result: fenced off.
     late = GenResult("a late zombie result", "length", 1, 4, None)
-    assert a._record_many([(claim_a, Outcome(JobStatus.SUCCEEDED, late))]) == [False]
+    assert a.recorder.write([(claim_a, ending_of(late))]) == [False]
     after = row(job_id)
     assert after.result_text == winner.result_text != "a late zombie result"
     assert after.status == JobStatus.SUCCEEDED and after.finished_at == winner.finished_at
@@ -155,7 +156,7 @@ def test_concurrent_claims_have_exactly_one_winner(database: str, runner: Runner
 
     def claim(executor: Executor) -> None:
         start.wait()
-        claims.extend(executor._claim([job_id]))
+        claims.extend(executor.claim([job_id]))
 
     threads = [threading.Thread(target=claim, args=(e,)) for e in executors]
     for t in threads:
@@ -169,7 +170,7 @@ def test_concurrent_claims_have_exactly_one_winner(database: str, runner: Runner
 
 def test_engine_request_ids_are_unique_per_claim(database: str, runner: Runner) -> None:
     job_id = new_job()
-    [claim] = Executor(runner, "w", get_settings())._claim([job_id])
+    [claim] = Executor(runner, "w", get_settings()).claim([job_id])
     assert isinstance(claim.request, GenRequest)
     assert claim.request.request_id == f"{job_id}.1"
     assert claim.request.priority == 1  # standard lane
@@ -206,16 +207,18 @@ def test_nul_in_model_output_is_stored_and_a_refused_row_fails_only_its_job(
 ) -> None:
     ok_id, bad_id = new_job("ok"), new_job("bad")
     executor = Executor(runner, "w", get_settings())
-    ok_claim, bad_claim = executor._claim([ok_id, bad_id])
+    ok_claim, bad_claim = executor.claim([ok_id, bad_id])
     nul = GenResult("a\x00b", "length", 1, 3, None)
     # An error code longer than its column is refused by PostgreSQL (SQLite stores it).
-    refused = Outcome(JobStatus.FAILED, None, "x" * 200, "a row the database may refuse")
+    refused = Outcome(
+        JobStatus.FAILED, error_code="x" * 200, error_message="a row the database may refuse"
+    )
     written = [
-        executor.recorder.put(ok_claim, Outcome(JobStatus.SUCCEEDED, nul)),
+        executor.recorder.put(ok_claim, ending_of(nul)),
         executor.recorder.put(bad_claim, refused),
     ]
-    assert executor._stored(ok_claim, Outcome(JobStatus.SUCCEEDED, nul), written[0]) == "succeeded"
-    status = executor._stored(bad_claim, refused, written[1])
+    assert executor.recorder.stored(ok_claim, ending_of(nul), written[0]) == "succeeded"
+    status = executor.recorder.stored(bad_claim, refused, written[1])
     assert row(ok_id).result_text == "a\ufffdb"
     after = row(bad_id)
     assert after.status == status == "failed"  # never left running
@@ -240,7 +243,7 @@ def test_one_heartbeat_renews_every_lease_and_spots_lost_and_cancelled_jobs(
 ) -> None:
     ids = [new_job(f"held {i}") for i in range(3)]
     executor = RecordingExecutor(runner, "w", get_settings())
-    for claim in executor._claim(ids):
+    for claim in executor.claim(ids):
         executor._held[claim.job_id] = claim.token
     before = row(ids[0]).lease_expires_at
     assert before is not None

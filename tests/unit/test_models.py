@@ -6,7 +6,8 @@ import time
 
 import pytest
 
-from app.core.models import TERMINAL, TRANSITIONS, JobStatus, can_transition, job_update, new_id
+from app.core.models import TERMINAL, TRANSITIONS, JobStatus, can_transition, new_id
+from app.core.transitions import compare_and_set
 
 
 def test_terminal_states_have_no_way_out() -> None:
@@ -36,9 +37,9 @@ def test_ids_sort_by_creation_time() -> None:
     assert len({new_id("job") for _ in range(1000)}) == 1000
 
 
-def test_job_update_refuses_transitions_the_machine_does_not_allow() -> None:
+def test_compare_and_set_refuses_transitions_the_machine_does_not_allow() -> None:
     with pytest.raises(ValueError, match="cannot go from succeeded to running"):
-        job_update("job_x", expect=JobStatus.SUCCEEDED, to=JobStatus.RUNNING)
-    statement = job_update("job_x", expect=JobStatus.RUNNING, to=JobStatus.QUEUED, token=3)
+        compare_and_set("job_x", expect=JobStatus.SUCCEEDED, to=JobStatus.RUNNING)
+    statement = compare_and_set("job_x", expect=JobStatus.RUNNING, to=JobStatus.QUEUED, token=3)
     sql = str(statement.compile(compile_kwargs={"literal_binds": True}))
     assert "jobs.status = 'running'" in sql and "jobs.lease_token = 3" in sql

@@ -9,8 +9,8 @@ import pytest
 import redis
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-from app.api.errors import ApiError
 from app.core import tokens
+from app.core.errors import DomainError, Kind
 from app.core.schemas import JobCreate
 
 _names = itertools.count()
@@ -51,9 +51,9 @@ def test_counts_a_prompt_as_the_published_tokenizer_does(
     assert tokens.check(store, name, [body(prompt=fits)]) == [len(tokenizer.encode(fits).ids)]
     over = "zebra quokka " * 4  # unseen words: many byte-level tokens
     assert len(tokenizer.encode(over).ids) >= 12
-    with pytest.raises(ApiError) as refused:
+    with pytest.raises(DomainError) as refused:
         tokens.check(store, name, [body(prompt=fits), body(prompt=over)], "jobs")
-    assert (refused.value.status, refused.value.code) == (422, "context_length_exceeded")
+    assert (refused.value.kind, refused.value.code) == (Kind.INVALID, "context_length_exceeded")
     assert refused.value.param == "jobs.1.prompt"
 
 
@@ -73,7 +73,7 @@ def test_the_simulated_word_counter(redis_url: str) -> None:
     name = model_name()
     tokens.publish(store, name, 4, tokens.WORDS)
     assert tokens.check(store, name, [body(prompt="one, two")]) == [3]
-    with pytest.raises(ApiError) as refused:
+    with pytest.raises(DomainError) as refused:
         tokens.check(store, name, [body(messages=[{"role": "user", "content": "a b c d"}])])
     assert refused.value.param == "messages"
 

@@ -8,9 +8,9 @@ from fastapi import APIRouter, Form, Query, Request, UploadFile
 from fastapi.responses import FileResponse
 
 from app.api.auth import Tenant, caller_limits
+from app.api.deps import SessionDep
 from app.batches import service as batches
 from app.core import files, jobs, limits, storage
-from app.core.db import SessionDep
 from app.core.schemas import (
     BatchCreate,
     BatchList,

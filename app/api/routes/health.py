@@ -6,10 +6,10 @@ from fastapi import APIRouter, Response
 from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
 
-from app.api.errors import ApiError
 from app.api.metrics import api_exposition
 from app.core import dispatch
 from app.core.db import session_scope
+from app.core.errors import unavailable
 
 router = APIRouter(tags=["health"])
 
@@ -38,9 +38,7 @@ def readyz() -> dict[str, str]:
     }
     down = [name for name, state in checks.items() if state != "ok"]
     if down:
-        raise ApiError(
-            503, "not_ready", f"unavailable: {', '.join(down)}", headers={"Retry-After": "5"}
-        )
+        raise unavailable("not_ready", f"unavailable: {', '.join(down)}")
     return {"status": "ready", **checks}
 
 

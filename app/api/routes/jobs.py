@@ -7,8 +7,8 @@ from typing import Annotated
 from fastapi import APIRouter, Header, Query, Request, Response
 
 from app.api.auth import Tenant, caller_limits
+from app.api.deps import SessionDep
 from app.core import jobs, limits, outbox
-from app.core.db import SessionDep
 from app.core.models import JobStatus, Lane
 from app.core.schemas import (
     ErrorBody,
@@ -39,9 +39,7 @@ def create_job(
     jobs.require_broker()
     limits.admit(session, tenant, caller_limits(request), [body])
     job, created = jobs.submit(session, tenant, body, idempotency_key)
-    if created:
-        jobs.send(session, [(job.id, job.lane)])
-    else:
+    if not created:
         response.status_code = 200
     return JobOut.from_row(job)
 
@@ -54,7 +52,6 @@ def create_jobs(
     jobs.require_broker()
     limits.admit(session, tenant, caller_limits(request), body.jobs, "jobs")
     rows = jobs.submit_many(session, tenant, body.jobs)
-    jobs.send(session, [(job.id, job.lane) for job in rows])
     return JobBulkOut(data=[JobOut.from_row(job) for job in rows])
 
 

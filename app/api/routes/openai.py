@@ -26,9 +26,10 @@ from starlette.concurrency import run_in_threadpool
 from starlette.types import Receive, Scope, Send
 
 from app.api.auth import Tenant, caller_limits
-from app.api.errors import ApiError, error_body
+from app.api.errors import body_of, error_body
 from app.core import jobs, limits, relay
 from app.core.db import session_scope
+from app.core.errors import DomainError, Kind
 from app.core.limits import Limits
 from app.core.models import TERMINAL, Job, JobStatus
 from app.core.openai_format import (
@@ -89,14 +90,13 @@ def _submit(tenant: str, body: ChatCompletionRequest | CompletionRequest, caller
     with session_scope() as session:
         try:
             limits.admit(session, tenant, caller, [job_body])
-        except ApiError as exc:
-            # OpenAI answers 400 for a prompt longer than the context, and so does the engine
-            # here (job_error); /v1/jobs keeps 422.
+        except DomainError as exc:
+            # OpenAI answers a prompt longer than the context as an invalid request (400), and
+            # so does the engine's refusal here (job_error); /v1/jobs keeps 422.
             if exc.code in REQUEST_ERRORS:
-                exc.status = 400
+                raise exc.replace(kind=Kind.MALFORMED) from None
             raise
         job, _ = jobs.submit(session, tenant, job_body, relay="tokens" if body.stream else "end")
-        jobs.send(session, [(job.id, job.lane)])
     return job
 
 
@@ -247,6 +247,5 @@ async def _events(
         if include_usage:
             yield _sse(chunk(final, with_usage=True))
     else:
-        error = job_error(final)
-        yield _sse(error_body(error.status, error.code, error.message, None))
+        yield _sse(body_of(job_error(final)))
     yield _sse("[DONE]")

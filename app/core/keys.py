@@ -1,0 +1,71 @@
+"""API keys: made, looked up and revoked (the CLI and `inferq up` make them; the API checks them).
+
+A key is ``iq_`` followed by 32 random bytes (base62-ish via token_urlsafe); only its SHA-256 is
+stored, so a database leak does not leak keys. Keys have enough entropy that a fast hash is
+the right choice (a slow password hash would cost latency on every request for nothing).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from app.core.models import ApiKey, new_id, now
+
+KEY_PREFIX = "iq_"
+DEFAULT_TENANT = "default"
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def create_key(
+    session: Session,
+    tenant: str,
+    name: str = "",
+    *,
+    requests_per_minute: int | None = None,
+    tokens_per_minute: int | None = None,
+    max_queued: int | None = None,
+) -> tuple[ApiKey, str]:
+    """Create a key for ``tenant``; returns the row and the plaintext, which is never stored.
+
+    The three limits override the settings' defaults for calls made with this key.
+    """
+    plaintext = KEY_PREFIX + secrets.token_urlsafe(32)
+    row = ApiKey(
+        id=new_id("key"),
+        tenant=tenant,
+        name=name,
+        prefix=plaintext[:10],
+        key_hash=hash_key(plaintext),
+        created_at=now(),
+        requests_per_minute=requests_per_minute,
+        tokens_per_minute=tokens_per_minute,
+        max_queued=max_queued,
+    )
+    session.add(row)
+    session.flush()
+    return row, plaintext
+
+
+def revoke_key(session: Session, key_id: str) -> bool:
+    result = session.execute(
+        update(ApiKey)
+        .where(ApiKey.id == key_id, ApiKey.revoked_at.is_(None))
+        .values(revoked_at=now())
+    )
+    return bool(result.rowcount)  # type: ignore[attr-defined]
+
+
+def key_for(session: Session, key: str) -> ApiKey | None:
+    """The live key row for a plaintext key (None: unknown or revoked)."""
+    # The lookup is by hash, so comparing hashes in SQL is not a timing oracle on the key.
+    row = session.scalar(select(ApiKey).where(ApiKey.key_hash == hash_key(key)))
+    if row is None or row.revoked_at is not None:
+        return None
+    return row
