@@ -2,9 +2,10 @@
 
 Every error leaves the API as ``{"error": {"type", "code", "message", "param"}}``. The core
 raises :class:`~app.core.errors.DomainError` of a kind; this module says which status each kind
-is (README, "Errors"). The API's exception handlers (``app/api/handlers.py``) answer with it,
-and batch output lines record it too (OpenAI's format gives each line the HTTP answer its
-request would have had), so this module imports nothing of FastAPI.
+is (README, "HTTP API (v1)", status codes). The API's exception handlers
+(``app/api/handlers.py``) answer with it, and batch output lines record it too (OpenAI's format
+gives each line the HTTP answer its request would have had), so this module imports nothing of
+FastAPI.
 """
 
 from __future__ import annotations

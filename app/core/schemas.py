@@ -1,4 +1,4 @@
-"""Pydantic request and response models of the public HTTP contract (DESIGN §4).
+"""Pydantic request and response models of the public HTTP contract (README, "HTTP API").
 
 Bounds that operators may tune come from settings and are checked in validators, so an
 out-of-bounds value is a 422 that names its field. Unknown fields are refused (a typo such as

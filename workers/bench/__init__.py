@@ -1,4 +1,4 @@
-"""`inferq bench`: the performance scenarios of DESIGN §7, run side by side in one invocation.
+"""`inferq bench`: the scenarios of docs/benchmarks.md, run side by side in one invocation.
 
 It lives with the workers because its baselines drive an engine in-process; the API never
 imports it.

@@ -80,7 +80,7 @@ def main(
     plots_dir: Path | None,
     workdir: Path,
 ) -> None:
-    """Run benchmark scenarios side by side (DESIGN §7) and report vllm-bench-serve metrics."""
+    """Run the scenarios of docs/benchmarks.md side by side; report vllm-bench-serve metrics."""
     logging.basicConfig(level=logging.WARNING)
     # SIGTERM unwinds like Ctrl-C, so every stack started so far is torn down.
     signal.signal(signal.SIGTERM, _interrupt)

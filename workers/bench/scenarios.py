@@ -1,4 +1,4 @@
-"""The scenarios of DESIGN §7. Each returns one JSON-able object with its comparison inside.
+"""The scenarios of docs/benchmarks.md; each returns one JSON-able object with its comparison.
 
 Every comparison runs in one invocation, on the same engine settings and the same seeded
 workload: the platform side through a stack of real processes (API, Redis, workers, database),
@@ -24,7 +24,7 @@ from workers.bench.metrics import summarize
 from workers.engines.base import GenRequest
 
 WARMUP = 5
-EFFICIENCY_TARGET = {"simulated": 0.95, "vllm": 0.90}  # DESIGN §7.1
+EFFICIENCY_TARGET = {"simulated": 0.95, "vllm": 0.90}  # docs/benchmarks.md, efficiency
 CEILING_SLOTS = 2048
 CEILING_CHUNK = 256
 
