@@ -17,7 +17,7 @@ from pydantic import (
     field_validator,
 )
 
-from app.core.models import Batch, File, Job, JobStatus, Lane, WebhookAttempt, WebhookEvent
+from app.core.models import Batch, Job, JobStatus, Lane
 from app.core.settings import get_settings
 
 
@@ -181,20 +181,6 @@ class JobCreate(StrictModel):
         return value
 
 
-class JobBulkCreate(StrictModel):
-    """``POST /v1/jobs/bulk``: many job bodies, accepted or refused together."""
-
-    jobs: list[JobCreate] = Field(min_length=1)
-
-    @field_validator("jobs")
-    @classmethod
-    def _count(cls, value: list[JobCreate]) -> list[JobCreate]:
-        limit = get_settings().bulk_max_jobs
-        if len(value) > limit:
-            raise ValueError(f"at most {limit} jobs per request (got {len(value)})")
-        return value
-
-
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
@@ -212,7 +198,7 @@ class JobError(BaseModel):
     message: str
 
 
-def _secs(value: float | None) -> int | None:
+def secs(value: float | None) -> int | None:
     return None if value is None else int(value)
 
 
@@ -292,8 +278,8 @@ class JobOut(BaseModel):
             lane=job.lane,
             model=job.model,
             created_at=int(job.created_at),
-            started_at=_secs(job.started_at),
-            finished_at=_secs(job.finished_at),
+            started_at=secs(job.started_at),
+            finished_at=secs(job.finished_at),
             result=result,
             error=error,
             attempts=job.attempts,
@@ -304,126 +290,7 @@ class JobOut(BaseModel):
         )
 
 
-class JobList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[JobOut]
-    has_more: bool
-
-
-class JobBulkOut(BaseModel):
-    data: list[JobOut]
-
-
-class ErrorDetail(BaseModel):
-    type: str
-    code: str | None
-    message: str
-    param: str | None
-
-
-class ErrorBody(BaseModel):
-    error: ErrorDetail
-
-
-class WebhookEventOut(BaseModel):
-    id: str  # the webhook-id header of every attempt
-    object: Literal["webhook_event"] = "webhook_event"
-    type: str
-    url: str
-    status: str
-    attempts: int
-    next_attempt_at: int | None
-    created_at: int
-
-    @classmethod
-    def from_row(cls, event: WebhookEvent) -> WebhookEventOut:
-        return cls(
-            id=event.id,
-            type=event.type,
-            url=event.url,
-            status=event.status,
-            attempts=event.attempts,
-            next_attempt_at=_secs(event.next_attempt_at),
-            created_at=int(event.created_at),
-        )
-
-
-class WebhookDeliveryOut(BaseModel):
-    id: str
-    object: Literal["webhook_delivery"] = "webhook_delivery"
-    webhook_id: str
-    attempt: int
-    kind: str
-    url: str
-    address: str | None
-    created_at: float
-    latency_ms: float | None
-    status_code: int | None
-    ok: bool
-    error: str | None
-    response_body: str | None
-
-    @classmethod
-    def from_row(cls, attempt: WebhookAttempt) -> WebhookDeliveryOut:
-        return cls(
-            id=attempt.id,
-            webhook_id=attempt.event_id,
-            attempt=attempt.number,
-            kind=attempt.kind,
-            url=attempt.url,
-            address=attempt.address,
-            created_at=attempt.started_at,
-            latency_ms=attempt.latency_ms,
-            status_code=attempt.status_code,
-            ok=attempt.ok,
-            error=attempt.error,
-            response_body=attempt.response_body,
-        )
-
-
-class WebhookDeliveryList(BaseModel):
-    object: Literal["list"] = "list"
-    event: WebhookEventOut | None
-    data: list[WebhookDeliveryOut]
-
-
-# --- files and batches (OpenAI's Files and Batch APIs) ----------------------------------------
-
-
-class FileOut(BaseModel):
-    id: str
-    object: Literal["file"] = "file"
-    bytes: int
-    created_at: int
-    filename: str
-    purpose: str
-    status: Literal["processed"] = "processed"
-    expires_at: int | None = None
-    status_details: str | None = None
-
-    @classmethod
-    def from_row(cls, row: File) -> FileOut:
-        return cls(
-            id=row.id,
-            bytes=row.bytes,
-            created_at=int(row.created_at),
-            filename=row.filename,
-            purpose=row.purpose,
-        )
-
-
-class FileList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[FileOut]
-    has_more: bool
-    first_id: str | None
-    last_id: str | None
-
-
-class FileDeleted(BaseModel):
-    id: str
-    object: Literal["file"] = "file"
-    deleted: bool = True
+# --- batches (OpenAI's Batch API) --------------------------------------------------------------
 
 
 class BatchCreate(StrictModel):
@@ -504,14 +371,14 @@ class BatchOut(BaseModel):
             output_file_id=batch.output_file_id,
             error_file_id=batch.error_file_id,
             created_at=int(batch.created_at),
-            in_progress_at=_secs(batch.in_progress_at),
-            expires_at=_secs(batch.expires_at),
-            finalizing_at=_secs(batch.finalizing_at),
-            completed_at=_secs(batch.completed_at),
-            failed_at=_secs(batch.failed_at),
-            expired_at=_secs(batch.expired_at),
-            cancelling_at=_secs(batch.cancelling_at),
-            cancelled_at=_secs(batch.cancelled_at),
+            in_progress_at=secs(batch.in_progress_at),
+            expires_at=secs(batch.expires_at),
+            finalizing_at=secs(batch.finalizing_at),
+            completed_at=secs(batch.completed_at),
+            failed_at=secs(batch.failed_at),
+            expired_at=secs(batch.expired_at),
+            cancelling_at=secs(batch.cancelling_at),
+            cancelled_at=secs(batch.cancelled_at),
             request_counts=counts
             or RequestCounts(
                 total=batch.request_total,
@@ -521,11 +388,3 @@ class BatchOut(BaseModel):
             metadata=batch.meta or None,
             webhook_url=batch.webhook_url,
         )
-
-
-class BatchList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[BatchOut]
-    has_more: bool
-    first_id: str | None
-    last_id: str | None

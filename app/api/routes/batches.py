@@ -9,17 +9,16 @@ from fastapi.responses import FileResponse
 
 from app.api.auth import Tenant, caller_limits
 from app.api.deps import SessionDep
-from app.batches import service as batches
-from app.core import files, jobs, limits, storage
-from app.core.schemas import (
-    BatchCreate,
+from app.api.schemas import (
     BatchList,
-    BatchOut,
     ErrorBody,
     FileDeleted,
     FileList,
     FileOut,
 )
+from app.batches import service as batches
+from app.core import files, jobs, limits, storage
+from app.core.schemas import BatchCreate, BatchOut
 
 router = APIRouter(prefix="/v1", tags=["batches"], responses={"default": {"model": ErrorBody}})
 

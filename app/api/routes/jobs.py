@@ -8,19 +8,18 @@ from fastapi import APIRouter, Header, Query, Request, Response
 
 from app.api.auth import Tenant, caller_limits
 from app.api.deps import SessionDep
-from app.core import jobs, limits, outbox
-from app.core.models import JobStatus, Lane
-from app.core.schemas import (
+from app.api.schemas import (
     ErrorBody,
     JobBulkCreate,
     JobBulkOut,
-    JobCreate,
     JobList,
-    JobOut,
     WebhookDeliveryList,
     WebhookDeliveryOut,
     WebhookEventOut,
 )
+from app.core import jobs, limits, outbox
+from app.core.models import JobStatus, Lane
+from app.core.schemas import JobCreate, JobOut
 from app.core.settings import get_settings
 
 router = APIRouter(prefix="/v1", tags=["jobs"], responses={"default": {"model": ErrorBody}})

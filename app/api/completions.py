@@ -1,0 +1,215 @@
+"""An OpenAI call served as a job: submit it, follow its relay, answer from the committed row.
+
+Each call is a job (realtime lane unless the body says ``lane``): it is submitted, then its
+relay (app/core/relay.py) is followed and the answer comes from the committed row. With
+``stream: true`` the answer is server-sent events in OpenAI's chunk format, relayed as the
+engine produces them, ending with ``data: [DONE]``. The response headers wait for the first
+piece of output, so a job that fails before producing any (a prompt longer than the context)
+is a plain HTTP error, as with OpenAI. A caller that goes away cancels its job, which aborts
+it in the engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import threading
+import time
+from collections.abc import AsyncGenerator
+from typing import Any
+
+import anyio
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.types import Receive, Scope, Send
+
+from app.api.auth import caller_limits
+from app.api.errors import body_of, error_body
+from app.core import jobs, limits, relay
+from app.core.db import session_scope
+from app.core.errors import DomainError, Kind
+from app.core.limits import Limits
+from app.core.models import TERMINAL, Job, JobStatus
+from app.core.openai_format import (
+    CHAT,
+    REQUEST_ERRORS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    chunk,
+    endpoint_of,
+    job_error,
+    response_body,
+)
+
+log = logging.getLogger("inferq.api")
+JOB_HEADER = "inferq-job-id"
+ROW_CHECK_S = 5.0  # while the relay is quiet, the job's row is read this often
+
+
+def _submit(tenant: str, body: ChatCompletionRequest | CompletionRequest, caller: Limits) -> Job:
+    job_body = body.job()
+    jobs.require_broker()
+    with session_scope() as session:
+        try:
+            limits.admit(session, tenant, caller, [job_body])
+        except DomainError as exc:
+            # OpenAI answers a prompt longer than the context as an invalid request (400), and
+            # so does the engine's refusal here (job_error); /v1/jobs keeps 422.
+            if exc.code in REQUEST_ERRORS:
+                raise exc.replace(kind=Kind.MALFORMED) from None
+            raise
+        job, _ = jobs.submit(session, tenant, job_body, relay="tokens" if body.stream else "end")
+    return job
+
+
+def _load(job_id: str) -> Job:
+    with session_scope() as session:
+        job = session.get(Job, job_id)
+        assert job is not None  # jobs are not deleted while their caller waits
+        return job
+
+
+def _abandon(tenant: str, job_id: str) -> None:
+    """The caller went away: cancel its job, from a thread (this task may be cancelled)."""
+
+    def cancel() -> None:
+        try:
+            with session_scope() as session:
+                jobs.cancel(session, tenant, job_id)
+        except Exception:
+            log.exception("could not cancel job %s after its caller left", job_id)
+
+    threading.Thread(target=cancel, name=f"abandon-{job_id}", daemon=True).start()
+
+
+class _Left(Exception):
+    """The caller disconnected."""
+
+
+class _Call:
+    """One caller waiting on its job: the relay, the row as backstop, and the cleanup."""
+
+    def __init__(self, request: Request, tenant: str, job: Job) -> None:
+        self.request = request
+        self.tenant = tenant
+        self.job = job
+        self.stream = relay.follow(job.id)
+        self.finished = False  # the caller got the job's end: nothing to cancel
+        self._checked = time.monotonic()
+
+    async def next(self) -> relay.Entry | Job:
+        """The next piece of output, or the job's row once it has ended (raises _Left)."""
+        while True:
+            entry = await anext(self.stream)
+            if entry is not None and entry.text is not None:
+                return entry
+            # The end marker, or a quiet second: the row says whether the job has ended. A
+            # quiet stream only costs a query every ROW_CHECK_S (the end marker is the rule,
+            # the row the backstop).
+            if entry is not None or time.monotonic() - self._checked >= ROW_CHECK_S:
+                self._checked = time.monotonic()
+                row = await run_in_threadpool(_load, self.job.id)
+                if row.status in TERMINAL:
+                    self.finished = True
+                    return row
+            if await self.request.is_disconnected():
+                raise _Left
+
+    async def close(self) -> None:
+        """Stop reading; a caller that leaves before its job ends cancels the job."""
+        if not self.finished:
+            _abandon(self.tenant, self.job.id)
+        with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+            await self.stream.aclose()
+
+
+class _EventStream(StreamingResponse):
+    """SSE whose end, however it comes (done, disconnect, cancellation), closes the call."""
+
+    def __init__(self, call: _Call, events: AsyncGenerator[str, None], headers: dict[str, str]):
+        super().__init__(events, media_type="text/event-stream", headers=headers)
+        self.call = call
+        self.events = events
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.events.aclose()
+                await self.call.close()
+
+
+async def complete(
+    body: ChatCompletionRequest | CompletionRequest, request: Request, tenant: str
+) -> Response:
+    job = await run_in_threadpool(_submit, tenant, body, caller_limits(request))
+    headers = {JOB_HEADER: job.id}
+    call = _Call(request, tenant, job)
+    try:
+        # The first piece of output (streaming) or the end: an error before the first piece
+        # is a plain HTTP error, as with OpenAI.
+        first = await call.next()
+    except _Left:
+        await call.close()
+        return Response(status_code=499)
+    except BaseException:
+        await call.close()
+        raise
+    if isinstance(first, Job):
+        await call.close()
+        if first.status != JobStatus.SUCCEEDED:
+            raise job_error(first)
+        if not body.stream:
+            return JSONResponse(response_body(first), headers=headers)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    return _EventStream(
+        call,
+        _events(call, first, include_usage),
+        {**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
+def _sse(data: dict[str, Any] | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+async def _events(
+    call: _Call, first: relay.Entry | Job, include_usage: bool
+) -> AsyncGenerator[str, None]:
+    """The SSE body: role, pieces as they come, the rest of the committed text, finish, usage."""
+    job = call.job
+    if endpoint_of(job) == CHAT:
+        yield _sse(chunk(job, role=True, text=""))
+    sent: list[str] = []
+    item = first
+    token = first.token if isinstance(first, relay.Entry) else None
+    try:
+        while isinstance(item, relay.Entry):
+            if item.token != token:
+                # The job was handed to another worker and starts over: what was sent cannot
+                # be taken back. The job itself goes on; its result is at GET /v1/jobs/{id}.
+                message = f"the job restarted on another worker; see GET /v1/jobs/{job.id}"
+                yield _sse(error_body(409, "job_restarted", message, None))
+                yield _sse("[DONE]")
+                return
+            if item.text:
+                sent.append(item.text)
+                yield _sse(chunk(job, text=item.text))
+            item = await call.next()
+    except _Left:
+        return  # _EventStream closes the call, which cancels the job
+    final = item
+    if final.status == JobStatus.SUCCEEDED:
+        text, result = "".join(sent), final.result_text or ""
+        if len(result) > len(text) and result.startswith(text):
+            # Pieces the relay lost (Redis restarted, say): the row has the whole text.
+            yield _sse(chunk(final, text=result[len(text) :]))
+        yield _sse(chunk(final, finish_reason=final.finish_reason))
+        if include_usage:
+            yield _sse(chunk(final, with_usage=True))
+    else:
+        yield _sse(body_of(job_error(final)))
+    yield _sse("[DONE]")

@@ -1,0 +1,156 @@
+"""Response bodies only the API sends: lists, error envelopes, files, webhook deliveries.
+
+The bodies the rest of inferq shares (job and batch requests, the Job and Batch objects that
+webhooks carry too) are app/core/schemas.py.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field, field_validator
+
+from app.core.models import File, WebhookAttempt, WebhookEvent
+from app.core.schemas import BatchOut, JobCreate, JobOut, StrictModel, secs
+from app.core.settings import get_settings
+
+
+class JobBulkCreate(StrictModel):
+    """``POST /v1/jobs/bulk``: many job bodies, accepted or refused together."""
+
+    jobs: list[JobCreate] = Field(min_length=1)
+
+    @field_validator("jobs")
+    @classmethod
+    def _count(cls, value: list[JobCreate]) -> list[JobCreate]:
+        limit = get_settings().bulk_max_jobs
+        if len(value) > limit:
+            raise ValueError(f"at most {limit} jobs per request (got {len(value)})")
+        return value
+
+
+class JobList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[JobOut]
+    has_more: bool
+
+
+class JobBulkOut(BaseModel):
+    data: list[JobOut]
+
+
+class ErrorDetail(BaseModel):
+    type: str
+    code: str | None
+    message: str
+    param: str | None
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail
+
+
+class WebhookEventOut(BaseModel):
+    id: str  # the webhook-id header of every attempt
+    object: Literal["webhook_event"] = "webhook_event"
+    type: str
+    url: str
+    status: str
+    attempts: int
+    next_attempt_at: int | None
+    created_at: int
+
+    @classmethod
+    def from_row(cls, event: WebhookEvent) -> WebhookEventOut:
+        return cls(
+            id=event.id,
+            type=event.type,
+            url=event.url,
+            status=event.status,
+            attempts=event.attempts,
+            next_attempt_at=secs(event.next_attempt_at),
+            created_at=int(event.created_at),
+        )
+
+
+class WebhookDeliveryOut(BaseModel):
+    id: str
+    object: Literal["webhook_delivery"] = "webhook_delivery"
+    webhook_id: str
+    attempt: int
+    kind: str
+    url: str
+    address: str | None
+    created_at: float
+    latency_ms: float | None
+    status_code: int | None
+    ok: bool
+    error: str | None
+    response_body: str | None
+
+    @classmethod
+    def from_row(cls, attempt: WebhookAttempt) -> WebhookDeliveryOut:
+        return cls(
+            id=attempt.id,
+            webhook_id=attempt.event_id,
+            attempt=attempt.number,
+            kind=attempt.kind,
+            url=attempt.url,
+            address=attempt.address,
+            created_at=attempt.started_at,
+            latency_ms=attempt.latency_ms,
+            status_code=attempt.status_code,
+            ok=attempt.ok,
+            error=attempt.error,
+            response_body=attempt.response_body,
+        )
+
+
+class WebhookDeliveryList(BaseModel):
+    object: Literal["list"] = "list"
+    event: WebhookEventOut | None
+    data: list[WebhookDeliveryOut]
+
+
+class FileOut(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: str
+    status: Literal["processed"] = "processed"
+    expires_at: int | None = None
+    status_details: str | None = None
+
+    @classmethod
+    def from_row(cls, row: File) -> FileOut:
+        return cls(
+            id=row.id,
+            bytes=row.bytes,
+            created_at=int(row.created_at),
+            filename=row.filename,
+            purpose=row.purpose,
+        )
+
+
+class FileList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[FileOut]
+    has_more: bool
+    first_id: str | None
+    last_id: str | None
+
+
+class FileDeleted(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    deleted: bool = True
+
+
+class BatchList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[BatchOut]
+    has_more: bool
+    first_id: str | None
+    last_id: str | None
