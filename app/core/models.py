@@ -1,8 +1,8 @@
 """SQLAlchemy models, identifiers, lanes and the job status machine.
 
 The ``jobs`` row is the source of truth for a job; a Redis message only says that work may
-exist. Every status change is a compare-and-set on the row (see ``workers/executor.py`` and
-``app/core/jobs.py``), and :data:`TRANSITIONS` lists the changes that are allowed at all.
+exist. Every status change is a compare-and-set on the row made by ``app/core/transitions.py``,
+and :data:`TRANSITIONS` lists the changes that are allowed at all.
 Times are unix seconds as floats, the same on SQLite and PostgreSQL.
 """
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Collection
 from enum import StrEnum
 from typing import Any
 
@@ -23,8 +22,6 @@ from sqlalchemy import (
     Integer,
     String,
     Text,
-    Update,
-    update,
 )
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -79,50 +76,6 @@ TRANSITIONS: dict[str, frozenset[str]] = {
 
 def can_transition(current: str, new: str) -> bool:
     return new in TRANSITIONS.get(current, frozenset())
-
-
-def job_update(
-    job_id: str | Collection[str],
-    *,
-    expect: str,
-    to: str | None = None,
-    token: int | None = None,
-    **values: Any,
-) -> Update:
-    """A compare-and-set on one job (or several): it changes a row only while its status (and
-    lease token, when given) are still what the caller saw. ``to`` must be an allowed
-    transition."""
-    if to is not None:
-        if not can_transition(expect, to):
-            raise ValueError(f"a job cannot go from {expect} to {to}")
-        values["status"] = to
-    which = Job.id == job_id if isinstance(job_id, str) else Job.id.in_(list(job_id))
-    statement = update(Job).where(which, Job.status == expect)
-    if token is not None:
-        statement = statement.where(Job.lease_token == token)
-    return statement.values(**values)
-
-
-DEADLINE_EXCEEDED = "deadline_exceeded"
-
-
-def expire_overdue(job_ids: Collection[str], stamp: float) -> Update:
-    """The queued jobs among ``job_ids`` whose deadline has passed end ``expired`` unstarted
-    (a worker's claim and the reaper both apply it). Returns the ended rows' id, lane and
-    tenant, what their transitions are made of (``app.core.transitions.of_rows``)."""
-    return (
-        job_update(
-            job_ids,
-            expect=JobStatus.QUEUED,
-            to=JobStatus.EXPIRED,
-            finished_at=stamp,
-            updated_at=stamp,
-            error_code=DEADLINE_EXCEEDED,
-            error_message="the job's timeout_s passed before it started",
-        )
-        .where(Job.deadline_at <= stamp)
-        .returning(Job.id, Job.lane, Job.tenant)
-    )
 
 
 _CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"

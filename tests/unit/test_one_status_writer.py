@@ -17,6 +17,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 OWNER = Path("app/core/transitions.py")
+# The names the owner's compare-and-set has had (``to=`` makes it a status change).
+CAS = {"compare_and_set", "_compare_and_set", "job_update"}
 RAW_SQL = re.compile(r"\b(update\s+jobs\b.*\bset\b.*\bstatus|insert\s+into\s+jobs\b)", re.I | re.S)
 
 
@@ -56,38 +58,64 @@ def _values_name_status(call: ast.Call) -> bool:
     return False
 
 
+def _chain_base(node: ast.AST) -> ast.AST:
+    """The start of a method chain: ``update(Job)`` in ``update(Job).where(...).values``."""
+    while True:
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            node = node.func.value
+        elif isinstance(node, ast.Attribute):
+            node = node.value
+        else:
+            return node
+
+
+def _is_job_statement(node: ast.AST, aliases: set[str], statements: set[str]) -> bool:
+    """``update(Job ...)``, or a name bound to one (``statement = update(Job).where(...)``)."""
+    base = _chain_base(node)
+    if isinstance(base, ast.Name):
+        return base.id in statements
+    return (
+        isinstance(base, ast.Call)
+        and isinstance(base.func, ast.Name)
+        and base.func.id == "update"
+        and bool(base.args)
+        and _is_job(base.args[0], aliases)
+    )
+
+
 def status_writes(source: str) -> list[int]:
     """Lines of ``source`` that write ``jobs.status``."""
     tree = ast.parse(source)
-    parents: dict[ast.AST, ast.AST] = {}
-    for parent in ast.walk(tree):
-        for child in ast.iter_child_nodes(parent):
-            parents[child] = parent
     aliases = _aliases(tree)
+    statements: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and _is_job_statement(node.value, aliases, statements):
+            statements |= {t.id for t in node.targets if isinstance(t, ast.Name)}
     found: set[int] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
             name = node.func.id
-            if name in ("update", "insert") and node.args and _is_job(node.args[0], aliases):
-                if name == "insert":
-                    found.add(node.lineno)  # a new job's row holds its status
-                    continue
-                # Walk the chain update(Job).where(...).values(...): each link is the parent.
-                link: ast.AST = node
-                while isinstance(parents.get(link), ast.Attribute):
-                    attribute = parents[link]
-                    call = parents.get(attribute)
-                    if not isinstance(call, ast.Call):
-                        break
-                    if (
-                        isinstance(attribute, ast.Attribute)
-                        and attribute.attr == "values"
-                        and _values_name_status(call)
-                    ):
-                        found.add(node.lineno)
-                    link = call
+            if name == "insert" and node.args and _is_job(node.args[0], aliases):
+                found.add(node.lineno)  # a new job's row holds its status
             elif name == "Job" and any(k.arg in (None, "status") for k in node.keywords):
                 found.add(node.lineno)
+            elif name in CAS and any(k.arg in (None, "to") for k in node.keywords):
+                found.add(node.lineno)  # the owner's compare-and-set, called from elsewhere
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in CAS | {"values"}
+            and (
+                node.func.attr != "values"
+                or _is_job_statement(node.func.value, aliases, statements)
+            )
+            and (
+                _values_name_status(node)
+                if node.func.attr == "values"
+                else any(k.arg in (None, "to") for k in node.keywords)
+            )
+        ):
+            found.add(node.lineno)
         elif isinstance(node, ast.Assign | ast.AugAssign | ast.AnnAssign):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             for target in targets:
@@ -135,6 +163,9 @@ def test_the_owner_is_found_writing() -> None:
         "update(Job).where(Job.id == i).values(status='failed')",
         "update(Job).where(Job.id == i).values(**values)",
         "update(Job.__table__).values({'status': 'queued'})",
+        "s = update(Job).where(Job.id == i); s = s.where(Job.lease_token == 2); s.values(**v)",
+        "connection.execute(transitions.compare_and_set(i, expect='queued', to='expired'))",
+        "connection.execute(job_update(i, expect='running', to='queued'))",
         "connection.execute(insert(Job), rows)",
         "table = cast(Table, Job.__table__); connection.execute(insert(table), rows)",
         "session.add(Job(id='j', status='queued'))",
@@ -153,6 +184,8 @@ def test_planted_writes_are_caught(planted: str) -> None:
         "update(Batch).values(status='cancelling')",
         "event.status = WebhookStatus.PENDING",
         "select(Job.status).where(Job.status == 'queued')",
+        "s = update(Job).where(Job.id == i); s.values(enqueued_at=None)",
+        "compare_and_set(i, expect='running', cancel_requested_at=1.0)",
     ],
 )
 def test_other_writes_are_not_taken_for_status_writes(harmless: str) -> None:
