@@ -100,38 +100,12 @@ def finalize(batch_id: str) -> bool:
     event commit together.
     """
     claim = now()
-    with session_scope() as session:
-        batch = session.get(Batch, batch_id)
-        if batch is None or batch.status not in FINALIZABLE:
-            return False
-        by_status = jobs_by_status(session, batch_id)
-        if any(status not in TERMINAL for status in by_status):
-            return False
-        # A line's only deadline is the batch's expiry: one that expired means the window
-        # ended first, whether the sweep or the worker holding it noticed.
-        window_ended = batch.expired_at is not None or JobStatus.EXPIRED in by_status
-        status = batch.status
-        extra: dict[str, Any] = {}
-        if status == BatchStatus.IN_PROGRESS:
-            extra = {"status": BatchStatus.FINALIZING, "finalizing_at": claim}
-        if not lease.take(session, batch_id, status, claim, **extra):
-            return False
-        session.expunge(batch)
-    cancelled = status == BatchStatus.CANCELLING
-    final = (
-        BatchStatus.CANCELLED
-        if cancelled
-        else BatchStatus.EXPIRED
-        if window_ended
-        else BatchStatus.COMPLETED
-    )
+    taken = _take_if_done(batch_id, claim)
+    if taken is None:
+        return False
+    batch, final = taken
     output_id, error_id, completed, failed = _write_outputs(batch, final)
     stamp = now()
-    ended_at = {
-        BatchStatus.CANCELLED: "cancelled_at",
-        BatchStatus.COMPLETED: "completed_at",
-        BatchStatus.EXPIRED: "expired_at",
-    }[final]
     with session_scope() as session:
         done = session.execute(
             update(Batch)
@@ -144,11 +118,7 @@ def finalize(batch_id: str) -> bool:
                 request_failed=failed,
                 updated_at=stamp,
                 claimed_at=None,
-                **{
-                    ended_at: (batch.expired_at or batch.expires_at)
-                    if final == BatchStatus.EXPIRED
-                    else stamp
-                },
+                **{ENDED_AT[final]: _ended_at(batch, final, stamp)},
             )
         ).rowcount  # type: ignore[attr-defined]
         if done:
@@ -164,6 +134,45 @@ def finalize(batch_id: str) -> bool:
     outbox.announce(events)
     log.info("batch %s %s: %d completed, %d failed", batch_id, final, completed, failed)
     return True
+
+
+ENDED_AT = {
+    BatchStatus.CANCELLED: "cancelled_at",
+    BatchStatus.COMPLETED: "completed_at",
+    BatchStatus.EXPIRED: "expired_at",
+}
+
+
+def _ended_at(batch: Batch, final: BatchStatus, stamp: float) -> float:
+    """An expired batch ended when its window did (or the sweep stopped it); others now."""
+    if final == BatchStatus.EXPIRED:
+        return batch.expired_at or batch.expires_at
+    return stamp
+
+
+def _take_if_done(batch_id: str, claim: float) -> tuple[Batch, BatchStatus] | None:
+    """Hold a finalizable batch none of whose jobs is left to run: (batch, its final status)."""
+    with session_scope() as session:
+        batch = session.get(Batch, batch_id)
+        if batch is None or batch.status not in FINALIZABLE:
+            return None
+        by_status = jobs_by_status(session, batch_id)
+        if any(status not in TERMINAL for status in by_status):
+            return None
+        status = batch.status
+        extra: dict[str, Any] = {}
+        if status == BatchStatus.IN_PROGRESS:
+            extra = {"status": BatchStatus.FINALIZING, "finalizing_at": claim}
+        if not lease.take(session, batch_id, status, claim, **extra):
+            return None
+        session.expunge(batch)
+    if status == BatchStatus.CANCELLING:
+        return batch, BatchStatus.CANCELLED
+    # A line's only deadline is the batch's expiry: one that expired means the window ended
+    # first, whether the sweep or the worker holding it noticed.
+    if batch.expired_at is not None or JobStatus.EXPIRED in by_status:
+        return batch, BatchStatus.EXPIRED
+    return batch, BatchStatus.COMPLETED
 
 
 def _write_outputs(batch: Batch, final: str) -> tuple[str | None, str | None, int, int]:
