@@ -34,7 +34,7 @@ from typing import Any, Literal, cast
 
 import redis
 from prometheus_client import Counter
-from sqlalchemy import Row, Table, Update, bindparam, insert, inspect, select, update
+from sqlalchemy import ColumnElement, Row, Table, Update, bindparam, insert, inspect, select, update
 from sqlalchemy.engine import Connection
 
 from app.core import dispatch, outbox
@@ -224,29 +224,7 @@ def create(
 def cancel(connection: Connection, job_id: str, stamp: float) -> After:
     """Cancel a job: a queued one ends ``cancelled``; a running one is marked for its worker to
     abort (``After.abort``); a finished one is left as it is."""
-    ended = connection.execute(
-        compare_and_set(
-            job_id,
-            expect=JobStatus.QUEUED,
-            to=JobStatus.CANCELLED,
-            finished_at=stamp,
-            updated_at=stamp,
-            cancel_requested_at=stamp,
-        ).returning(Job.id, Job.lane, Job.tenant)
-    ).all()
-    if ended:
-        return After(
-            "api",
-            moved=_moved(ended, JobStatus.CANCELLED, JobStatus.QUEUED),
-            events=outbox.record_job_events(connection, [job_id], stamp),
-        )
-    # Claimed meanwhile (or long ago): the worker that holds it stops it.
-    running = connection.execute(
-        compare_and_set(
-            job_id, expect=JobStatus.RUNNING, cancel_requested_at=stamp, updated_at=stamp
-        ).returning(Job.id)
-    ).scalars()
-    return After("api", abort=list(running))
+    return _stop(connection, Job.id == job_id, stamp, to=JobStatus.CANCELLED, by="api")
 
 
 def expire_queued(connection: Connection, job_ids: Collection[str], stamp: float, by: By) -> After:
@@ -285,31 +263,62 @@ def stop_batch(
     connection: Connection, batch_id: str, stamp: float, *, to: str, code: str, by: By
 ) -> After:
     """End a batch's queued jobs with ``to`` and mark its running ones for their workers to
-    abort. Batch lines have no webhook_url, so no event is written."""
+    abort. Batch lines have no webhook_url, so no event is looked for (a batch holds up to
+    50,000 lines)."""
+    return _stop(
+        connection,
+        Job.batch_id == batch_id,
+        stamp,
+        to=to,
+        by=by,
+        error_code=code,
+        error_message=STOPPED_BY_BATCH[code],
+        events=False,
+    )
+
+
+def _stop(
+    connection: Connection,
+    which: ColumnElement[bool],
+    stamp: float,
+    *,
+    to: str,
+    by: By,
+    error_code: str | None = None,
+    error_message: str | None = None,
+    events: bool = True,
+) -> After:
+    """The queued jobs ``which`` selects end ``to``; the running ones are marked cancelled for
+    their workers to abort (the heartbeat reads the mark if the broadcast is missed)."""
     if not can_transition(JobStatus.QUEUED, to):
         raise ValueError(f"a job cannot go from queued to {to}")
     ended = connection.execute(
         update(Job)
-        .where(Job.batch_id == batch_id, Job.status == JobStatus.QUEUED)
+        .where(which, Job.status == JobStatus.QUEUED)
         .values(
             status=to,
             finished_at=stamp,
             updated_at=stamp,
             cancel_requested_at=stamp,
-            error_code=code,
-            error_message=STOPPED_BY_BATCH[code],
+            error_code=error_code,
+            error_message=error_message,
         )
         .returning(Job.id, Job.lane, Job.tenant)
         .execution_options(synchronize_session=False)
     ).all()
     running = connection.execute(
         update(Job)
-        .where(Job.batch_id == batch_id, Job.status == JobStatus.RUNNING)
+        .where(which, Job.status == JobStatus.RUNNING)
         .values(cancel_requested_at=stamp, updated_at=stamp)
         .returning(Job.id)
         .execution_options(synchronize_session=False)
     ).scalars()
-    return After(by, moved=_moved(ended, to, JobStatus.QUEUED, code), abort=list(running))
+    return After(
+        by,
+        moved=_moved(ended, to, JobStatus.QUEUED, error_code),
+        events=outbox.record_job_events(connection, [r.id for r in ended], stamp) if events else [],
+        abort=list(running),
+    )
 
 
 # --- running: claimed, recorded, handed back, reclaimed ---------------------------------------
