@@ -84,7 +84,7 @@ class InferenceWorker:
         data_dir = settings.data_dir
         # Before the engine: a port already taken stops the worker at once, saying so.
         self.heartbeat.info["metrics_url"] = metrics.serve(
-            settings.metrics_host, settings.worker_metrics_port
+            settings.metrics_host, settings.worker_metrics_port, settings.metrics_advertise_host
         )
         killed = children.reap_orphans(data_dir)
         if killed:

@@ -29,7 +29,7 @@ def main() -> None:
 
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     load_secret(settings)  # made now, not at the first delivery, so `inferq up` can show it
-    metrics.serve(settings.metrics_host, settings.ops_metrics_port)
+    metrics.serve(settings.metrics_host, settings.ops_metrics_port, settings.metrics_advertise_host)
     celery_app.worker_main(
         [
             "worker",

@@ -206,6 +206,12 @@ class Settings(BaseSettings):
     ops_metrics_port: int = Field(
         9102, ge=0, description="Port of the ops worker's /metrics (0: any free port)."
     )
+    metrics_advertise_host: str = Field(
+        "",
+        description="Host name or address workers announce for their /metrics (what Prometheus "
+        "connects to); empty: INFERQ_METRICS_HOST, or this machine's hostname when that is "
+        "0.0.0.0 or ::.",
+    )
     flower_address: str = Field("127.0.0.1", description="Bind address of `inferq flower`.")
     flower_port: int = Field(5555, description="Port of `inferq flower`.")
     flower_basic_auth: SecretStr | None = Field(
