@@ -134,7 +134,11 @@ class Settings(BaseSettings):
         "of its own (vLLM), so the engine wins the CPU; 0: off.",
     )
     lease_ttl_s: float = Field(60.0, description="A claim's lease; renewed by heartbeats.")
-    heartbeat_s: float = Field(15.0, description="How often a worker renews its leases.")
+    heartbeat_s: float = Field(
+        15.0,
+        description="How often a worker renews its leases; workers and ops workers re-announce "
+        "themselves in Redis as often.",
+    )
     visibility_timeout_s: int = Field(
         172_800,
         description="Redis redelivers a message unacknowledged this long; longer than any job "
