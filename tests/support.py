@@ -150,9 +150,8 @@ class Stack:
             "INFERQ_REQUIRE_AUTH": "false",
             "INFERQ_HEARTBEAT_S": "1",
             "INFERQ_LEASE_TTL_S": "10",
-            # Many stacks share this host: metrics servers take free ports and announce them.
-            "INFERQ_WORKER_METRICS_PORT": "0",
-            "INFERQ_OPS_METRICS_PORT": "0",
+            # No metrics ports: by default every worker and ops worker takes a free one and
+            # announces it, so the many stacks on this host never collide.
         }
         self.env.update({f"INFERQ_{k.upper()}": str(v) for k, v in settings.items()})
         self.procs: list[Proc] = []

@@ -204,11 +204,15 @@ class Settings(BaseSettings):
     metrics_host: str = Field(
         "127.0.0.1", description="Bind address of the workers' and ops worker's /metrics."
     )
+    # 0 by default: several workers (one per GPU) and ops workers share a host, and each one
+    # announces the port it got (README, Observability: GET /metrics/targets).
     worker_metrics_port: int = Field(
-        9101, ge=0, description="Port of an inference worker's /metrics (0: any free port)."
+        0,
+        ge=0,
+        description="Port of an inference worker's /metrics; 0: a free port the system picks.",
     )
     ops_metrics_port: int = Field(
-        9102, ge=0, description="Port of the ops worker's /metrics (0: any free port)."
+        0, ge=0, description="Port of the ops worker's /metrics; 0: a free port the system picks."
     )
     metrics_advertise_host: str = Field(
         "",
