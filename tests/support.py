@@ -27,6 +27,8 @@ from sqlalchemy import Engine, create_engine, text
 
 REPO = Path(__file__).resolve().parents[1]
 TERMINAL = {"succeeded", "failed", "cancelled", "expired"}
+# Written out rather than imported: a test must notice when the keys workers write change.
+PRESENCE_PREFIXES = {"inference": "inferq:worker:", "ops": "inferq:ops:"}
 
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -148,9 +150,8 @@ class Stack:
             "INFERQ_REQUIRE_AUTH": "false",
             "INFERQ_HEARTBEAT_S": "1",
             "INFERQ_LEASE_TTL_S": "10",
-            # Many stacks share this host: metrics servers take free ports and announce them.
-            "INFERQ_WORKER_METRICS_PORT": "0",
-            "INFERQ_OPS_METRICS_PORT": "0",
+            # No metrics ports: by default every worker and ops worker takes a free one and
+            # announces it, so the many stacks on this host never collide.
         }
         self.env.update({f"INFERQ_{k.upper()}": str(v) for k, v in settings.items()})
         self.procs: list[Proc] = []
@@ -227,9 +228,11 @@ class Stack:
             raise AssertionError(f"{exc}\n{proc.tail()}") from exc
         return proc
 
-    def worker_record(self, pid: int) -> dict[str, Any] | None:
+    def worker_record(self, pid: int, role: str = "inference") -> dict[str, Any] | None:
+        """The presence record of the process ``pid`` (an inference worker, or ``role="ops"``),
+        read straight from Redis; None if it has none."""
         client = redis.Redis.from_url(self.redis_url)
-        for key in client.scan_iter("inferq:worker:*"):
+        for key in client.scan_iter(f"{PRESENCE_PREFIXES[role]}*"):
             raw = client.get(key)
             record = json.loads(raw) if raw else {}
             if record.get("pid") == pid:

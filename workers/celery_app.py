@@ -7,10 +7,16 @@
   threads, so the backlog stays in Redis where other workers and the API can see it.
 - Results live in the database, never in a Celery result backend.
 - The ops worker consumes ``webhooks`` and ``maintenance`` and runs beat; inference workers
-  consume only lanes.
+  consume only lanes. Both start through :func:`run_worker`: one logging set-up, one argv.
 """
 
 from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Sequence
+from typing import Literal
 
 from celery import Celery
 
@@ -64,3 +70,38 @@ celery_app.conf.update(
         },
     },
 )
+
+
+def run_worker(
+    kind: Literal["worker", "ops"],
+    queues: Sequence[str],
+    concurrency: int,
+    options: Sequence[str] = (),
+) -> None:
+    """Run this process as a Celery worker of ``kind`` until it stops.
+
+    The threads pool: prefork children are daemonic and cannot start vLLM's engine process,
+    CUDA does not survive fork, and one process keeps one Prometheus registry (workers/metrics.py).
+    ``queues`` are consumed in the order given (strict priority, app/core/dispatch.py).
+    Per-process machinery starts and stops on Celery's signals (workers/lifecycle.py,
+    workers/ops.py), after the logging set-up here.
+    """
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    # An inference worker's intake cancels and re-adds lane consumers all the time
+    # (workers/intake.py); Celery logs each at INFO.
+    logging.getLogger("celery.worker.consumer.consumer").setLevel(logging.WARNING)
+    celery_app.worker_main(
+        [
+            "worker",
+            "--pool=threads",
+            f"--concurrency={concurrency}",
+            f"--queues={','.join(queues)}",
+            f"--hostname=inferq-{kind}-{os.getpid()}@{socket.gethostname()}",
+            *options,
+            "--loglevel=INFO",
+            "--without-mingle",
+            "--without-gossip",
+        ]
+    )

@@ -3,27 +3,25 @@
 Every ``heartbeat_s`` the leases of all jobs this worker holds are extended in one transaction.
 A lease that could not be renewed belongs to someone else now (the reaper re-queued the job), so
 the job is aborted here to stop wasting the engine. The same pass reads cancel requests, a
-backstop for a cancel broadcast this worker missed. The presence record in Redis (engine, model,
-lanes, load) is what ``inferq up`` and ``inferq status`` read.
+backstop for a cancel broadcast this worker missed. The same beat rewrites the worker's presence
+record in Redis (workers/presence.py: engine, model, lanes, load, metrics address), which
+``inferq up``, ``inferq status`` and the API's Prometheus service discovery read.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 import threading
 from typing import Any
 
-import redis
 from sqlalchemy import tuple_, update
 from sqlalchemy.exc import SQLAlchemyError
 
-from app.core import dispatch
 from app.core.db import session_scope
 from app.core.models import Job, JobStatus, now
 from app.core.settings import Settings
 from workers.executor import Executor
+from workers.presence import Presence
 
 log = logging.getLogger("inferq.heartbeat")
 
@@ -33,22 +31,20 @@ class Heartbeat:
         self.executor = executor
         self.settings = settings
         self.info = info
+        self.presence = Presence(
+            "inference", executor.worker_id, settings.heartbeat_s, self._describe
+        )
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="heartbeat", daemon=True)
 
-    @property
-    def key(self) -> str:
-        return dispatch.WORKERS_KEY_PREFIX + self.executor.worker_id
-
     def start(self) -> None:
-        self.announce()
+        self.presence.announce()
         self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
-        with contextlib.suppress(redis.RedisError):
-            dispatch.redis_client().delete(self.key)
+        self.presence.withdraw()
 
     def _loop(self) -> None:
         while not self._stop.wait(self.settings.heartbeat_s):
@@ -56,7 +52,7 @@ class Heartbeat:
                 self.renew()
             except SQLAlchemyError as exc:
                 log.warning("lease renewal failed (database): %s", exc)
-            self.announce()
+            self.presence.announce()
 
     def renew(self) -> None:
         held = self.executor.held()
@@ -90,9 +86,9 @@ class Heartbeat:
             if row.cancel_requested_at is not None:
                 self.executor.request_abort(row.id, "cancelled")
 
-    def announce(self) -> None:
+    def _describe(self) -> dict[str, Any]:
         stats = self.executor.runner.stats()
-        record = {
+        return {
             **self.info,
             "in_flight": self.executor.runner.in_flight(),
             "running": stats.running,
@@ -101,11 +97,4 @@ class Heartbeat:
             "tokens_per_s": round(stats.generated_tokens_per_s, 1),
             "engine_stats": stats.extra,
             "intake": self.executor.intake.snapshot(),
-            "seen_at": now(),
         }
-        try:
-            dispatch.redis_client().set(
-                self.key, json.dumps(record), ex=max(5, int(self.settings.heartbeat_s * 3))
-            )
-        except redis.RedisError as exc:
-            log.warning("could not announce the worker in Redis: %s", exc)

@@ -15,7 +15,6 @@ import contextlib
 import logging
 import os
 import signal
-import socket
 import threading
 from typing import Any
 
@@ -38,6 +37,7 @@ from workers.engines import create_engine
 from workers.executor import Executor
 from workers.heartbeat import Heartbeat
 from workers.intake import Intake
+from workers.presence import process_id
 from workers.runner import Runner
 
 log = logging.getLogger("inferq.worker")
@@ -48,7 +48,7 @@ class InferenceWorker:
 
     def __init__(self) -> None:
         settings = get_settings()
-        self.worker_id = f"{socket.gethostname()}:{os.getpid()}"
+        self.worker_id = process_id()
         engine = create_engine(settings)
         self.runner = Runner.from_settings(engine, settings)
         self.intake = Intake.from_settings(settings)
@@ -60,13 +60,11 @@ class InferenceWorker:
             intake=self.intake,
         )
         info = {
-            "worker_id": self.worker_id,
             "engine": engine.name,
             "model": engine.model_name,
             "batching": self.runner.batching,
             "lanes": settings.lanes,
             "concurrency": settings.worker_concurrency,
-            "pid": os.getpid(),
         }
         self.heartbeat = Heartbeat(self.executor, settings, info)
         self.control = ControlListener(self.executor)
@@ -84,7 +82,7 @@ class InferenceWorker:
         data_dir = settings.data_dir
         # Before the engine: a port already taken stops the worker at once, saying so.
         self.heartbeat.info["metrics_url"] = metrics.serve(
-            settings.metrics_host, settings.worker_metrics_port
+            settings.metrics_host, settings.worker_metrics_port, settings.metrics_advertise_host
         )
         killed = children.reap_orphans(data_dir)
         if killed:

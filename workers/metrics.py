@@ -11,7 +11,9 @@ Names and labels are the README's metrics table.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import socket
 from collections.abc import Callable, Iterator
 
 from prometheus_client import REGISTRY, Counter, Histogram, start_http_server
@@ -104,9 +106,29 @@ class WorkerCollector(Collector):
         yield info
 
 
-def serve(host: str, port: int) -> str:
-    """Serve the default registry on ``host:port`` (0: a free port); returns the URL."""
+def advertised_host(bind_host: str, advertise: str = "") -> str:
+    """The host others reach a server bound to ``bind_host`` at: ``advertise`` when set, else
+    the bind address, or this machine's hostname for a wildcard (0.0.0.0, ::), which names no
+    address anyone can connect to (in docker compose the hostname is the container's, which the
+    compose network resolves)."""
+    if advertise:
+        return advertise
+    try:
+        wildcard = not bind_host or ipaddress.ip_address(bind_host).is_unspecified
+    except ValueError:  # a host name
+        wildcard = False
+    return socket.gethostname() if wildcard else bind_host
+
+
+def serve(host: str, port: int, advertise: str = "") -> str:
+    """Serve the default registry on ``host:port`` and return the URL to announce.
+
+    Port 0 takes a free port the system picks; any other port is bound exactly, and a port
+    already taken raises OSError (EADDRINUSE) for the caller to stop on.
+    """
     server, _ = start_http_server(port, addr=host, registry=REGISTRY)
-    url = f"http://{host}:{server.server_port}/metrics"
-    log.info("metrics on %s", url)
+    name = advertised_host(host, advertise)
+    netloc = f"[{name}]" if ":" in name else name  # an IPv6 literal (RFC 3986)
+    url = f"http://{netloc}:{server.server_port}/metrics"
+    log.info("metrics on %s (bound to %s:%d)", url, host, server.server_port)
     return url

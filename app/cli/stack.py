@@ -2,15 +2,15 @@
 
 It starts a private ``redis-server`` when nothing answers at ``INFERQ_REDIS_URL`` (and says so),
 migrates the database, makes a dev API key, starts the API, the ops worker (webhooks, sweeps,
-beat) and one inference worker, waits until the API and the worker are ready, prints how to
-reach them, and stops every child - process groups included, so vLLM's engine processes go
-too - on Ctrl-C, SIGTERM, or when any child dies.
+beat) and one inference worker, waits until the API is ready and both workers have announced
+themselves in Redis (their presence records, app/core/snapshot.py), prints how to reach them,
+and stops every child - process groups included, so vLLM's engine processes go too - on Ctrl-C,
+SIGTERM, or when any child dies.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import signal
@@ -26,7 +26,7 @@ from urllib.parse import urlparse
 import httpx
 import redis
 
-from app.core import dispatch
+from app.core import dispatch, snapshot
 from app.core.db import migrate, session_scope
 from app.core.keys import create_key, key_for
 from app.core.settings import Settings
@@ -128,6 +128,7 @@ class Stack:
         self.logs = self.data_dir / "logs"
         self.children: list[Child] = []
         self._stopping = False
+        self._ops: Child | None = None
 
     # --- pieces --------------------------------------------------------------------------
     def ensure_redis(self) -> str:
@@ -188,30 +189,41 @@ class Stack:
             argv += ["--concurrency", str(self.concurrency)]
         child = Child("worker", argv, self.logs / "worker.log")
         self._spawn(child)
+        _say("starting the worker (the first start builds the demo model; vLLM needs ~1 min)")
+        return self._announced("inference", "the worker", 900, child)
+
+    def start_ops(self) -> str:
+        """The ops worker (waited for by :meth:`ops_ready`); returns where receivers find the
+        signing secret."""
+        load_secret(self.settings)  # made here so the banner can point at it
+        self._ops = Child("ops", [sys.executable, "-m", "app.cli", "ops"], self.logs / "ops.log")
+        self._spawn(self._ops)
+        if self.settings.webhook_secret is not None:
+            return "INFERQ_WEBHOOK_SECRET"
+        return str(self.data_dir / SECRET_FILE)
+
+    def ops_ready(self) -> dict[str, object]:
+        """The ops worker's presence record, once it has announced itself."""
+        assert self._ops is not None
+        return self._announced("ops", "the ops worker", 120, self._ops)
+
+    def _announced(
+        self, role: dispatch.Role, what: str, timeout_s: float, child: Child
+    ) -> dict[str, object]:
+        """Wait for ``child``'s presence record under ``role``; returns it."""
         assert child.proc is not None
         pid = child.proc.pid
         found: dict[str, object] = {}
 
         def announced() -> bool:
-            for key in dispatch.redis_client().scan_iter(dispatch.WORKERS_KEY_PREFIX + "*"):
-                raw = dispatch.redis_client().get(key)
-                record = json.loads(raw) if raw else {}
+            for record in snapshot.presence(dispatch.redis_client(), role):
                 if record.get("pid") == pid:
                     found.update(record)
                     return True
             return False
 
-        _say("starting the worker (the first start builds the demo model; vLLM needs ~1 min)")
-        self._wait("the worker", 900, announced, child)
+        self._wait(what, timeout_s, announced, child)
         return found
-
-    def start_ops(self) -> str:
-        """The ops worker; returns where receivers find the signing secret."""
-        load_secret(self.settings)  # made here so the banner can point at it
-        self._spawn(Child("ops", [sys.executable, "-m", "app.cli", "ops"], self.logs / "ops.log"))
-        if self.settings.webhook_secret is not None:
-            return "INFERQ_WEBHOOK_SECRET"
-        return str(self.data_dir / SECRET_FILE)
 
     # --- supervision ---------------------------------------------------------------------
     def _spawn(self, child: Child) -> None:
@@ -243,7 +255,8 @@ class Stack:
             api = self.start_api()
             secret = self.start_ops()
             worker = self.start_worker()
-            self._banner(api, key, worker, redis_line, secret)
+            ops = self.ops_ready()
+            self._banner(api, key, worker, ops, redis_line, secret)
             while all(child.alive() for child in self.children):
                 time.sleep(0.5)
             dead = next(child for child in self.children if not child.alive())
@@ -259,7 +272,13 @@ class Stack:
             self.stop()
 
     def _banner(
-        self, api: str, key: str, worker: dict[str, object], redis_line: str, secret: str
+        self,
+        api: str,
+        key: str,
+        worker: dict[str, object],
+        ops: dict[str, object],
+        redis_line: str,
+        secret: str,
     ) -> None:
         engine = worker.get("engine")
         label = " (SIMULATED engine: no real model)" if engine == "simulated" else ""
@@ -273,8 +292,9 @@ class Stack:
             f"  database  {self.settings.sqlalchemy_url}\n"
             f"  redis     {redis_line}\n"
             f"  webhooks  signed with the secret in {secret}\n"
-            f"  metrics   {api}/metrics, worker {worker.get('metrics_url')}, ops port "
-            f"{self.settings.ops_metrics_port}\n"
+            f"  metrics   {api}/metrics, worker {worker.get('metrics_url')}, "
+            f"ops {ops.get('metrics_url')}\n"
+            f"            (Prometheus service discovery: {api}/metrics/targets)\n"
             f"  status    inferq status --watch   (Flower: inferq flower)\n"
             f"  logs      {self.logs}\n\n"
             "Try:\n"

@@ -1,4 +1,5 @@
-"""`inferq status`: a terminal view of lanes, workers and the last minute's throughput.
+"""`inferq status`: a terminal view of lanes, workers, ops workers and the last minute's
+throughput.
 
 The numbers come from :mod:`app.core.snapshot` (the same reads as the API's /metrics); this module
 only collects them once and draws them with rich.
@@ -10,6 +11,7 @@ import os
 import sys
 import time
 from datetime import datetime
+from typing import Any
 
 import redis
 from rich.console import Console, Group, RenderableType
@@ -34,6 +36,7 @@ def collect() -> snapshot.Snapshot:
         client = dispatch.redis_client()
         messages = snapshot.lane_messages(client)
         workers = snapshot.workers(client)
+        ops = snapshot.ops_workers(client)
     except redis.RedisError as exc:
         raise Unavailable(f"cannot read Redis (INFERQ_REDIS_URL): {exc}") from None
     try:
@@ -44,7 +47,7 @@ def collect() -> snapshot.Snapshot:
         # The driver's own message is the useful line; SQLAlchemy's adds the SQL and a link.
         reason = str(getattr(exc, "orig", None) or exc).splitlines()[0]
         raise Unavailable(f"cannot read the database (INFERQ_DATABASE_URL): {reason}") from None
-    return snapshot.Snapshot(now, messages, lanes, workers, throughput)
+    return snapshot.Snapshot(now, messages, lanes, workers, throughput, ops)
 
 
 def _age(seconds: float) -> str:
@@ -78,6 +81,11 @@ def _lanes_table(snap: snapshot.Snapshot) -> Table:
     return table
 
 
+def _seen(snap: snapshot.Snapshot, record: dict[str, Any]) -> str:
+    seen = record.get("seen_at")
+    return "-" if seen is None else f"{_age(max(0.0, snap.taken_at - float(seen)))} ago"
+
+
 def _workers_table(snap: snapshot.Snapshot) -> Table:
     table = Table(title="Workers", title_justify="left")
     # The worker id is hostname:pid. Long names (a model's repository) wrap rather than hide.
@@ -89,7 +97,6 @@ def _workers_table(snap: snapshot.Snapshot) -> Table:
         table.add_row("no worker is announced (start one: inferq worker)")
     for record in snap.workers:
         kv = record.get("kv_cache_usage")
-        seen = record.get("seen_at")
         table.add_row(
             str(record["worker_id"]),
             _number(record.get("engine")),
@@ -100,7 +107,27 @@ def _workers_table(snap: snapshot.Snapshot) -> Table:
             _number(record.get("waiting")),
             "-" if kv is None else f"{float(kv) * 100:.0f}%",
             _number(record.get("tokens_per_s"), "{:.1f}"),
-            "-" if seen is None else f"{_age(max(0.0, snap.taken_at - float(seen)))} ago",
+            _seen(snap, record),
+        )
+    return table
+
+
+def _ops_table(snap: snapshot.Snapshot) -> Table:
+    # Apart from the workers: an ops worker runs no engine and takes no lane.
+    table = Table(title="Ops workers", title_justify="left")
+    for name in ("worker", "queues", "beat", "metrics"):
+        table.add_column(name, overflow="fold")
+    table.add_column("last seen", justify="right")
+    if not snap.ops:
+        table.add_row("no ops worker is announced (start one: inferq ops)")
+    for record in snap.ops:
+        beat = record.get("beat")
+        table.add_row(
+            str(record["worker_id"]),
+            ",".join(record.get("queues") or []) or "-",
+            "-" if beat is None else ("yes" if beat else "no"),
+            _number(record.get("metrics_url")),
+            _seen(snap, record),
         )
     return table
 
@@ -124,6 +151,7 @@ def render(snap: snapshot.Snapshot) -> RenderableType:
         Text(f"inferq status at {stamp}", style="bold"),
         _lanes_table(snap),
         _workers_table(snap),
+        _ops_table(snap),
         _throughput_table(snap),
     )
 

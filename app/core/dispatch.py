@@ -13,7 +13,7 @@ import json
 import logging
 import threading
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Literal
 
 import redis
 from celery import Celery
@@ -38,7 +38,12 @@ WEBHOOK_QUEUE = "webhooks"
 MAINTENANCE_QUEUE = "maintenance"
 QUEUES: tuple[str, ...] = (*LANES, WEBHOOK_QUEUE, MAINTENANCE_QUEUE)
 CONTROL_CHANNEL = "inferq:control"
+# Presence records (workers/presence.py), one prefix per role: readers of inference workers
+# (`inferq up`, `inferq status`, the benchmarks) never see an ops worker as one of them.
 WORKERS_KEY_PREFIX = "inferq:worker:"
+OPS_KEY_PREFIX = "inferq:ops:"
+Role = Literal["inference", "ops"]
+PRESENCE_KEY_PREFIXES: dict[Role, str] = {"inference": WORKERS_KEY_PREFIX, "ops": OPS_KEY_PREFIX}
 BROKER_POLL_S = 0.05
 
 _lock = threading.Lock()

@@ -134,7 +134,11 @@ class Settings(BaseSettings):
         "of its own (vLLM), so the engine wins the CPU; 0: off.",
     )
     lease_ttl_s: float = Field(60.0, description="A claim's lease; renewed by heartbeats.")
-    heartbeat_s: float = Field(15.0, description="How often a worker renews its leases.")
+    heartbeat_s: float = Field(
+        15.0,
+        description="How often a worker renews its leases; workers and ops workers re-announce "
+        "themselves in Redis as often.",
+    )
     visibility_timeout_s: int = Field(
         172_800,
         description="Redis redelivers a message unacknowledged this long; longer than any job "
@@ -200,11 +204,21 @@ class Settings(BaseSettings):
     metrics_host: str = Field(
         "127.0.0.1", description="Bind address of the workers' and ops worker's /metrics."
     )
+    # 0 by default: several workers (one per GPU) and ops workers share a host, and each one
+    # announces the port it got (README, Observability: GET /metrics/targets).
     worker_metrics_port: int = Field(
-        9101, ge=0, description="Port of an inference worker's /metrics (0: any free port)."
+        0,
+        ge=0,
+        description="Port of an inference worker's /metrics; 0: a free port the system picks.",
     )
     ops_metrics_port: int = Field(
-        9102, ge=0, description="Port of the ops worker's /metrics (0: any free port)."
+        0, ge=0, description="Port of the ops worker's /metrics; 0: a free port the system picks."
+    )
+    metrics_advertise_host: str = Field(
+        "",
+        description="Host name or address workers announce for their /metrics (what Prometheus "
+        "connects to); empty: INFERQ_METRICS_HOST, or this machine's hostname when that is "
+        "0.0.0.0 or ::.",
     )
     flower_address: str = Field("127.0.0.1", description="Bind address of `inferq flower`.")
     flower_port: int = Field(5555, description="Port of `inferq flower`.")

@@ -1,5 +1,6 @@
 """What the system looks like right now, read from Redis and the database; shared by
-`inferq status` and the API's /metrics.
+`inferq status`, `inferq up` and the API's /metrics and /metrics/targets (Prometheus service
+discovery of the workers' own /metrics).
 
 Nothing here is kept in memory between calls: every function reads its source afresh, so any
 process (the CLI, any API process) gives the same answer at the same moment.
@@ -10,12 +11,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import redis
 from sqlalchemy import Connection, case, func, select
 from sqlalchemy.orm import Session
 
-from app.core.dispatch import WORKERS_KEY_PREFIX
+from app.core.dispatch import PRESENCE_KEY_PREFIXES, Role
 from app.core.models import Job, JobStatus
 from app.core.settings import LANES
 
@@ -49,6 +51,7 @@ class Snapshot:
     lanes: dict[str, LaneJobs]
     workers: list[dict[str, Any]]
     throughput: Throughput
+    ops: list[dict[str, Any]] = field(default_factory=list)
 
 
 def lane_messages(client: redis.Redis) -> dict[str, int]:
@@ -102,14 +105,16 @@ def lane_jobs(db: Session | Connection, now: float) -> dict[str, LaneJobs]:
     }
 
 
-def workers(client: redis.Redis) -> list[dict[str, Any]]:
-    """The presence records of live workers (``workers/heartbeat.py``), sorted by worker id.
+def presence(client: redis.Redis, role: Role) -> list[dict[str, Any]]:
+    """The presence records of live processes of ``role`` (``inference`` or ``ops``;
+    ``workers/presence.py``), sorted by worker id.
 
-    A record expires a few heartbeats after its worker stops announcing, so a dead worker
+    A record expires a few heartbeats after its process stops announcing, so a dead worker
     drops out of this list by itself.
     """
+    prefix = PRESENCE_KEY_PREFIXES[role]
     found: list[dict[str, Any]] = []
-    for key in client.scan_iter(match=WORKERS_KEY_PREFIX + "*", count=100):
+    for key in client.scan_iter(match=prefix + "*", count=100):
         raw = client.get(key)
         if raw is None:  # expired between SCAN and GET
             continue
@@ -120,9 +125,50 @@ def workers(client: redis.Redis) -> list[dict[str, Any]]:
         if not isinstance(record, dict):
             continue
         name = key.decode() if isinstance(key, bytes) else str(key)
-        record.setdefault("worker_id", name.removeprefix(WORKERS_KEY_PREFIX))
+        record.setdefault("worker_id", name.removeprefix(prefix))
         found.append(record)
     return sorted(found, key=lambda record: str(record["worker_id"]))
+
+
+def workers(client: redis.Redis) -> list[dict[str, Any]]:
+    """Live inference workers (``workers/heartbeat.py``), sorted by worker id."""
+    return presence(client, "inference")
+
+
+def ops_workers(client: redis.Redis) -> list[dict[str, Any]]:
+    """Live ops workers (``workers/ops.py``), sorted by worker id."""
+    return presence(client, "ops")
+
+
+# Target labels taken from a presence record; `worker`, `engine` and `model` are also the labels
+# of inferq_worker_info, so a query can join a target's series on them.
+TARGET_LABELS = {"worker": "worker_id", "engine": "engine", "model": "model"}
+
+
+def metrics_targets(client: redis.Redis) -> list[dict[str, Any]]:
+    """Every live worker's and ops worker's /metrics, in Prometheus's HTTP service discovery
+    format: ``[{"targets": ["host:port"], "labels": {...}}]``, one group per process.
+
+    Labels: ``role`` (``inference`` or ``ops``), ``worker`` (the worker id), ``engine`` and
+    ``model`` (inference workers), and ``__scheme__`` and ``__metrics_path__`` from the URL the
+    process announced. A record without a metrics URL (a worker still starting) is left out.
+    """
+    groups: list[dict[str, Any]] = []
+    for role in PRESENCE_KEY_PREFIXES:
+        for record in presence(client, role):
+            url = urlsplit(str(record.get("metrics_url") or ""))
+            if not url.netloc:
+                continue
+            labels = {
+                "role": role,
+                "__scheme__": url.scheme or "http",
+                "__metrics_path__": url.path or "/metrics",
+            }
+            for label, field_name in TARGET_LABELS.items():
+                if record.get(field_name):
+                    labels[label] = str(record[field_name])
+            groups.append({"targets": [url.netloc], "labels": labels})
+    return groups
 
 
 def throughput(db: Session | Connection, now: float, window_s: float = 60.0) -> Throughput:

@@ -10,7 +10,6 @@ after work went through, so they hold whatever ran before them.
 from __future__ import annotations
 
 import json
-import re
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,10 +22,10 @@ from tests.conftest import fresh_redis_url
 from tests.support import Proc, Receiver, Samples, Stack, scrape, value, wait_until
 
 
-def ops_metrics_url(proc: Proc) -> str:
-    found = re.search(r"metrics on (http://\S+/metrics)", proc.log.read_text(errors="replace"))
-    assert found, proc.tail()
-    return found.group(1)
+def ops_metrics_url(stack: Stack, proc: Proc) -> str:
+    record = stack.worker_record(proc.pid, role="ops")
+    assert record is not None, proc.tail()
+    return str(record["metrics_url"])
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +161,7 @@ def test_lane_gauges_follow_the_queue(stack: Stack) -> None:
 
 def test_ops_metrics_count_deliveries_and_reaper_actions(stack: Stack, receiver: Receiver) -> None:
     ops = next(p for p in stack.procs if p.name == "ops")
-    url = ops_metrics_url(ops)
+    url = ops_metrics_url(stack, ops)
     before = scrape(url)
     # Delivered on the first attempt; one more answered 500 once, then delivered.
     run(stack, "realtime", 1, webhook_url=receiver.url("/ok"))
@@ -274,25 +273,35 @@ def test_api_processes_share_their_counters(tmp_path: Path) -> None:
         s.stop()
 
 
-def test_a_taken_metrics_port_stops_the_worker_saying_so(tmp_path: Path) -> None:
-    """It exits (status 1) before taking any message, instead of running without metrics."""
+@pytest.mark.parametrize(
+    ("setting", "argv", "says"),
+    [
+        ("worker_metrics_port", ["worker", "--engine", "simulated"], "the worker cannot start"),
+        ("ops_metrics_port", ["ops"], "the ops worker cannot start"),
+    ],
+    ids=["worker", "ops"],
+)
+def test_a_taken_metrics_port_stops_the_worker_saying_so(
+    tmp_path: Path, setting: str, argv: list[str], says: str
+) -> None:
+    """A port set explicitly is bound exactly: taken, the process exits (status 1) before
+    taking any message or announcing itself, instead of running without metrics."""
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
         s = Stack(
-            tmp_path,
-            f"sqlite:///{tmp_path / 'inferq.db'}",
-            fresh_redis_url(),
-            worker_metrics_port=port,
+            tmp_path, f"sqlite:///{tmp_path / 'inferq.db'}", fresh_redis_url(), **{setting: port}
         )
         s.migrate()
-        proc = s.spawn("worker", "worker", "--engine", "simulated")
+        proc = s.spawn(argv[0], *argv)
         try:
-            wait_until(lambda: not proc.alive(), 60, "the worker to exit")
+            wait_until(lambda: not proc.alive(), 60, f"{argv[0]} to exit")
         finally:
             proc.stop()
     assert proc.popen.returncode == 1
     log = proc.log.read_text(errors="replace")
-    assert "the worker cannot start" in log and "Address already in use" in log
+    assert says in log and "Address already in use" in log
     assert " ready." not in log, "Celery must not start consuming"
+    role = "ops" if argv[0] == "ops" else "inference"
+    assert s.worker_record(proc.pid, role=role) is None

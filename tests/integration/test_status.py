@@ -252,11 +252,65 @@ def test_snapshot_reads_lanes_workers_and_throughput(idle_stack: Stack) -> None:
     client.set("inferq:worker:host:2", json.dumps({"worker_id": "host:2", "engine": "vllm"}))
     client.set("inferq:worker:host:1", json.dumps({"worker_id": "host:1", "engine": "hf"}))
     client.set("inferq:worker:host:3", json.dumps({"worker_id": "host:3"}), px=1)
+    client.set("inferq:ops:host:4", json.dumps({"worker_id": "host:4", "role": "ops"}))
     time.sleep(0.05)
     assert snapshot.workers(client) == [
         {"worker_id": "host:1", "engine": "hf"},
         {"worker_id": "host:2", "engine": "vllm"},
     ]
+    assert snapshot.ops_workers(client) == [{"worker_id": "host:4", "role": "ops"}]
+
+
+def test_metrics_targets_list_every_announced_metrics_address(idle_stack: Stack) -> None:
+    """Prometheus's HTTP service discovery format, one group per process that announced a
+    metrics URL (a worker still starting has none yet)."""
+    client = redis.Redis.from_url(idle_stack.redis_url)
+    worker = {"engine": "vllm", "model": "org/m", "metrics_url": "http://gpu1:40001/metrics"}
+    client.set("inferq:worker:gpu1:7", json.dumps({"worker_id": "gpu1:7", **worker}))
+    client.set("inferq:worker:gpu1:8", json.dumps({"worker_id": "gpu1:8", "engine": "vllm"}))
+    ops = {"worker_id": "cpu:9", "metrics_url": "http://[::1]:40002/metrics"}
+    client.set("inferq:ops:cpu:9", json.dumps(ops))
+    assert snapshot.metrics_targets(client) == [
+        {
+            "targets": ["gpu1:40001"],
+            "labels": {
+                "role": "inference",
+                "__scheme__": "http",
+                "__metrics_path__": "/metrics",
+                "worker": "gpu1:7",
+                "engine": "vllm",
+                "model": "org/m",
+            },
+        },
+        {
+            "targets": ["[::1]:40002"],
+            "labels": {
+                "role": "ops",
+                "__scheme__": "http",
+                "__metrics_path__": "/metrics",
+                "worker": "cpu:9",
+            },
+        },
+    ]
+
+
+def test_status_shows_an_ops_worker_apart_from_the_workers(idle_stack: Stack) -> None:
+    client = redis.Redis.from_url(idle_stack.redis_url)
+    record = {
+        "worker_id": "cpu:9",
+        "role": "ops",
+        "queues": ["maintenance", "webhooks"],
+        "beat": True,
+        "metrics_url": "http://127.0.0.1:40002/metrics",
+        "seen_at": time.time(),
+    }
+    client.set("inferq:ops:cpu:9", json.dumps(record))
+    done = status(idle_stack)
+    assert done.returncode == 0, done.stderr
+    assert "no worker is announced" in done.stdout  # an ops worker is not an inference worker
+    ((_, queues, beat, url, seen),) = rows(done.stdout, "cpu:9")
+    assert (queues, beat, url) == ("maintenance,webhooks", "yes", record["metrics_url"])
+    assert seen.endswith(" ago")
 
 
 def test_status_of_an_idle_system_says_no_worker(idle_stack: Stack) -> None:
@@ -265,4 +319,5 @@ def test_status_of_an_idle_system_says_no_worker(idle_stack: Stack) -> None:
     for lane in ("realtime", "standard", "bulk"):
         assert rows(done.stdout, lane) == [[lane, "0", "0", "0", "-"]]
     assert "no worker is announced" in done.stdout
+    assert "no ops worker is announced" in done.stdout
     assert rows(done.stdout, "none") == [["none", "0.00", "0.0"]]

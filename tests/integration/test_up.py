@@ -56,6 +56,18 @@ def test_up_runs_the_whole_stack_and_stops_every_child(tmp_path: Path) -> None:
         assert url == f"http://127.0.0.1:{api_port}"
         children = psutil.Process(proc.pid).children(recursive=True)
         assert len(children) >= 3  # redis-server, api, worker
+        # The metrics line names the addresses the worker and the ops worker announced, and the
+        # API's service discovery lists the same two.
+        worker_metrics, ops_metrics = re.search(
+            r"worker (http://\S+/metrics), ops (http://\S+/metrics)", output
+        ).groups()
+        for page in (worker_metrics, ops_metrics):
+            assert httpx.get(page, timeout=5).status_code == 200
+        groups = httpx.get(f"{url}/metrics/targets", timeout=5).json()
+        assert {(g["labels"]["role"], f"http://{g['targets'][0]}/metrics") for g in groups} == {
+            ("inference", worker_metrics),
+            ("ops", ops_metrics),
+        }
 
         with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}) as c:
             ids = [

@@ -125,28 +125,30 @@ def test_environment_names_are_real_settings() -> None:
 
 
 def test_prometheus_scrapes_every_inferq_process() -> None:
+    """The API by its fixed address; workers and ops workers, however many, through the API's
+    service discovery (tests/integration/test_discovery.py runs this file for real)."""
     services = load()["services"]
     config = yaml.safe_load(PROMETHEUS.read_text())
     assert config["global"]["scrape_interval"] == "5s"
     jobs = {job["job_name"]: job for job in config["scrape_configs"]}
     assert set(jobs) == {"api", "worker", "ops"}
-    targets = {
-        name: {t for static in job["static_configs"] for t in static["targets"]}
-        for name, job in jobs.items()
-    }
     api_cmd = services["api"]["command"]
-    worker_port = setting_in_compose(services["worker"], "worker_metrics_port")
-    ops_port = setting_in_compose(services["ops"], "ops_metrics_port")
-    assert targets == {
-        "api": {f"api:{api_cmd[api_cmd.index('--port') + 1]}"},
-        "worker": {f"worker:{worker_port}", f"worker-cpu:{worker_port}"},
-        "ops": {f"ops:{ops_port}"},
-    }
+    api = f"api:{api_cmd[api_cmd.index('--port') + 1]}"
+    assert [t for static in jobs["api"]["static_configs"] for t in static["targets"]] == [api]
+    for name, role in (("worker", "inference"), ("ops", "ops")):
+        job = jobs[name]
+        assert "static_configs" not in job, name
+        assert [sd["url"] for sd in job["http_sd_configs"]] == [f"http://{api}/metrics/targets"]
+        assert job["relabel_configs"] == [
+            {"source_labels": ["role"], "regex": role, "action": "keep"}
+        ]
     assert all(job.get("metrics_path", "/metrics") == "/metrics" for job in jobs.values())
-    # The workers and the ops worker serve /metrics on INFERQ_METRICS_HOST: reachable inside
-    # the compose network, yet they publish no ports.
+    # The workers and the ops worker serve /metrics on INFERQ_METRICS_HOST, on ports the system
+    # picks: reachable inside the compose network, any number of them, and no ports published.
     for name in ("worker", "worker-cpu", "ops"):
         assert setting_in_compose(services[name], "metrics_host") == "0.0.0.0"
+        assert setting_in_compose(services[name], "worker_metrics_port") == "0"
+        assert setting_in_compose(services[name], "ops_metrics_port") == "0"
         assert "ports" not in services[name]
     prometheus = services["prometheus"]
     assert prometheus["image"].startswith("prom/prometheus")

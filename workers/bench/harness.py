@@ -9,7 +9,6 @@ through the same :class:`~workers.runner.Runner`, with no API, queue or database
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import shutil
@@ -29,7 +28,7 @@ from sqlalchemy import create_engine, func, select, text
 from sqlalchemy.engine import Engine, make_url
 
 from app.cli.stack import Child, wait_ready
-from app.core.dispatch import WORKERS_KEY_PREFIX
+from app.core import snapshot
 from app.core.models import TERMINAL, Job
 from app.core.settings import Settings
 from workers.engines import create_engine as create_model_engine
@@ -134,9 +133,8 @@ class BenchStack:
         client = redis.Redis(port=self.redis_port)
 
         def announced() -> bool:
-            return any(
-                f":{pid}".encode() in key for key in client.scan_iter(WORKERS_KEY_PREFIX + "*")
-            )
+            # By the record's pid: a key match on ":<pid>" also matched longer pids.
+            return any(record.get("pid") == pid for record in snapshot.workers(client))
 
         wait_ready(f"worker{index}", 900, announced, child, poll_s=POLL_S)
         return child
@@ -220,10 +218,7 @@ class BenchStack:
             return [dict(row._mapping) for row in conn.execute(query)]
 
     def worker_records(self) -> list[dict[str, Any]]:
-        client = redis.Redis(port=self.redis_port)
-        return [
-            json.loads(client.get(k) or b"{}") for k in client.scan_iter(WORKERS_KEY_PREFIX + "*")
-        ]
+        return snapshot.workers(redis.Redis(port=self.redis_port))
 
     def close(self) -> None:
         for child in reversed(self.children):

@@ -1,13 +1,16 @@
-"""Liveness and readiness probes and the Prometheus page (no authentication)."""
+"""Liveness and readiness probes, the Prometheus page and Prometheus's service discovery of
+the workers (no authentication)."""
 
 from __future__ import annotations
 
+import redis
 from fastapi import APIRouter, Response
+from fastapi.responses import JSONResponse
 from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
 
 from app.api.metrics import api_exposition
-from app.core import dispatch
+from app.core import dispatch, snapshot
 from app.core.db import session_scope
 from app.core.errors import unavailable
 
@@ -47,3 +50,18 @@ def metrics() -> Response:
     """Prometheus exposition (README: Observability)."""
     body, content_type = api_exposition()
     return Response(body, media_type=content_type)
+
+
+@router.get("/metrics/targets", include_in_schema=False)
+def metrics_targets() -> JSONResponse:
+    """Prometheus HTTP service discovery (``http_sd_configs``): the /metrics of every live
+    inference worker and ops worker, from their presence records (README: Observability)."""
+    try:
+        groups = snapshot.metrics_targets(dispatch.redis_client())
+    except redis.RedisError:
+        # Not an empty list: Prometheus keeps the targets it last discovered while this fails,
+        # and would drop every worker on an empty answer.
+        raise unavailable(
+            "broker_unavailable", "the worker registry (Redis) is unavailable; retry later"
+        ) from None
+    return JSONResponse(groups)
