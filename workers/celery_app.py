@@ -30,46 +30,55 @@ from app.core.dispatch import (
 )
 from app.core.settings import get_settings
 
-settings = get_settings()
 
-celery_app = Celery("inferq", broker=settings.redis_url, include=["workers.tasks"])
-celery_app.conf.update(
-    task_queues=task_queues(),
-    task_default_queue="standard",
-    broker_transport_options=broker_transport_options(settings),
-    broker_connection_retry_on_startup=True,
-    broker_connection_max_retries=None,
-    task_acks_late=True,
-    task_reject_on_worker_lost=True,
-    task_ignore_result=True,
-    task_store_errors_even_if_ignored=False,
-    worker_prefetch_multiplier=1,
-    worker_send_task_events=True,
-    task_send_sent_event=True,
-    worker_hijack_root_logger=False,
-    worker_cancel_long_running_tasks_on_connection_loss=False,
-    task_serializer="json",
-    accept_content=["json"],
-    # Beat runs inside the ops worker (`inferq ops`). A sweep that waited longer than its
-    # interval is dropped: the next one does the same work.
-    beat_schedule={
-        "sweep-webhooks": {
-            "task": SWEEP_WEBHOOKS_TASK,
-            "schedule": settings.webhook_sweep_interval_s,
-            "options": {"queue": MAINTENANCE_QUEUE, "expires": settings.webhook_sweep_interval_s},
+def _create() -> Celery:
+    """The app, configured from settings once, when a worker process imports this module."""
+    settings = get_settings()
+    app = Celery("inferq", broker=settings.redis_url, include=["workers.tasks"])
+    app.conf.update(
+        task_queues=task_queues(),
+        task_default_queue="standard",
+        broker_transport_options=broker_transport_options(settings),
+        broker_connection_retry_on_startup=True,
+        broker_connection_max_retries=None,
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        task_ignore_result=True,
+        task_store_errors_even_if_ignored=False,
+        worker_prefetch_multiplier=1,
+        worker_send_task_events=True,
+        task_send_sent_event=True,
+        worker_hijack_root_logger=False,
+        worker_cancel_long_running_tasks_on_connection_loss=False,
+        task_serializer="json",
+        accept_content=["json"],
+        # Beat runs inside the ops worker (`inferq ops`). A sweep that waited longer than its
+        # interval is dropped: the next one does the same work.
+        beat_schedule={
+            "sweep-webhooks": {
+                "task": SWEEP_WEBHOOKS_TASK,
+                "schedule": settings.webhook_sweep_interval_s,
+                "options": {
+                    "queue": MAINTENANCE_QUEUE,
+                    "expires": settings.webhook_sweep_interval_s,
+                },
+            },
+            "reap": {
+                "task": REAP_TASK,
+                "schedule": settings.reaper_interval_s,
+                "options": {"queue": MAINTENANCE_QUEUE, "expires": settings.reaper_interval_s},
+            },
+            "sweep-batches": {
+                "task": SWEEP_BATCHES_TASK,
+                "schedule": settings.batch_sweep_interval_s,
+                "options": {"queue": MAINTENANCE_QUEUE, "expires": settings.batch_sweep_interval_s},
+            },
         },
-        "reap": {
-            "task": REAP_TASK,
-            "schedule": settings.reaper_interval_s,
-            "options": {"queue": MAINTENANCE_QUEUE, "expires": settings.reaper_interval_s},
-        },
-        "sweep-batches": {
-            "task": SWEEP_BATCHES_TASK,
-            "schedule": settings.batch_sweep_interval_s,
-            "options": {"queue": MAINTENANCE_QUEUE, "expires": settings.batch_sweep_interval_s},
-        },
-    },
-)
+    )
+    return app
+
+
+celery_app = _create()
 
 
 def run_worker(
