@@ -73,7 +73,7 @@ def _install_log() -> None:
 _install_log()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Transition:
     """One committed change of one job's status (``source`` None: a new job)."""
 
