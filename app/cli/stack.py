@@ -243,10 +243,15 @@ class Stack:
             child.stop(grace_s=30 if child.name == "worker" else 10)
 
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
+        # The first signal starts the stop; the ones after it (a second Ctrl-C, a supervisor
+        # forwarding it) must not interrupt the stop and orphan the children.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         raise KeyboardInterrupt(signal.Signals(signum).name)
 
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         try:
             redis_line = self.ensure_redis()

@@ -123,7 +123,10 @@ def test_up_runs_the_whole_stack_and_stops_every_child(tmp_path: Path) -> None:
         )
         assert json.loads(got.stdout) == job
 
+        # A supervisor's SIGTERM and a Ctrl-C right behind it: the second signal must not cut
+        # the stop short and orphan the children.
         proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0
         wait_until(
             lambda: (
