@@ -44,7 +44,8 @@ class Claim:
     lease: Lease
     request: GenRequest
     deadline: float | None
-    relay: str | None  # a caller waits on app/core/relay.py: "end" or "tokens"
+    relay: str | None  # a caller waits (app/core/relay.py): "end" or "tokens"
+    reply_to: str | None  # where the relay goes
 
     @property
     def job_id(self) -> str:
@@ -256,10 +257,10 @@ class Executor:
 
     def _relay_pieces(self, claim: Claim) -> Callable[[str, int], None] | None:
         """The engine's output pieces of a streamed job go to its caller (on the loop thread)."""
-        if claim.relay != "tokens":
+        if claim.relay != "tokens" or claim.reply_to is None:
             return None
-        job_id, token, publish = claim.job_id, claim.token, self.recorder.relay.piece
-        return lambda text, _tokens: publish(job_id, token, text) if text else None
+        reply_to, token, publish = claim.reply_to, claim.token, self.recorder.relay.piece
+        return lambda text, _tokens: publish(reply_to, token, text) if text else None
 
     def _ending(
         self, claim: Claim, future: concurrent.futures.Future[GenResult]
@@ -295,6 +296,7 @@ class Executor:
                 request=request_for(row, row.lease_token),
                 deadline=row.deadline_at,
                 relay=row.relay,
+                reply_to=row.reply_to,
             )
             for row in rows
         ]

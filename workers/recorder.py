@@ -47,8 +47,8 @@ class Recorder:
     def put(self, claim: Claim, outcome: Outcome) -> concurrent.futures.Future[bool]:
         """Queue an outcome; the future says whether it was written (False: fenced off)."""
         future: concurrent.futures.Future[bool] = concurrent.futures.Future()
-        if claim.relay is not None:
-            future.add_done_callback(partial(self._relay_end, claim))
+        if claim.reply_to is not None:
+            future.add_done_callback(partial(self._relay_end, claim, outcome))
         self._queue.put((claim, outcome, future))
         return future
 
@@ -93,10 +93,13 @@ class Recorder:
         if outcome.status == JobStatus.SUCCEEDED:
             metrics.E2E.labels(lane).observe(max(0.0, stamp - claim.created_at))
 
-    def _relay_end(self, claim: Claim, written: concurrent.futures.Future[bool]) -> None:
-        """The outcome is committed (or fenced off): a waiting caller may read the row now."""
-        if not written.cancelled() and written.exception() is None and written.result():
-            self.relay.end(claim.job_id, claim.token)
+    def _relay_end(
+        self, claim: Claim, outcome: Outcome, written: concurrent.futures.Future[bool]
+    ) -> None:
+        """The outcome is committed (not fenced off): the waiting caller gets it as stored."""
+        ok = not written.cancelled() and written.exception() is None and written.result()
+        if ok and claim.reply_to is not None:
+            self.relay.end(claim.reply_to, claim.token, outcome.row())
 
     def _loop(self) -> None:
         while True:

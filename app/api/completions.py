@@ -1,7 +1,8 @@
-"""An OpenAI call served as a job: submit it, follow its relay, answer from the committed row.
+"""An OpenAI call served as a job: submit it, follow its relay, answer with the committed outcome.
 
-Each call is a job (realtime lane unless the body says ``lane``): it is submitted, then its
-relay (app/core/relay.py) is followed and the answer comes from the committed row. With
+Each call is a job (realtime lane unless the body says ``lane``): it registers for its job's
+relay (app/core/relay.py), submits the job with that address, and answers with what the worker
+committed (the relay's end message carries it; the row is the backstop). With
 ``stream: true`` the answer is server-sent events in OpenAI's chunk format, relayed as the
 engine produces them, ending with ``data: [DONE]``. The response headers wait for the first
 piece of output, so a job that fails before producing any (a prompt longer than the context)
@@ -11,7 +12,6 @@ it in the engine.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import threading
@@ -37,6 +37,8 @@ from app.core.openai_format import (
     REQUEST_ERRORS,
     ChatCompletionRequest,
     CompletionRequest,
+    Ended,
+    JobView,
     chunk,
     endpoint_of,
     job_error,
@@ -48,7 +50,9 @@ JOB_HEADER = "inferq-job-id"
 ROW_CHECK_S = 5.0  # while the relay is quiet, the job's row is read this often
 
 
-def _submit(tenant: str, body: ChatCompletionRequest | CompletionRequest, caller: Limits) -> Job:
+def _submit(
+    tenant: str, body: ChatCompletionRequest | CompletionRequest, caller: Limits, reply_to: str
+) -> Job:
     job_body = body.job()
     jobs.require_broker()
     with session_scope() as session:
@@ -60,7 +64,8 @@ def _submit(tenant: str, body: ChatCompletionRequest | CompletionRequest, caller
             if exc.code in REQUEST_ERRORS:
                 raise exc.replace(kind=Kind.MALFORMED) from None
             raise
-        job, _ = jobs.submit(session, tenant, job_body, relay="tokens" if body.stream else "end")
+        relay_mode = "tokens" if body.stream else "end"
+        job, _ = jobs.submit(session, tenant, job_body, relay=relay_mode, reply_to=reply_to)
     return job
 
 
@@ -91,24 +96,27 @@ class _Left(Exception):
 class _Call:
     """One caller waiting on its job: the relay, the row as backstop, and the cleanup."""
 
-    def __init__(self, request: Request, tenant: str, job: Job) -> None:
+    def __init__(self, request: Request, tenant: str, job: Job, waiter: relay.Waiter) -> None:
         self.request = request
         self.tenant = tenant
         self.job = job
-        self.stream = relay.follow(job.id)
+        self.waiter = waiter
         self.finished = False  # the caller got the job's end: nothing to cancel
         self._checked = time.monotonic()
 
-    async def next(self) -> relay.Entry | Job:
-        """The next piece of output, or the job's row once it has ended (raises _Left)."""
+    async def next(self) -> relay.Entry | JobView:
+        """The next piece of output, or the job as committed once it has ended (raises
+        _Left)."""
         while True:
-            entry = await anext(self.stream)
+            entry = await self.waiter.next()
             if entry is not None and entry.text is not None:
                 return entry
-            # The end marker, or a quiet second: the row says whether the job has ended. A
-            # quiet stream only costs a query every ROW_CHECK_S (the end marker is the rule,
-            # the row the backstop).
-            if entry is not None or time.monotonic() - self._checked >= ROW_CHECK_S:
+            if entry is not None and entry.ended is not None:
+                self.finished = True
+                return Ended.of(self.job, entry.ended)
+            # A quiet second: the row is the backstop for an end message that was lost
+            # (Redis restarted, say); it costs a query every ROW_CHECK_S.
+            if time.monotonic() - self._checked >= ROW_CHECK_S:
                 self._checked = time.monotonic()
                 row = await run_in_threadpool(_load, self.job.id)
                 if row.status in TERMINAL:
@@ -118,11 +126,10 @@ class _Call:
                 raise _Left
 
     async def close(self) -> None:
-        """Stop reading; a caller that leaves before its job ends cancels the job."""
+        """Stop listening; a caller that leaves before its job ends cancels the job."""
+        self.waiter.close()
         if not self.finished:
             _abandon(self.tenant, self.job.id)
-        with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
-            await self.stream.aclose()
 
 
 class _EventStream(StreamingResponse):
@@ -145,9 +152,16 @@ class _EventStream(StreamingResponse):
 async def complete(
     body: ChatCompletionRequest | CompletionRequest, request: Request, tenant: str
 ) -> Response:
-    job = await run_in_threadpool(_submit, tenant, body, caller_limits(request))
+    waiter = await relay.replies().register()
+    try:
+        job = await run_in_threadpool(
+            _submit, tenant, body, caller_limits(request), waiter.reply_to
+        )
+    except BaseException:
+        waiter.close()
+        raise
     headers = {JOB_HEADER: job.id}
-    call = _Call(request, tenant, job)
+    call = _Call(request, tenant, job, waiter)
     try:
         # The first piece of output (streaming) or the end: an error before the first piece
         # is a plain HTTP error, as with OpenAI.
@@ -158,7 +172,7 @@ async def complete(
     except BaseException:
         await call.close()
         raise
-    if isinstance(first, Job):
+    if not isinstance(first, relay.Entry):
         await call.close()
         if first.status != JobStatus.SUCCEEDED:
             raise job_error(first)
@@ -177,7 +191,7 @@ def _sse(data: dict[str, Any] | str) -> str:
 
 
 async def _events(
-    call: _Call, first: relay.Entry | Job, include_usage: bool
+    call: _Call, first: relay.Entry | JobView, include_usage: bool
 ) -> AsyncGenerator[str, None]:
     """The SSE body: role, pieces as they come, the rest of the committed text, finish, usage."""
     job = call.job

@@ -70,6 +70,7 @@ def job_values(
     *,
     checked: set[str] | None = None,
     relay: str | None = None,
+    reply_to: str | None = None,
 ) -> dict[str, Any]:
     """The row of a new queued job for ``body`` (``transitions.new_row``)."""
     settings = get_settings()
@@ -91,6 +92,7 @@ def job_values(
         webhook_url=body.webhook_url,
         meta=dict(body.metadata),
         relay=relay,
+        reply_to=reply_to,
         timeout_s=timeout_s,
         deadline_at=created + timeout_s if timeout_s else None,
         created_at=created,
@@ -125,6 +127,7 @@ def submit(
     idempotency_key: str | None = None,
     *,
     relay: str | None = None,
+    reply_to: str | None = None,
 ) -> tuple[Job, bool]:
     """Commit and enqueue a queued job. Returns (job, created); created is False for an
     idempotent replay, which enqueues nothing."""
@@ -137,7 +140,7 @@ def submit(
             f"Idempotency-Key must be 1 to {MAX_IDEMPOTENCY_KEY} characters",
             param="Idempotency-Key",
         )
-    row = job_values(tenant, body, relay=relay)
+    row = job_values(tenant, body, relay=relay, reply_to=reply_to)
     fingerprint = _fingerprint(body) if idempotency_key is not None else ""
     if idempotency_key is not None:
         existing = _replay(session, tenant, idempotency_key, fingerprint)

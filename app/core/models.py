@@ -131,8 +131,9 @@ class Job(Base):
     custom_id: Mapped[str | None] = mapped_column(String(512), nullable=True)
     batch_line: Mapped[int | None] = mapped_column(Integer, nullable=True)
     # What the worker relays through Redis while the job runs (app/core/relay.py): None, "end"
-    # (a caller waits for the outcome) or "tokens" (a caller streams the output).
+    # (a caller waits for the outcome) or "tokens" (a caller streams the output), and where to.
     relay: Mapped[str | None] = mapped_column(String(8), nullable=True)
+    reply_to: Mapped[str | None] = mapped_column(String(200), nullable=True)
 
     status: Mapped[str] = mapped_column(String(16))
     attempts: Mapped[int] = mapped_column(Integer, default=0)

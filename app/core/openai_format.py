@@ -11,7 +11,8 @@ A completion's ``id`` is its job's id, so ``GET /v1/jobs/<id>`` finds every call
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from pydantic import Field, ValidationError, field_validator
 
@@ -129,11 +130,72 @@ REQUEST_TYPES: dict[str, type[ChatCompletionRequest] | type[CompletionRequest]] 
 }
 
 
-def endpoint_of(job: Job) -> str:
+class JobView(Protocol):
+    """What a response is made of: a job's row, or a call's committed outcome (``Ended``)."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def created_at(self) -> float: ...
+    @property
+    def model(self) -> str: ...
+    @property
+    def messages(self) -> list[dict[str, Any]] | None: ...
+    @property
+    def status(self) -> str: ...
+    @property
+    def result_text(self) -> str | None: ...
+    @property
+    def finish_reason(self) -> str | None: ...
+    @property
+    def prompt_tokens(self) -> int | None: ...
+    @property
+    def completion_tokens(self) -> int | None: ...
+    @property
+    def error_code(self) -> str | None: ...
+    @property
+    def error_message(self) -> str | None: ...
+
+
+@dataclass(frozen=True)
+class Ended:
+    """A call's job as its worker committed it, from the relay's end message: the columns
+    ``transitions.Outcome.row`` wrote, joined to the job as it was submitted."""
+
+    id: str
+    created_at: float
+    model: str
+    messages: list[dict[str, Any]] | None
+    status: str
+    result_text: str | None
+    finish_reason: str | None
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    error_code: str | None
+    error_message: str | None
+
+    @classmethod
+    def of(cls, job: Job, row: dict[str, Any]) -> Ended:
+        return cls(
+            id=job.id,
+            created_at=job.created_at,
+            model=job.model,
+            messages=job.messages,
+            status=row["status"],
+            result_text=row.get("result_text"),
+            finish_reason=row.get("finish_reason"),
+            prompt_tokens=row.get("prompt_tokens"),
+            completion_tokens=row.get("completion_tokens"),
+            error_code=row.get("error_code"),
+            error_message=row.get("error_message"),
+        )
+
+
+def endpoint_of(job: JobView) -> str:
     return CHAT if job.messages is not None else COMPLETIONS
 
 
-def usage(job: Job) -> dict[str, int]:
+def usage(job: JobView) -> dict[str, int]:
     prompt = job.prompt_tokens or 0
     completion = job.completion_tokens or 0
     return {
@@ -143,7 +205,7 @@ def usage(job: Job) -> dict[str, int]:
     }
 
 
-def response_body(job: Job) -> dict[str, Any]:
+def response_body(job: JobView) -> dict[str, Any]:
     """The OpenAI response of a succeeded job (``chat.completion`` or ``text_completion``)."""
     text = job.result_text or ""
     if endpoint_of(job) == CHAT:
@@ -168,7 +230,7 @@ def response_body(job: Job) -> dict[str, Any]:
 
 
 def chunk(
-    job: Job,
+    job: JobView,
     *,
     text: str | None = None,
     role: bool = False,
@@ -206,7 +268,7 @@ def chunk(
     return body
 
 
-def job_error(job: Job) -> DomainError:
+def job_error(job: JobView) -> DomainError:
     """The error a call answers for its job that ended without succeeding."""
     code = job.error_code or str(job.status)
     message = job.error_message or f"the job ended {job.status}"

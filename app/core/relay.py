@@ -1,30 +1,42 @@
-"""Relaying a running job's output from its worker to the API request that waits for it.
+"""Relaying a running job's output from its worker to the API call that waits for it.
 
 A job submitted through ``/v1/chat/completions`` or ``/v1/completions`` is still a job: the row
-is the truth. The relay only makes waiting fast. Each such job has a Redis stream,
-``inferq:relay:<job id>``; the worker appends
+is the truth, and the relay only makes waiting fast. Each API process subscribes once, at its
+first call, to a Redis pub/sub channel of its own; a waiting call registers a key there and
+writes ``<channel>/<key>`` into its job's ``reply_to``. The worker that holds the job publishes
+to that channel, as JSON:
 
-- ``{"t": <lease token>, "d": <text>}`` for each piece of output (jobs with ``relay="tokens"``),
-- ``{"t": <lease token>, "end": "1"}`` once the job's outcome is committed (every relayed job).
+- ``{"k": key, "t": <lease token>, "d": <text>}`` for each piece of output (``relay="tokens"``),
+  the first one at once and later ones merged while they queue up;
+- ``{"k": key, "t": <lease token>, "end": {...}}`` once the job's outcome is committed (every
+  relayed job), carrying the committed outcome, so the call answers without reading the row.
 
-A stream, not pub/sub: the reader can start after the writer (the API reads from the first
-entry), and a reader that reconnects misses nothing. Streams expire ``relay_ttl_s`` after
-their last entry. The reader also looks at the row now and then when the stream is quiet, so a
-lost entry (Redis restarted, a worker killed) delays an answer but never loses it.
+Pub/sub rather than a stream per job: the subscription exists before the job is submitted, so
+nothing is published before it is heard; one subscriber per process reads every call's output
+from one connection (a blocking read per call, per piece, was most of the API's CPU on the
+realtime path: docs/benchmarks.md, "overhead"); and nothing is left in Redis afterwards. A
+message lost while Redis or the connection is away delays an answer but never loses it: a
+quiet call reads the row every few seconds, and the final text always equals the row's.
 
 The worker side (:class:`Publisher`) runs on a thread of its own: the engine's loop thread only
-puts pieces on a queue, and pieces of one job that queued up meanwhile go out as one entry.
+puts pieces on a queue.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
+import json
 import logging
+import os
 import queue
+import secrets
+import socket
 import threading
-from collections.abc import AsyncGenerator
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import cast
+from typing import Any
 
 import redis
 import redis.asyncio
@@ -33,38 +45,40 @@ from app.core.settings import get_settings
 
 log = logging.getLogger("inferq.relay")
 
-KEY_PREFIX = "inferq:relay:"
-POLL_S = 1.0
+CHANNEL_PREFIX = "inferq:reply:"
+POLL_S = 1.0  # a waiting call is told each time this passes quietly
 READ_COUNT = 512
 MAX_PENDING = 100_000  # pieces waiting for Redis in one worker
 
 
-def key(job_id: str) -> str:
-    return KEY_PREFIX + job_id
+def split(address: str) -> tuple[str, str]:
+    """``<channel>/<key>`` -> (channel, key)."""
+    channel, _, key = address.rpartition("/")
+    return channel, key
 
 
 # --- worker side ------------------------------------------------------------------------------
 
 
 class Publisher:
-    """Appends relay entries from any thread; a failed write is logged, never raised."""
+    """Publishes relay messages from any thread; a failed write is logged, never raised."""
 
     def __init__(self, client: redis.Redis) -> None:
         self._client = client
-        self._ttl = max(1, int(get_settings().relay_ttl_s))
-        # (job id, lease token, text or None for the end marker)
-        self._queue: queue.SimpleQueue[tuple[str, int, str | None]] = queue.SimpleQueue()
+        # (reply_to, lease token, text, or the outcome for the end message)
+        self._queue: queue.SimpleQueue[tuple[str, int, str | dict[str, Any]]] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name="relay", daemon=True)
         self._thread.start()
 
-    def piece(self, job_id: str, token: int, text: str) -> None:
+    def piece(self, reply_to: str, token: int, text: str) -> None:
         # While Redis is away pieces would pile up: past a bound they are dropped (the API
-        # sends what a stream missed from the committed row); end markers never are.
+        # sends what a call missed from the committed outcome); end messages never are.
         if self._queue.qsize() < MAX_PENDING:
-            self._queue.put((job_id, token, text))
+            self._queue.put((reply_to, token, text))
 
-    def end(self, job_id: str, token: int) -> None:
-        self._queue.put((job_id, token, None))
+    def end(self, reply_to: str, token: int, outcome: dict[str, Any]) -> None:
+        """The outcome is committed: ``outcome`` is what was committed (see ``Ended``)."""
+        self._queue.put((reply_to, token, outcome))
 
     def _loop(self) -> None:
         while True:
@@ -77,23 +91,22 @@ class Publisher:
             try:
                 self._write(items)
             except redis.RedisError as exc:
-                # The API falls back to reading the row; tokens of this moment are not shown.
-                log.warning("relaying %d entries failed: %s", len(items), exc)
+                # The API falls back to reading the row; pieces of this moment are not shown.
+                log.warning("relaying %d messages failed: %s", len(items), exc)
 
-    def _write(self, items: list[tuple[str, int, str | None]]) -> None:
-        entries: list[tuple[str, dict[str, str]]] = []
-        for job_id, token, text in items:
-            last = entries[-1][1] if entries and entries[-1][0] == job_id else {}
-            if text is not None and "d" in last and last["t"] == str(token):
-                last["d"] += text  # pieces that queued up meanwhile: one entry
+    def _write(self, items: list[tuple[str, int, str | dict[str, Any]]]) -> None:
+        messages: list[tuple[str, dict[str, Any]]] = []
+        for reply_to, token, payload in items:
+            last = messages[-1][1] if messages and messages[-1][0] == reply_to else {}
+            if isinstance(payload, str) and "d" in last and last["t"] == token:
+                last["d"] += payload  # pieces that queued up meanwhile: one message
                 continue
-            fields = {"t": str(token), "end": "1"} if text is None else {"t": str(token), "d": text}
-            entries.append((job_id, fields))
+            body: dict[str, Any] = {"k": split(reply_to)[1], "t": token}
+            body["d" if isinstance(payload, str) else "end"] = payload
+            messages.append((reply_to, body))
         pipe = self._client.pipeline(transaction=False)
-        for job_id, fields in entries:
-            pipe.xadd(key(job_id), fields)  # type: ignore[arg-type]
-        for job_id in dict.fromkeys(job_id for job_id, _ in entries):
-            pipe.expire(key(job_id), self._ttl)
+        for reply_to, body in messages:
+            pipe.publish(split(reply_to)[0], json.dumps(body, separators=(",", ":")))
         pipe.execute()
 
 
@@ -103,13 +116,95 @@ class Publisher:
 @dataclass
 class Entry:
     token: int
-    text: str | None  # None: the outcome is committed
+    text: str | None  # None: the outcome is committed (``ended``)
+    ended: dict[str, Any] | None = None
+
+
+@dataclass
+class Waiter:
+    """One call's registration: where its job replies, and what has arrived."""
+
+    reply_to: str
+    queue: asyncio.Queue[Entry]
+    _forget: Callable[[], object]
+
+    async def next(self, timeout_s: float = POLL_S) -> Entry | None:
+        """The next message, or None when ``timeout_s`` passes quietly."""
+        try:
+            return await asyncio.wait_for(self.queue.get(), timeout_s)
+        except TimeoutError:
+            return None
+
+    def close(self) -> None:
+        self._forget()
+
+
+class Replies:
+    """This API process's subscription: one channel, one reader, a queue per waiting call."""
+
+    def __init__(self) -> None:
+        host = socket.gethostname()
+        self.channel = f"{CHANNEL_PREFIX}{host}:{os.getpid()}:{secrets.token_hex(4)}"
+        self._keys = itertools.count()
+        self._waiting: dict[str, asyncio.Queue[Entry]] = {}
+        self._reader: asyncio.Task[None] | None = None
+        self._subscribed = asyncio.Event()
+
+    async def register(self) -> Waiter:
+        """A ``reply_to`` address for one job, and the queue its messages arrive on.
+
+        The subscription is in place when this returns, so a job submitted with the address
+        cannot publish before anyone listens. The caller :meth:`Waiter.close` s it.
+        """
+        self._start()
+        with contextlib.suppress(TimeoutError):
+            # Redis away: the call still works from the row, only slower.
+            await asyncio.wait_for(self._subscribed.wait(), get_settings().dependency_timeout_s)
+        key = str(next(self._keys))
+        queue: asyncio.Queue[Entry] = asyncio.Queue()
+        self._waiting[key] = queue
+        return Waiter(f"{self.channel}/{key}", queue, lambda: self._waiting.pop(key, None))
+
+    def _start(self) -> None:
+        if self._reader is None or self._reader.done():
+            self._reader = asyncio.get_running_loop().create_task(self._read(), name="replies")
+
+    async def _read(self) -> None:
+        """Deliver every message of the channel to its call; reconnect while Redis is away."""
+        while True:
+            pubsub = _client().pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(self.channel)
+                self._subscribed.set()
+                while True:
+                    message = await pubsub.get_message(timeout=None)
+                    if message is not None:
+                        self._deliver(message["data"])
+            except (redis.RedisError, OSError) as exc:
+                self._subscribed.clear()
+                log.warning("the reply channel was lost (%s); subscribing again", exc)
+                await asyncio.sleep(POLL_S)
+            finally:
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+
+    def _deliver(self, data: bytes | str) -> None:
+        try:
+            body = json.loads(data)
+            waiting = self._waiting.get(str(body["k"]))
+            entry = Entry(int(body["t"]), body.get("d"), body.get("end"))
+        except (ValueError, KeyError, TypeError):
+            log.warning("ignoring a malformed reply %r", data)
+            return
+        if waiting is not None:  # a call that has already gone: nobody to tell
+            waiting.put_nowait(entry)
 
 
 _async_client: redis.asyncio.Redis | None = None
+_replies: Replies | None = None
 
 
-def async_client() -> redis.asyncio.Redis:
+def _client() -> redis.asyncio.Redis:
     """The API's asyncio Redis client (one per process, like dispatch's sync client)."""
     global _async_client
     if _async_client is None:
@@ -117,40 +212,14 @@ def async_client() -> redis.asyncio.Redis:
         _async_client = redis.asyncio.Redis.from_url(
             get_settings().redis_url,
             socket_connect_timeout=timeout,
-            # A read blocks up to POLL_S on the server, so the socket waits longer than that.
-            socket_timeout=POLL_S + timeout,
             health_check_interval=30,
         )
     return _async_client
 
 
-async def follow(job_id: str) -> AsyncGenerator[Entry | None, None]:
-    """Entries of a job's relay as they arrive; ``None`` each time ``POLL_S`` passes quietly.
-
-    The caller checks the job row on ``None`` and stops when it is terminal. Redis errors
-    count as quiet time, so a caller keeps polling the row while Redis is away.
-    """
-    client = async_client()
-    last = "0-0"
-    while True:
-        try:
-            answer = await client.xread(
-                {key(job_id): last}, count=READ_COUNT, block=int(POLL_S * 1000)
-            )
-        except redis.RedisError as exc:
-            log.warning("reading the relay of %s failed: %s", job_id, exc)
-            await asyncio.sleep(POLL_S)  # as long as a quiet read would have blocked
-            answer = None
-        if not answer:
-            yield None
-            continue
-        # RESP2 answer: [(key, [(entry id, {field: value})])]
-        streams = cast("list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]]", answer)
-        for _stream, items in streams:
-            for entry_id, fields in items:
-                last = entry_id.decode()
-                token = int(fields[b"t"])
-                if b"end" in fields:
-                    yield Entry(token, None)
-                else:
-                    yield Entry(token, fields[b"d"].decode())
+def replies() -> Replies:
+    """This process's :class:`Replies` (made on first use, inside the API's event loop)."""
+    global _replies
+    if _replies is None:
+        _replies = Replies()
+    return _replies

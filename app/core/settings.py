@@ -182,9 +182,6 @@ class Settings(BaseSettings):
     ops_concurrency: int = Field(8, ge=1, description="Deliveries one ops worker makes at once.")
 
     # --- OpenAI surface: streaming, files and batches ---------------------------------------
-    relay_ttl_s: float = Field(
-        600.0, gt=0, description="How long a job's relayed tokens stay readable in Redis."
-    )
     files_dir: Path | None = Field(
         None, description="Where uploaded and generated files are stored; empty: data_dir/files."
     )

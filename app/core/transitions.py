@@ -349,6 +349,7 @@ CLAIMED = (
     Job.attempts,
     Job.webhook_url,
     Job.relay,
+    Job.reply_to,
     Job.prompt,
     Job.messages,
     Job.params,
@@ -414,6 +415,20 @@ class Outcome:
         if not can_transition(JobStatus.RUNNING, self.status) or self.status == JobStatus.QUEUED:
             raise ValueError(f"a running job cannot end {self.status}")
 
+    def row(self) -> dict[str, Any]:
+        """The columns this outcome writes, exactly as they are stored."""
+        return {
+            "status": str(self.status),
+            "error_code": self.error_code,
+            "error_message": self.error_message,
+            # PostgreSQL text cannot hold NUL, which a model can emit: U+FFFD is stored.
+            "result_text": self.text.replace("\x00", "\ufffd") if self.text is not None else None,
+            "finish_reason": self.finish_reason,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "first_token_at": self.first_token_at,
+        }
+
 
 # The fenced outcome write, one row per parameter set (see record).
 _RECORD = (
@@ -430,7 +445,7 @@ _RECORD = (
         lease_expires_at=None,
         error_code=bindparam("b_error_code"),
         error_message=bindparam("b_error_message"),
-        result_text=bindparam("b_text"),
+        result_text=bindparam("b_result_text"),
         finish_reason=bindparam("b_finish_reason"),
         prompt_tokens=bindparam("b_prompt_tokens"),
         completion_tokens=bindparam("b_completion_tokens"),
@@ -440,20 +455,8 @@ _RECORD = (
 
 
 def _record_params(lease: Lease, outcome: Outcome, stamp: float) -> dict[str, Any]:
-    return {
-        "b_id": lease.job_id,
-        "b_token": lease.token,
-        "b_status": str(outcome.status),
-        "b_stamp": stamp,
-        "b_error_code": outcome.error_code,
-        "b_error_message": outcome.error_message,
-        # PostgreSQL text cannot hold NUL, which a model can emit: store U+FFFD instead.
-        "b_text": outcome.text.replace("\x00", "\ufffd") if outcome.text is not None else None,
-        "b_finish_reason": outcome.finish_reason,
-        "b_prompt_tokens": outcome.prompt_tokens,
-        "b_completion_tokens": outcome.completion_tokens,
-        "b_first_token_at": outcome.first_token_at,
-    }
+    params = {f"b_{column}": value for column, value in outcome.row().items()}
+    return params | {"b_id": lease.job_id, "b_token": lease.token, "b_stamp": stamp}
 
 
 def record(

@@ -16,9 +16,19 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from workers.bench import report
 from workers.bench.harness import environment, postgres_answers
+from workers.bench.overhead import overhead
 from workers.bench.scenarios import SCENARIOS, Options
 
-ALL = ("efficiency", "ladder", "mixed", "ceiling", "scaleout", "batchfile", "peer")
+ALL = (
+    "efficiency",
+    "ladder",
+    "mixed",
+    "ceiling",
+    "scaleout",
+    "batchfile",
+    "overhead",
+    "peer",
+)
 
 
 def _interrupt(signum: int, _frame: FrameType | None) -> None:
@@ -125,6 +135,8 @@ def main(
                 from workers.bench.peer import peer
 
                 results[name] = peer(opts)
+            elif name == "overhead":
+                results[name] = overhead(opts)
             else:
                 results[name] = SCENARIOS[name](opts)
             results[name]["wall_s"] = round(time.monotonic() - started, 1)

@@ -204,6 +204,7 @@ class BenchStack:
             Job.lane,
             Job.status,
             Job.created_at,
+            Job.enqueued_at,
             Job.started_at,
             Job.first_token_at,
             Job.finished_at,

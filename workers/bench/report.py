@@ -24,6 +24,19 @@ TARGETS: dict[str, list[tuple[str, str, float | str, str]]] = {
     "scaleout": [("two_over_one", ">=", 1.8, "two workers / one worker throughput")],
 }
 
+# overhead: clients -> (key, comparison, target, label), against the floor (docs/benchmarks.md)
+OVERHEAD_TARGETS: dict[str, list[tuple[str, str, float, str]]] = {
+    "16": [
+        ("throughput_ratio", ">=", 0.95, "output tok/s, inferq / floor"),
+        ("ttft_p50_over_floor_ms", "<=", 10.0, "TTFT p50, inferq - floor (ms)"),
+        ("ttft_p99_over_floor_ms", "<=", 30.0, "TTFT p99, inferq - floor (ms)"),
+    ],
+    "64": [
+        ("throughput_ratio", ">=", 0.90, "output tok/s, inferq / floor"),
+        ("ttft_p99_over_floor_ms", "<=", 60.0, "TTFT p99, inferq - floor (ms)"),
+    ],
+}
+
 VARIANTS = {
     "efficiency": ("direct", "platform"),
     "ladder": ("serial", "static", "continuous"),
@@ -60,6 +73,12 @@ def _target(result: dict[str, Any], target: float | str) -> float:
     return target
 
 
+def _check(scenario: str, label: str, value: Any, op: str, goal: float) -> str:
+    met = value is not None and (value >= goal if op == ">=" else value <= goal)
+    verdict = "yes" if met else "NO"
+    return f"| {scenario} | {label} | {_fmt(value)} | {op} {_fmt(goal)} | {verdict} |"
+
+
 def markdown(results: dict[str, Any]) -> str:
     lines = ["| scenario | measure | value | target | met |", "|---|---|---|---|---|"]
     for scenario, checks in TARGETS.items():
@@ -67,13 +86,12 @@ def markdown(results: dict[str, Any]) -> str:
         if not result or "skipped" in result:
             continue
         for key, op, target, label in checks:
-            value = result.get(key)
-            goal = _target(result, target)
-            met = value is not None and (value >= goal if op == ">=" else value <= goal)
-            lines.append(
-                f"| {scenario} | {label} | {_fmt(value)} | {op} {_fmt(goal)} | "
-                f"{'yes' if met else 'NO'} |"
-            )
+            lines.append(_check(scenario, label, result.get(key), op, _target(result, target)))
+    overhead = results.get("overhead") or {}
+    for clients, overhead_checks in OVERHEAD_TARGETS.items():
+        run: dict[str, Any] = overhead.get(clients) or {}
+        for key, op, goal, label in overhead_checks if run else []:
+            lines.append(_check("overhead", f"{clients} clients: {label}", run[key], op, goal))
     header = "| scenario | run | " + " | ".join(c[1] for c in COLUMNS) + " |"
     lines += ["", header, "|" + "---|" * (len(COLUMNS) + 2)]
     for scenario, variants in VARIANTS.items():
@@ -84,6 +102,27 @@ def markdown(results: dict[str, Any]) -> str:
             metrics = result.get(variant) or {}
             cells = " | ".join(_fmt(metrics.get(key)) for key, _ in COLUMNS)
             lines.append(f"| {scenario} | {variant} | {cells} |")
+    for clients in OVERHEAD_TARGETS:
+        run = overhead.get(clients) or {}
+        for side in ("floor", "inferq") if run else ():
+            cells = " | ".join(_fmt(run[side].get(key)) for key, _ in COLUMNS)
+            lines.append(f"| overhead {clients} | {side} | {cells} |")
+    stage_runs = {c: overhead[c]["inferq"]["stages"] for c in OVERHEAD_TARGETS if c in overhead}
+    if stage_runs:
+        names = [n for n in next(iter(stage_runs.values())) if n != "jobs"]
+        lines += [
+            "",
+            "| inferq stage (ms) | "
+            + " | ".join(f"{c} clients p50 / p99" for c in stage_runs)
+            + " |",
+            "|---|" + "---|" * len(stage_runs),
+        ]
+        for name in names:
+            cells = " | ".join(
+                f"{_fmt(s[name]['p50_ms'])} / {_fmt(s[name]['p99_ms'])}"
+                for s in stage_runs.values()
+            )
+            lines.append(f"| {name.replace('_', ' ')} | {cells} |")
     batch = results.get("batchfile")
     if batch and "skipped" not in batch:
         memory = batch["memory_mb"]

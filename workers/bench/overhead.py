@@ -1,0 +1,156 @@
+"""The ``overhead`` scenario: what the realtime lane costs over a bare server, engine held equal.
+
+Both sides run the SIMULATED engine (it spends no CPU, so every millisecond is the platform's)
+with the same settings and get the same streaming client (workers/bench/streaming.py): chat
+completions with ``stream: true`` from N concurrent clients, each sending its next request
+when the previous one has ended, at N = 16 and N = 64.
+
+- **floor**: workers/bench/floor.py, an OpenAI-compatible SSE server holding the engine
+  in-process, as vLLM's server holds its own;
+- **inferq**: ``/v1/chat/completions`` on the whole stack (API, Redis, one worker, ops worker,
+  PostgreSQL), each call a durable realtime job.
+
+For inferq the time to first token is split into stages from each job's own timestamps
+(docs/benchmarks.md, "overhead"): sent (client) → accepted (``created_at``) → committed (the
+``job.queued`` log line, written right after the commit) → enqueued (``enqueued_at``) →
+claimed (``started_at``) → first token at the worker (``first_token_at``) → first byte at the
+client.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from app.cli.stack import wait_ready
+from workers.bench.harness import POLL_S, BenchStack, free_port
+from workers.bench.metrics import percentile, summarize
+from workers.bench.scenarios import Options, workload
+from workers.bench.streaming import stream_all
+
+CLIENTS = (16, 64)
+REQUESTS_PER_CLIENT = 25  # 400 requests at 16 clients, 1,600 at 64
+WARMUP = 32
+PATH = "/v1/chat/completions"
+# (name, from, to): the stages of a realtime call, each a span between two timestamps.
+STAGES = (
+    ("sent_to_accepted", "sent", "accepted"),
+    ("accepted_to_committed", "accepted", "committed"),
+    ("committed_to_enqueued", "committed", "enqueued"),
+    ("enqueued_to_claimed", "enqueued", "claimed"),
+    ("claimed_to_first_token", "claimed", "first_token"),
+    ("first_token_to_client", "first_token", "client_first_byte"),
+)
+
+
+def _bodies(n: int, model: str) -> list[dict[str, Any]]:
+    specs = workload(n, seed=7, lane="realtime", tokens=(8, 64), mean=32)
+    return [
+        {
+            "model": model,
+            # ~30 words: a short interactive prompt, like the realtime profile's.
+            "messages": [{"role": "user", "content": " ".join(s.prompt.split()[:30])}],
+            "max_tokens": s.max_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        for s in specs
+    ]
+
+
+def _run(url: str, bodies: list[dict[str, Any]], clients: int, what: str, opts: Options) -> Any:
+    stream_all(url, PATH, bodies[:WARMUP], min(clients, WARMUP))  # connections, caches
+    return stream_all(
+        url, PATH, bodies, clients, lambda done: opts.progress(what, done, len(bodies))
+    )
+
+
+def _floor(opts: Options, bodies: list[dict[str, Any]], clients: int) -> dict[str, Any]:
+    port = free_port()
+    with BenchStack("sqlite", opts.stack_env(engine="simulated"), opts.workdir) as stack:
+        server = stack.spawn(
+            "floor", [sys.executable, "-m", "workers.bench.floor", "--port", str(port)]
+        )
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(
+            "floor",
+            60,
+            lambda: httpx.get(f"{url}/health").status_code == 200,
+            server,
+            poll_s=POLL_S,
+        )
+        return summarize(_run(url, bodies, clients, f"overhead {clients}: floor", opts))
+
+
+def _committed_at(log: Path) -> dict[str, float]:
+    """job id -> when its ``job.queued`` line was written (right after the commit)."""
+    found: dict[str, float] = {}
+    for line in log.read_text(errors="replace").splitlines():
+        if '"event":"job.queued"' not in line:
+            continue
+        record = json.loads(line)
+        found[record["job_id"]] = datetime.fromisoformat(record["ts"]).timestamp()
+    return found
+
+
+def stages(records: list[dict[str, Any]], rows: list[dict[str, Any]], log: Path) -> dict[str, Any]:
+    """p50/p99 of each stage (ms) over the calls whose job has every timestamp."""
+    by_id = {row["id"]: row for row in rows}
+    committed = _committed_at(log)
+    spans: dict[str, list[float]] = {name: [] for name, _, _ in STAGES}
+    for record in records:
+        row = by_id.get(record.get("job_id") or "")
+        if row is None or record["first_token_at"] is None:
+            continue
+        points = {
+            "sent": record["created_at"],
+            "accepted": row["created_at"],
+            "committed": committed.get(row["id"]),
+            "enqueued": row["enqueued_at"],
+            "claimed": row["started_at"],
+            "first_token": row["first_token_at"],
+            "client_first_byte": record["first_token_at"],
+        }
+        if any(value is None for value in points.values()):
+            continue
+        for name, start, end in STAGES:
+            spans[name].append((points[end] - points[start]) * 1000)
+    return {
+        name: {"p50_ms": percentile(values, 50), "p99_ms": percentile(values, 99)}
+        for name, values in spans.items()
+    } | {"jobs": len(spans[STAGES[0][0]])}
+
+
+def _inferq(opts: Options, bodies: list[dict[str, Any]], clients: int) -> dict[str, Any]:
+    with BenchStack(opts.postgres, opts.stack_env(engine="simulated"), opts.workdir) as stack:
+        stack.start()
+        stack.add_ops()
+        records = _run(stack.url, bodies, clients, f"overhead {clients}: inferq", opts)
+        rows = stack.rows([r["job_id"] for r in records if r.get("job_id")])
+        result = summarize(records)
+        result["stages"] = stages(records, rows, stack.workdir / "logs" / "api.log")
+    return result
+
+
+def overhead(opts: Options) -> dict[str, Any]:
+    model = opts.settings(engine="simulated").model_name
+    result: dict[str, Any] = {"engine": "simulated", "database": "postgresql", "path": PATH}
+    for clients in CLIENTS:
+        bodies = _bodies(opts.n(REQUESTS_PER_CLIENT * clients), model)
+        floor = _floor(opts, bodies, clients)
+        ours = _inferq(opts, bodies, clients)
+        result[str(clients)] = {
+            "clients": clients,
+            "requests": len(bodies),
+            "floor": floor,
+            "inferq": ours,
+            "throughput_ratio": ours["output_throughput"] / floor["output_throughput"],
+            "ttft_p50_over_floor_ms": ours["median_ttft_ms"] - floor["median_ttft_ms"],
+            "ttft_p99_over_floor_ms": ours["p99_ttft_ms"] - floor["p99_ttft_ms"],
+        }
+    return result
