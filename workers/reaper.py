@@ -170,5 +170,5 @@ def _send_unsent(stamp: float) -> int:
         ).all()
         if not rows:
             return 0
-        dispatch.send(session.connection(), [(row.id, row.lane) for row in rows])
+        dispatch.send([(row.id, row.lane) for row in rows], session.connection())
         return len(rows)

@@ -54,7 +54,6 @@ def _submit(
     tenant: str, body: ChatCompletionRequest | CompletionRequest, caller: Limits, reply_to: str
 ) -> Job:
     job_body = body.job()
-    jobs.require_broker()
     with session_scope() as session:
         try:
             limits.admit(session, tenant, caller, [job_body])

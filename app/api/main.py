@@ -33,8 +33,13 @@ class BodyLimit:
             return
         limit = self.paths.get(scope["path"], self.default)
         length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > limit:
-            await self._reject(send, limit)
+        if length is not None and length.isdigit():
+            if int(length) > limit:
+                await self._reject(send, limit)
+                return
+            # The server reads exactly Content-Length bytes: nothing more can arrive, so the
+            # app runs unwrapped (every streamed chunk of an answer passes through ``send``).
+            await self.app(scope, receive, send)
             return
         seen = 0
         too_large = False

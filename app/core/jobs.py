@@ -16,8 +16,8 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from app.core import dispatch, queries, transitions, webhooks
-from app.core.errors import BROKER_DOWN, DomainError, Kind, unavailable
+from app.core import queries, transitions, webhooks
+from app.core.errors import DomainError, Kind, unavailable
 from app.core.models import TERMINAL, IdempotencyKey, Job, JobStatus, new_id, now
 from app.core.schemas import JobCreate, storable
 from app.core.settings import get_settings
@@ -28,12 +28,6 @@ MAX_IDEMPOTENCY_KEY = 255
 def _fingerprint(body: JobCreate) -> str:
     canonical = json.dumps(body.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
-
-
-def require_broker() -> None:
-    """Refuse work up front when Redis is down, so a 202 is never a job that cannot start."""
-    if not dispatch.redis_ok():
-        raise unavailable(*BROKER_DOWN)
 
 
 def check_model(requested: str | None) -> str:

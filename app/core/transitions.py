@@ -38,7 +38,6 @@ from sqlalchemy import ColumnElement, Row, Table, Update, bindparam, insert, ins
 from sqlalchemy.engine import Connection
 
 from app.core import dispatch, outbox
-from app.core.db import session_scope
 from app.core.models import TERMINAL, Job, JobStatus, can_transition
 
 log = logging.getLogger("inferq.jobs")
@@ -113,11 +112,8 @@ class After:
         announcer, e.g. a worker's thread), enqueue what was queued, and broadcast aborts."""
         _emit(self.moved, by=self.by, worker=self.worker, **self.fields)
         (announce or outbox.announce)(self.events)
-        if self.send:
-            with session_scope() as session:
-                for start in range(0, len(self.send), SEND_CHUNK):
-                    dispatch.send(session.connection(), self.send[start : start + SEND_CHUNK])
-                    session.commit()
+        for start in range(0, len(self.send), SEND_CHUNK):
+            dispatch.send(self.send[start : start + SEND_CHUNK])
         for job_id in self.abort:
             try:
                 dispatch.publish_control("cancel", job_id=job_id)

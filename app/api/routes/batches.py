@@ -17,7 +17,7 @@ from app.api.schemas import (
     FileOut,
 )
 from app.batches import service as batches
-from app.core import files, jobs, limits, storage
+from app.core import files, limits, storage
 from app.core.schemas import BatchCreate, BatchOut
 
 router = APIRouter(prefix="/v1", tags=["batches"], responses={"default": {"model": ErrorBody}})
@@ -83,7 +83,6 @@ def create_batch(
     body: BatchCreate, tenant: Tenant, session: SessionDep, request: Request
 ) -> BatchOut:
     """Start a batch over an uploaded file; it is validated by the ops worker (``validating``)."""
-    jobs.require_broker()
     limits.admit(session, tenant, caller_limits(request))
     batch = batches.create(session, tenant, body)
     return BatchOut.from_row(batch)

@@ -35,7 +35,6 @@ def create_job(
     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None,
 ) -> JobOut:
     """Submit a job. 202 means the job is committed and will reach a terminal state."""
-    jobs.require_broker()
     limits.admit(session, tenant, caller_limits(request), [body])
     job, created = jobs.submit(session, tenant, body, idempotency_key)
     if not created:
@@ -48,7 +47,6 @@ def create_jobs(
     body: JobBulkCreate, tenant: Tenant, session: SessionDep, request: Request
 ) -> JobBulkOut:
     """Submit many jobs at once: all are committed, or none (a 4xx names the bad one)."""
-    jobs.require_broker()
     limits.admit(session, tenant, caller_limits(request), body.jobs, "jobs")
     rows = jobs.submit_many(session, tenant, body.jobs)
     return JobBulkOut(data=[JobOut.from_row(job) for job in rows])
