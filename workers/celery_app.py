@@ -46,7 +46,11 @@ def _create() -> Celery:
         task_ignore_result=True,
         task_store_errors_even_if_ignored=False,
         worker_prefetch_multiplier=1,
-        worker_send_task_events=True,
+        # Task events (received, started, succeeded: three Redis publishes a task) are off
+        # until someone watches: Flower turns them on when it starts (its enable_events), as
+        # does `celery control enable_events`. They were a tenth of a worker's CPU on the
+        # realtime path (docs/benchmarks.md, "overhead"). Worker heartbeats flow regardless.
+        worker_send_task_events=False,
         task_send_sent_event=True,
         worker_hijack_root_logger=False,
         worker_cancel_long_running_tasks_on_connection_loss=False,

@@ -15,6 +15,7 @@ address and port, basic auth, and what the dashboard shows:
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
 import sys
@@ -116,6 +117,10 @@ def main() -> None:
     # `celery.commands` entry point being present in the environment's metadata.
     celery.add_command(flower)
     list_every_queue()
+    # Workers send task events only while someone watches (workers/celery_app.py): turn them
+    # on now, not at Flower's first periodic enable five seconds from here.
+    with contextlib.suppress(Exception):  # the broker is down: Flower's timer retries
+        celery_app.control.enable_events()
     sys.exit(celery_app.start(flower_argv(settings)) or 0)
 
 
