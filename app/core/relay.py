@@ -34,6 +34,7 @@ import queue
 import secrets
 import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -61,10 +62,17 @@ def split(address: str) -> tuple[str, str]:
 
 
 class Publisher:
-    """Publishes relay messages from any thread; a failed write is logged, never raised."""
+    """Publishes relay messages from any thread; a failed write is logged, never raised.
+
+    A streamed job's first piece goes out at once (it is the caller's time to first token);
+    later pieces wait up to ``relay_merge_ms`` and go out together, which divides the work of
+    the worker, Redis, the API and the client by the pieces merged (docs/architecture.md,
+    relay). An end message sends what is pending of its job first.
+    """
 
     def __init__(self, client: redis.Redis) -> None:
         self._client = client
+        self._merge_s = get_settings().relay_merge_ms / 1000
         # (reply_to, lease token, text, or the outcome for the end message)
         self._queue: queue.SimpleQueue[tuple[str, int, str | dict[str, Any]]] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name="relay", daemon=True)
@@ -81,33 +89,59 @@ class Publisher:
         self._queue.put((reply_to, token, outcome))
 
     def _loop(self) -> None:
+        started: dict[tuple[str, int], None] = {}  # calls whose first piece went out
+        pending: dict[tuple[str, int], list[str]] = {}  # later pieces, not yet sent
+        due = 0.0
         while True:
-            items = [self._queue.get()]
-            while len(items) < READ_COUNT:
+            try:
+                wait = max(0.0, due - time.monotonic()) if pending else None
+                items = [self._queue.get(timeout=wait)]
+            except queue.Empty:
+                items = []
+            while items and len(items) < READ_COUNT:
                 try:
                     items.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
-            try:
-                self._write(items)
-            except redis.RedisError as exc:
-                # The API falls back to reading the row; pieces of this moment are not shown.
-                log.warning("relaying %d messages failed: %s", len(items), exc)
+            out: list[tuple[str, dict[str, Any]]] = []
+            for reply_to, token, payload in items:
+                call = (reply_to, token)
+                if isinstance(payload, str):
+                    if call in started:
+                        if not pending:
+                            due = time.monotonic() + self._merge_s
+                        pending.setdefault(call, []).append(payload)
+                        continue
+                    started[call] = None
+                    while len(started) > MAX_PENDING:  # calls that never ended (handed back)
+                        del started[next(iter(started))]
+                    out.append(_message(call, {"d": payload}))
+                else:
+                    if call in pending:
+                        out.append(_message(call, {"d": "".join(pending.pop(call))}))
+                    started.pop(call, None)
+                    out.append(_message(call, {"end": payload}))
+            if pending and time.monotonic() >= due:
+                out += [_message(call, {"d": "".join(texts)}) for call, texts in pending.items()]
+                pending.clear()
+            if out:
+                try:
+                    self._write(out)
+                except redis.RedisError as exc:
+                    # The API falls back to the row; pieces of this moment are not shown.
+                    log.warning("relaying %d messages failed: %s", len(out), exc)
 
-    def _write(self, items: list[tuple[str, int, str | dict[str, Any]]]) -> None:
-        messages: list[tuple[str, dict[str, Any]]] = []
-        for reply_to, token, payload in items:
-            last = messages[-1][1] if messages and messages[-1][0] == reply_to else {}
-            if isinstance(payload, str) and "d" in last and last["t"] == token:
-                last["d"] += payload  # pieces that queued up meanwhile: one message
-                continue
-            body: dict[str, Any] = {"k": split(reply_to)[1], "t": token}
-            body["d" if isinstance(payload, str) else "end"] = payload
-            messages.append((reply_to, body))
+    def _write(self, messages: list[tuple[str, dict[str, Any]]]) -> None:
         pipe = self._client.pipeline(transaction=False)
-        for reply_to, body in messages:
-            pipe.publish(split(reply_to)[0], json.dumps(body, separators=(",", ":")))
+        for channel, body in messages:
+            pipe.publish(channel, json.dumps(body, separators=(",", ":")))
         pipe.execute()
+
+
+def _message(call: tuple[str, int], fields: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """(channel, body) of a relay message for ``call`` = (reply_to, lease token)."""
+    channel, key = split(call[0])
+    return channel, {"k": key, "t": call[1], **fields}
 
 
 # --- API side ---------------------------------------------------------------------------------

@@ -182,6 +182,12 @@ class Settings(BaseSettings):
     ops_concurrency: int = Field(8, ge=1, description="Deliveries one ops worker makes at once.")
 
     # --- OpenAI surface: streaming, files and batches ---------------------------------------
+    relay_merge_ms: float = Field(
+        25.0,
+        ge=0,
+        description="A streamed call's first piece of output goes out at once; later pieces "
+        "are sent together at most this often.",
+    )
     files_dir: Path | None = Field(
         None, description="Where uploaded and generated files are stored; empty: data_dir/files."
     )
