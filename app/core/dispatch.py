@@ -14,12 +14,14 @@ import json
 import logging
 import queue
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any, Literal
 
 import redis
 from celery import Celery
 from kombu import Exchange, Queue
+from kombu.transport import TRANSPORT_ALIASES
+from kombu.transport import redis as kombu_redis
 from kombu.utils.scheduling import priority_cycle
 from sqlalchemy import bindparam, update
 from sqlalchemy.engine import Connection
@@ -70,6 +72,40 @@ class LaneOrder(priority_cycle):  # type: ignore[misc]
     def update(self, it: Iterable[str]) -> None:
         rank = {lane: i for i, lane in enumerate(LANES)}
         self.items[:] = sorted(it, key=lambda q: rank.get(q, len(rank)))
+
+
+class _RedisChannel(kombu_redis.Channel):  # type: ignore[misc]
+    """kombu's Redis channel, with one client for the commands it sends outside a pipeline.
+
+    kombu builds a new ``redis.Redis`` for every publish, acknowledgement and event (its
+    ``conn_or_acquire``), and redis-py's client fills a table of about 170 response callbacks
+    each time it is built: two of them were half the CPU of sending a message (profile in
+    docs/benchmarks.md, "overhead"). The client is thread-safe; its connections still come
+    from the channel's pool.
+    """
+
+    _shared_client: Any = None
+
+    @contextlib.contextmanager
+    def conn_or_acquire(self, client: Any = None) -> Iterator[Any]:
+        if client:
+            yield client
+            return
+        if self._shared_client is None:
+            self._shared_client = self._create_client()
+        yield self._shared_client
+
+
+class RedisTransport(kombu_redis.Transport):  # type: ignore[misc]
+    """kombu's Redis transport with :class:`_RedisChannel`."""
+
+    Channel = _RedisChannel
+
+
+# kombu picks a transport by the broker URL's scheme from this registry: in every process that
+# imports this module (API, workers, ops worker, Flower), redis:// URLs get the transport
+# above, and URLs stay as they are (Flower reads its broker's kind from the scheme).
+TRANSPORT_ALIASES["redis"] = f"{__name__}:RedisTransport"
 
 
 def broker_transport_options(settings: Settings) -> dict[str, Any]:
@@ -169,7 +205,16 @@ def enqueue(jobs: Iterable[tuple[str, str]]) -> list[str]:
             try:
                 # A direct queue is published through the anonymous exchange (LPUSH onto the
                 # lane's list), so delivery does not depend on kombu's binding keys in Redis.
-                app.send_task(RUN_JOBS_TASK, args=[ids, lane], queue=lane, producer=producer)
+                app.send_task(
+                    RUN_JOBS_TASK,
+                    args=[ids, lane],
+                    queue=lane,
+                    producer=producer,
+                    # What Flower shows as args; Celery's own safe repr of them cost more
+                    # than the rest of the message.
+                    argsrepr=repr([ids, lane]),
+                    kwargsrepr="{}",
+                )
             except Exception:  # kombu raises several connection error types
                 log.exception("could not enqueue %d job(s) on %s", len(ids), lane)
                 failed.extend(ids)

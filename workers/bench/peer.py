@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -21,7 +19,9 @@ import httpx
 from app.cli.stack import wait_ready
 from workers.bench.harness import POLL_S, BenchStack, free_port
 from workers.bench.metrics import summarize
+from workers.bench.overhead import WARMUP_ROUNDS
 from workers.bench.scenarios import Options, Spec, workload
+from workers.bench.streaming import stream_all
 from workers.engines import resolve_model
 from workers.engines.vllm import VLLMEngine
 
@@ -46,54 +46,31 @@ def _serve_argv(opts: Options, port: int) -> tuple[list[str], dict[str, str]]:
     return argv, env
 
 
-def _stream_one(client: httpx.Client, model: str, spec: Spec) -> dict[str, Any]:
-    created = time.time()
-    times: list[float] = []
-    usage: dict[str, Any] = {}
-    body = {
-        "model": model,
-        "prompt": spec.prompt,
-        "max_tokens": spec.max_tokens,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    with client.stream("POST", "/v1/completions", json=body) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            if any(c.get("text") for c in chunk.get("choices", [])):
-                times.append(time.time())
-    return {
-        "created_at": created,
-        "first_token_at": times[0] if times else None,
-        "finished_at": time.time(),
-        "token_times": times,
-        "prompt_tokens": usage.get("prompt_tokens", 0),
-        "completion_tokens": usage.get("completion_tokens", len(times)),
-        "status": "succeeded",
-    }
-
-
 def _stream_all(
     opts: Options, url: str, model: str, specs: list[Spec], what: str
 ) -> dict[str, Any]:
-    """``PEER_CLIENTS`` concurrent clients, each streaming one completion after another."""
-    done = 0
-    with httpx.Client(base_url=url, timeout=300) as client:
-
-        def one(spec: Spec) -> dict[str, Any]:
-            nonlocal done
-            record = _stream_one(client, model, spec)
-            done += 1
-            opts.progress(what, done, len(specs))
-            return record
-
-        with ThreadPoolExecutor(PEER_CLIENTS) as pool:
-            records = list(pool.map(one, specs))
+    """``PEER_CLIENTS`` concurrent clients, each streaming one completion after another; the
+    first rounds warm up and are not measured (workers/bench/streaming.py)."""
+    warm = specs[: WARMUP_ROUNDS * PEER_CLIENTS]
+    bodies = [
+        {
+            "model": model,
+            "prompt": spec.prompt,
+            "max_tokens": spec.max_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        for spec in [*warm, *specs]
+    ]
+    total = len(bodies)
+    records = stream_all(
+        url,
+        "/v1/completions",
+        bodies,
+        PEER_CLIENTS,
+        lambda done: opts.progress(what, done, total),
+        skip=len(warm),
+    )
     return summarize(records)
 
 
