@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.core import dispatch, outbox, relay, transitions
-from app.core.db import session_scope, with_db_retry
+from app.core.db import transaction, with_db_retry
 from app.core.models import LANE_PRIORITY, JobStatus, now
 from app.core.settings import Settings
 from app.core.transitions import DEADLINE_EXCEEDED, Lease, Outcome
@@ -281,10 +281,9 @@ class Executor:
     def claim(self, job_ids: list[str]) -> list[Claim]:
         """Claim the queued ones among ``job_ids`` in one transaction; expire the overdue."""
         stamp = now()
-        with session_scope() as session:
-            # Core execution: the ORM's bulk-update bookkeeping costs more than the SQL here.
+        with transaction() as connection:
             rows, after = transitions.claim(
-                session.connection(),
+                connection,
                 job_ids,
                 worker=self.worker_id,
                 lease_s=self.settings.lease_ttl_s,
@@ -309,10 +308,8 @@ class Executor:
         """Return a job this worker cannot finish to the queue, without waiting for its lease."""
 
         def release() -> None:
-            with session_scope() as session:
-                after = transitions.hand_back(
-                    session.connection(), claim.lease, now(), worker=self.worker_id
-                )
+            with transaction() as connection:
+                after = transitions.hand_back(connection, claim.lease, now(), worker=self.worker_id)
             after.run()
 
         with_db_retry(release, "hand back")

@@ -18,7 +18,7 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 from app.core import outbox, relay, transitions
-from app.core.db import session_scope, with_db_retry
+from app.core.db import transaction, with_db_retry
 from app.core.models import JobStatus, now
 from app.core.transitions import Outcome
 from workers import metrics
@@ -73,9 +73,9 @@ class Recorder:
     def write(self, items: list[tuple[Claim, Outcome]]) -> list[bool]:
         """Write outcomes in one transaction, then what follows it; returns which were written."""
         stamp = now()
-        with session_scope() as session:
+        with transaction() as connection:
             written, after = transitions.record(
-                session.connection(),
+                connection,
                 [(claim.lease, outcome) for claim, outcome in items],
                 worker=self.worker_id,
                 stamp=stamp,

@@ -1,8 +1,9 @@
 """The one owner of the SQLAlchemy engine and sessions.
 
 The API takes a session per request (``app/api/deps.py``, from :func:`new_session`); workers
-and the CLI use :func:`session_scope`, which commits or rolls back, and wrap work that must
-outlive a database outage in :func:`with_db_retry`. SQLite runs in WAL mode and starts every
+and the CLI use :func:`session_scope`, which commits or rolls back (:func:`transaction` where
+Core statements need no session), and wrap work that must outlive a database outage in
+:func:`with_db_retry`. SQLite runs in WAL mode and starts every
 transaction with ``BEGIN IMMEDIATE``: with many writer threads and processes, a deferred
 transaction that reads and then writes fails at once with SQLITE_BUSY instead of waiting, while
 an immediate one waits for ``busy_timeout``. That makes SQLite the single-writer path.
@@ -18,7 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
@@ -105,6 +106,14 @@ def _factory() -> sessionmaker[Session]:
     get_engine()
     assert _sessionmaker is not None
     return _sessionmaker
+
+
+@contextmanager
+def transaction() -> Iterator[Connection]:
+    """A Core transaction (commit on success, roll back on error): for the statements of the
+    hot paths (claims, outcomes, stamps), which need no ORM session around them."""
+    with get_engine().begin() as connection:
+        yield connection
 
 
 @contextmanager

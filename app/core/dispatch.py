@@ -259,7 +259,7 @@ class _Stamper:
         self._queue.put(stamps)
 
     def _loop(self) -> None:
-        from app.core.db import session_scope  # the database is this thread's business only
+        from app.core.db import transaction  # the database is this thread's business only
 
         while True:
             stamps = self._queue.get()
@@ -267,8 +267,8 @@ class _Stamper:
                 while len(stamps) < STAMP_BATCH:
                     stamps += self._queue.get_nowait()
             try:
-                with session_scope() as session:
-                    session.connection().execute(
+                with transaction() as connection:
+                    connection.execute(
                         self.STATEMENT, [{"b_id": job_id, "b_at": at} for job_id, at in stamps]
                     )
             except Exception as exc:

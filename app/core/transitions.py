@@ -174,20 +174,24 @@ def _moved(
 
 
 def compare_and_set(
-    job_id: str | Collection[str],
+    job_id: str | Collection[str] | ColumnElement[bool],
     *,
     expect: str,
     to: str | None = None,
     token: int | None = None,
     **values: Any,
 ) -> Update:
-    """An UPDATE that changes a job (or several) only while its status (and lease token, when
-    given) are still what the caller saw; ``to`` must be an allowed transition."""
+    """An UPDATE that changes a job (or several: ids, or a condition) only while its status
+    (and lease token, when given) are still what the caller saw; ``to`` must be an allowed
+    transition."""
     if to is not None:
         if not can_transition(expect, to):
             raise ValueError(f"a job cannot go from {expect} to {to}")
         values["status"] = to
-    which = Job.id == job_id if isinstance(job_id, str) else Job.id.in_(list(job_id))
+    if isinstance(job_id, ColumnElement):
+        which = job_id
+    else:
+        which = Job.id == job_id if isinstance(job_id, str) else Job.id.in_(list(job_id))
     statement = update(Job).where(which, Job.status == expect)
     if token is not None:
         statement = statement.where(Job.lease_token == token)
@@ -377,6 +381,30 @@ def lease_of(row: Any) -> Lease:
     )
 
 
+def _claim_statement(which: ColumnElement[bool]) -> Any:
+    """The claim of the jobs ``which`` selects: built once, its parameters bound per call (it
+    runs for every message a worker takes)."""
+    return (
+        compare_and_set(
+            which,
+            expect=JobStatus.QUEUED,
+            to=JobStatus.RUNNING,
+            lease_token=Job.lease_token + 1,
+            lease_owner=bindparam("b_worker"),
+            lease_expires_at=bindparam("b_lease"),
+            attempts=Job.attempts + 1,
+            started_at=bindparam("b_stamp"),
+            updated_at=bindparam("b_stamp"),
+        )
+        .where(or_(Job.deadline_at.is_(None), Job.deadline_at > bindparam("b_stamp")))
+        .returning(*CLAIMED)
+    )
+
+
+_CLAIM_ONE = _claim_statement(Job.id == bindparam("b_id"))
+_CLAIM_MANY = _claim_statement(Job.id.in_(bindparam("b_ids", expanding=True)))
+
+
 def claim(
     connection: Connection, job_ids: Sequence[str], *, worker: str, lease_s: float, stamp: float
 ) -> tuple[list[Row[Any]], After]:
@@ -387,24 +415,13 @@ def claim(
     One statement in the usual case (every job queued and in time); the expiry is looked for
     only among the jobs the claim did not take (a realtime message claims its one job).
     """
-    which = job_ids[0] if len(job_ids) == 1 else job_ids
-    rows = list(
-        connection.execute(
-            compare_and_set(
-                which,
-                expect=JobStatus.QUEUED,
-                to=JobStatus.RUNNING,
-                lease_token=Job.lease_token + 1,
-                lease_owner=worker,
-                lease_expires_at=stamp + lease_s,
-                attempts=Job.attempts + 1,
-                started_at=stamp,
-                updated_at=stamp,
-            )
-            .where(or_(Job.deadline_at.is_(None), Job.deadline_at > stamp))
-            .returning(*CLAIMED)
-        ).all()
+    statement, which = (
+        (_CLAIM_ONE, {"b_id": job_ids[0]})
+        if len(job_ids) == 1
+        else (_CLAIM_MANY, {"b_ids": list(job_ids)})
     )
+    params = {"b_worker": worker, "b_lease": stamp + lease_s, "b_stamp": stamp, **which}
+    rows = list(connection.execute(statement, params).all())
     taken = {row.id for row in rows}
     after = expire_queued(connection, [i for i in job_ids if i not in taken], stamp, "worker")
     order = {job_id: i for i, job_id in enumerate(job_ids)}
@@ -470,6 +487,9 @@ _RECORD = (
 )
 
 
+_RECORD_ONE = _RECORD.returning(Job.id)
+
+
 def _record_params(lease: Lease, outcome: Outcome, stamp: float) -> dict[str, Any]:
     params = {f"b_{column}": value for column, value in outcome.row().items()}
     return params | {"b_id": lease.job_id, "b_token": lease.token, "b_stamp": stamp}
@@ -484,23 +504,12 @@ def record(
 ) -> tuple[list[bool], After]:
     """Write outcomes, each fenced by its own lease token; returns which were written.
 
-    One executemany (pipelined by the driver) writes every row whose status and token are
-    still ours; a read in the same transaction then tells which rows were written, by their
-    token and this write's ``finished_at`` stamp. A worker that lost its lease (paused, cut
-    off, presumed dead) changes nothing. Per-row round trips made the recorder the
-    bottleneck of a busy worker (docs/architecture.md, "Group commit").
+    Every row whose status and token are still ours is written (:func:`_write_outcomes`); a
+    worker that lost its lease (paused, cut off, presumed dead) changes nothing. Per-row
+    round trips made the recorder the bottleneck of a busy worker (docs/architecture.md,
+    "Group commit").
     """
-    connection.execute(_RECORD, [_record_params(lease, o, stamp) for lease, o in ended])
-    rows = connection.execute(
-        select(Job.id, Job.lease_token, Job.finished_at).where(
-            Job.id.in_([lease.job_id for lease, _ in ended])
-        )
-    ).all()
-    mine = {row.id for row in rows if row.finished_at == stamp}
-    tokens = {row.id: row.lease_token for row in rows}
-    written = [
-        lease.job_id in mine and tokens.get(lease.job_id) == lease.token for lease, _ in ended
-    ]
+    written = _write_outcomes(connection, ended, stamp)
     recorded = [item for item, ok in zip(ended, written, strict=True) if ok]
     hooked = [lease.job_id for lease, _ in recorded if lease.webhook]
     after = After(
@@ -510,6 +519,28 @@ def record(
         worker=worker,
     )
     return written, after
+
+
+def _write_outcomes(
+    connection: Connection, ended: Sequence[tuple[Lease, Outcome]], stamp: float
+) -> list[bool]:
+    """Which of the fenced outcome writes changed their row. One outcome (what a realtime
+    job's worker records at a time): its UPDATE returns the row it changed. Several: one
+    executemany, then one read by token and this write's stamp (an executemany returns no
+    rows)."""
+    if len(ended) == 1:
+        lease, outcome = ended[0]
+        changed = connection.execute(_RECORD_ONE, _record_params(lease, outcome, stamp)).first()
+        return [changed is not None]
+    connection.execute(_RECORD, [_record_params(lease, o, stamp) for lease, o in ended])
+    rows = connection.execute(
+        select(Job.id, Job.lease_token, Job.finished_at).where(
+            Job.id.in_([lease.job_id for lease, _ in ended])
+        )
+    ).all()
+    mine = {row.id for row in rows if row.finished_at == stamp}
+    tokens = {row.id: row.lease_token for row in rows}
+    return [lease.job_id in mine and tokens.get(lease.job_id) == lease.token for lease, _ in ended]
 
 
 def hand_back(connection: Connection, lease: Lease, stamp: float, *, worker: str) -> After:
