@@ -20,6 +20,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from app.core.db import session_scope
 from app.core.models import Job, JobStatus, now
 from app.core.settings import Settings
+from workers import metrics
 from workers.executor import Executor
 from workers.presence import Presence
 
@@ -96,5 +97,6 @@ class Heartbeat:
             "kv_cache_usage": stats.kv_cache_usage,
             "tokens_per_s": round(stats.generated_tokens_per_s, 1),
             "engine_stats": stats.extra,
+            "step_ms": metrics.steps.median_ms(),
             "intake": self.executor.intake.snapshot(),
         }

@@ -14,6 +14,9 @@ from __future__ import annotations
 import ipaddress
 import logging
 import socket
+import statistics
+import time
+from collections import deque
 from collections.abc import Callable, Iterator
 
 from prometheus_client import REGISTRY, Counter, Histogram, start_http_server
@@ -60,10 +63,35 @@ WEBHOOK_ATTEMPTS = Counter(
 REAPER_ACTIONS = Counter("inferq_reaper_actions", "What the reaper did, by action.", ["action"])
 
 
+class _Steps:
+    """The time between an engine's steps, recent ones: under load, steps follow each other,
+    so this is how long a step takes (``inferq status`` and the bench's ``mixed`` read it from
+    the worker's presence record)."""
+
+    def __init__(self) -> None:
+        self.last = 0.0
+        self.recent: deque[float] = deque(maxlen=STEP_WINDOW)
+
+    def observe(self) -> None:
+        now = time.monotonic()
+        gap, self.last = now - self.last, now
+        if gap < STEP_GAP_MAX_S:  # an idle engine's next step is not a step's length
+            self.recent.append(gap)
+
+    def median_ms(self) -> float | None:
+        return statistics.median(self.recent) * 1000 if self.recent else None
+
+
+STEP_WINDOW = 256
+STEP_GAP_MAX_S = 1.0
+steps = _Steps()
+
+
 def observe_step(sequences: int, tokens: int) -> None:
     """One engine step: how many sequences it ran and how many tokens it generated."""
     if sequences > 0:
         BATCH_SIZE.observe(sequences)
+        steps.observe()
     if tokens > 0:
         GENERATED_TOKENS.inc(tokens)
 

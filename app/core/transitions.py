@@ -220,10 +220,13 @@ def create(
         raise ValueError("a new job starts queued (transitions.new_row)")
     names = {attr.key: attr.columns[0].name for attr in inspect(Job).column_attrs}
     table = cast(Table, Job.__table__)
-    # Core executemany, not the ORM unit of work: it was a third of a bulk request's cost.
+    # Core executemany, not the ORM unit of work: it was a third of a bulk request's cost. A
+    # single row (a realtime call) is a plain execute: no executemany machinery for one.
     for start in range(0, len(rows), INSERT_CHUNK):
-        chunk = rows[start : start + INSERT_CHUNK]
-        connection.execute(insert(table), [{names[k]: v for k, v in row.items()} for row in chunk])
+        chunk = [
+            {names[k]: v for k, v in row.items()} for row in rows[start : start + INSERT_CHUNK]
+        ]
+        connection.execute(insert(table), chunk[0] if len(chunk) == 1 else chunk)
     return After(
         by,
         moved=[Transition(r["id"], r["lane"], r["tenant"], JobStatus.QUEUED) for r in rows],

@@ -13,6 +13,8 @@ import os
 import secrets
 import shutil
 import socket
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -313,4 +315,50 @@ def environment() -> dict[str, Any]:
         "cores": os.cpu_count(),
         "python": platform.python_version(),
         "platform": platform.platform(),
+        **reference_figures(),
     }
+
+
+REFERENCE_LOOP = 2_000_000
+
+
+def reference_figures() -> dict[str, float]:
+    """Two quick figures that place a machine among others (docs/benchmarks.md): the best of
+    five runs of a fixed pure-Python loop, and the median round trip of a PING to a private
+    redis-server on loopback."""
+
+    def loop() -> float:
+        started = time.perf_counter()
+        total = 0
+        for i in range(REFERENCE_LOOP):
+            total += i % 7
+        return (time.perf_counter() - started) * 1000
+
+    figures = {"python_loop_ms": min(loop() for _ in range(5))}
+    server = shutil.which("redis-server")
+    if server is None:
+        return figures
+    port = free_port()
+    with tempfile.TemporaryDirectory() as workdir:
+        proc = subprocess.Popen(
+            [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", workdir],
+            stdout=subprocess.DEVNULL,
+        )
+        try:
+            client = redis.Redis(port=port)
+            for _ in range(100):
+                try:
+                    client.ping()
+                    break
+                except redis.ConnectionError:
+                    time.sleep(0.05)
+            rtts = []
+            for _ in range(2000):
+                started = time.perf_counter()
+                client.ping()
+                rtts.append((time.perf_counter() - started) * 1e6)
+            figures["redis_rtt_us"] = statistics.median(rtts)
+        finally:
+            proc.terminate()
+            proc.wait(10)
+    return figures
