@@ -238,13 +238,15 @@ def send(jobs: list[tuple[str, str]], connection: Connection | None = None) -> N
     if connection is not None:
         connection.execute(update(Job).where(Job.id.in_(sent)).values(enqueued_at=sent_at))
     else:
-        _stamper().put([(job_id, sent_at) for job_id in sent])
+        _stamper().put(sent, sent_at)
 
 
 class _Stamper:
-    """Stamps ``enqueued_at`` of sent jobs in batches, one transaction per wake-up."""
+    """Stamps ``enqueued_at`` of sent jobs in batches, one transaction per wake-up: the jobs
+    of one send share a stamp and one ``UPDATE ... WHERE id IN``; the single jobs of many
+    sends (realtime calls) go in one executemany."""
 
-    STATEMENT = (
+    ONE = (
         update(Job)
         .where(Job.id == bindparam("b_id"))
         .values(enqueued_at=bindparam("b_at"))
@@ -252,29 +254,33 @@ class _Stamper:
     )
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[list[tuple[str, float]]] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[list[str], float]] = queue.SimpleQueue()
         threading.Thread(target=self._loop, name="enqueue-stamps", daemon=True).start()
 
-    def put(self, stamps: list[tuple[str, float]]) -> None:
-        self._queue.put(stamps)
+    def put(self, job_ids: list[str], at: float) -> None:
+        self._queue.put((job_ids, at))
 
     def _loop(self) -> None:
         from app.core.db import transaction  # the database is this thread's business only
 
         while True:
-            stamps = self._queue.get()
+            sends = [self._queue.get()]
             with contextlib.suppress(queue.Empty):
-                while len(stamps) < STAMP_BATCH:
-                    stamps += self._queue.get_nowait()
+                while sum(len(ids) for ids, _ in sends) < STAMP_BATCH:
+                    sends.append(self._queue.get_nowait())
+            singles = [{"b_id": ids[0], "b_at": at} for ids, at in sends if len(ids) == 1]
             try:
                 with transaction() as connection:
-                    connection.execute(
-                        self.STATEMENT, [{"b_id": job_id, "b_at": at} for job_id, at in stamps]
-                    )
+                    if singles:
+                        connection.execute(self.ONE, singles)
+                    for ids, at in sends:
+                        if len(ids) > 1:
+                            connection.execute(
+                                update(Job).where(Job.id.in_(ids)).values(enqueued_at=at)
+                            )
             except Exception as exc:
-                log.warning(
-                    "could not stamp %d sent job(s); the reaper re-sends: %s", len(stamps), exc
-                )
+                count = sum(len(ids) for ids, _ in sends)
+                log.warning("could not stamp %d sent job(s); the reaper re-sends: %s", count, exc)
 
 
 _stamper_instance: _Stamper | None = None
