@@ -111,4 +111,5 @@ def peer(opts: Options) -> dict[str, Any]:
         "vllm_serve": serve,
         "inferq": ours,
         "inferq_over_vllm_serve": ours["output_throughput"] / serve["output_throughput"],
+        "ttft_p50_over_vllm_serve_ms": ours["median_ttft_ms"] - serve["median_ttft_ms"],
     }

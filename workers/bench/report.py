@@ -28,6 +28,10 @@ TARGETS: dict[str, list[tuple[str, str, float | str, str]]] = {
     ],
     "ceiling": [("jobs_per_s", ">=", 2000.0, "jobs/s end to end, instant engine, PostgreSQL")],
     "scaleout": [("two_over_one", ">=", 1.8, "two workers / one worker throughput")],
+    "peer": [
+        ("inferq_over_vllm_serve", ">=", 0.9, "output tok/s, inferq / vllm serve"),
+        ("ttft_p50_over_vllm_serve_ms", "<=", 30.0, "TTFT p50, inferq - vllm serve (ms)"),
+    ],
 }
 
 # overhead: clients -> (key, comparison, target, label), against the floor (docs/benchmarks.md)
