@@ -37,6 +37,10 @@ async def _validation_error(_request: Request, exc: Exception) -> JSONResponse:
     if first.get("type") in ("json_invalid", "json_type"):
         return _respond(400, "invalid_json", f"request body is not valid JSON: {first['msg']}")
     param = param_path(first.get("loc", ()))
+    context = first.get("ctx")
+    fields = context.get("fields") if isinstance(context, dict) else None
+    if fields:  # an error about a choice between fields names them all: "prompt|messages"
+        param = f"{param}.{fields}" if param else str(fields)
     message = str(first.get("msg", "invalid value"))
     if message.startswith("Value error, "):
         message = message[len("Value error, ") :]

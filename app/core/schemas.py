@@ -13,9 +13,10 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    ValidationInfo,
     field_validator,
+    model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from app.core.models import Batch, Job, JobStatus, Lane
 from app.core.settings import get_settings
@@ -146,14 +147,7 @@ class JobCreate(StrictModel):
 
     @field_validator("messages")
     @classmethod
-    def _exactly_one_input(
-        cls, value: list[ChatMessage] | None, info: ValidationInfo
-    ) -> list[ChatMessage] | None:
-        # Field order makes `prompt` validated (or rejected) before this runs.
-        if "prompt" not in info.data:
-            return value
-        if (value is None) == (info.data["prompt"] is None):
-            raise ValueError("exactly one of `prompt` or `messages` is required")
+    def _messages_bounds(cls, value: list[ChatMessage] | None) -> list[ChatMessage] | None:
         if value is not None:
             limit = get_settings().max_messages
             if not value:
@@ -161,6 +155,18 @@ class JobCreate(StrictModel):
             if len(value) > limit:
                 raise ValueError(f"at most {limit} messages are allowed")
         return value
+
+    @model_validator(mode="after")
+    def _exactly_one_input(self) -> JobCreate:
+        if (self.messages is None) == (self.prompt is None):
+            # Either field may be the one the caller meant: the error names both
+            # (``fields`` becomes its ``param``: app/api/handlers.py).
+            raise PydanticCustomError(
+                "prompt_or_messages",
+                "exactly one of `prompt` or `messages` is required",
+                {"fields": "prompt|messages"},
+            )
+        return self
 
     @field_validator("webhook_url")
     @classmethod

@@ -63,8 +63,9 @@ def assert_error(
 GOOD = {"prompt": "Say hello", "lane": "realtime", "params": {"max_tokens": 8}}
 
 BAD_BODIES = [
-    ({"lane": "realtime"}, "messages"),  # neither prompt nor messages
-    ({"prompt": "x", "messages": [{"role": "user", "content": "y"}]}, "messages"),
+    # Neither, or both: the error names the two fields the caller may have meant.
+    ({"lane": "realtime"}, "prompt|messages"),
+    ({"prompt": "x", "messages": [{"role": "user", "content": "y"}]}, "prompt|messages"),
     ({"prompt": ""}, "prompt"),
     ({"prompt": "x", "lane": "urgent"}, "lane"),
     ({"prompt": "x", "params": {"temperature": 2.5}}, "params.temperature"),
