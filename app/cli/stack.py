@@ -239,8 +239,12 @@ class Stack:
         # orphan the children not yet stopped.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        started = time.monotonic()
         for child in reversed(self.children):
             child.stop(grace_s=30 if child.name == "worker" else 10)
+        if self.children:
+            names = ", ".join(child.name for child in self.children)
+            _say(f"inferq stopped: {names} ({time.monotonic() - started:.1f} s)")
 
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
         # The first signal starts the stop; the ones after it (a second Ctrl-C, a supervisor

@@ -128,6 +128,11 @@ def test_up_runs_the_whole_stack_and_stops_every_child(tmp_path: Path) -> None:
         proc.send_signal(signal.SIGTERM)
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0
+        reader.join(5)
+        # The last line says that everything stopped, and how long the stop took.
+        assert re.fullmatch(
+            r"inferq stopped: redis, api, ops, worker \(\d+\.\d s\)", lines[-1].strip()
+        ), lines[-3:]
         wait_until(
             lambda: (
                 not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children)
