@@ -26,7 +26,7 @@ from urllib.parse import urlparse
 import httpx
 import redis
 
-from app.core import dispatch, snapshot
+from app.core import dispatch, limits, snapshot
 from app.core.db import migrate, session_scope
 from app.core.keys import create_key, key_for
 from app.core.settings import Settings
@@ -241,10 +241,21 @@ class Stack:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         started = time.monotonic()
         for child in reversed(self.children):
+            if child.name == "redis":  # the last to stop: forget what would outlive this run
+                self._clean_redis()
             child.stop(grace_s=30 if child.name == "worker" else 10)
+        if not any(child.name == "redis" for child in self.children):
+            self._clean_redis()
         if self.children:
             names = ", ".join(child.name for child in self.children)
             _say(f"inferq stopped: {names} ({time.monotonic() - started:.1f} s)")
+
+    def _clean_redis(self) -> None:
+        """Rate-limit windows would count against the next run: they go. What else stays in
+        Redis is meant to (README, "The two commands"): queued jobs' messages, the model card
+        (rewritten by the next worker), the reaper's marker; presence records expire."""
+        with contextlib.suppress(redis.RedisError):
+            limits.clear_windows(dispatch.redis_client())
 
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
         # The first signal starts the stop; the ones after it (a second Ctrl-C, a supervisor

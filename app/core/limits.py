@@ -180,6 +180,13 @@ def _take(tenant: str, limits: Limits, tokens: int) -> None:
         )
 
 
+def clear_windows(client: redis.Redis) -> int:
+    """Forget every tenant's rate-limit windows (``inferq up`` does when it stops: a window
+    it left behind would count against the next run); returns how many keys went."""
+    keys = list(client.scan_iter(match=KEY_PREFIX + "*", count=1000))
+    return int(client.delete(*keys)) if keys else 0
+
+
 def _over(limit: str, message: str, retry_after: int) -> DomainError:
     return DomainError(
         Kind.OVER_LIMIT, f"{limit}_exceeded", message, retry_after_s=retry_after, limit=limit

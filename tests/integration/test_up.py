@@ -16,6 +16,7 @@ import httpx
 import psutil
 import redis
 
+from app.cli.stack import redis_server_argv
 from tests.support import REPO, free_port, wait_until
 
 
@@ -123,6 +124,8 @@ def test_up_runs_the_whole_stack_and_stops_every_child(tmp_path: Path) -> None:
         )
         assert json.loads(got.stdout) == job
 
+        private = redis.Redis(port=redis_port)
+        assert list(private.scan_iter("inferq:limit:*")), "the calls above counted nothing"
         # A supervisor's SIGTERM and a Ctrl-C right behind it: the second signal must not cut
         # the stop short and orphan the children.
         proc.send_signal(signal.SIGTERM)
@@ -145,6 +148,20 @@ def test_up_runs_the_whole_stack_and_stops_every_child(tmp_path: Path) -> None:
             raise AssertionError("the private redis-server is still running")
         except redis.ConnectionError:
             pass
+        # Its data survives (append-only file), but not the rate-limit windows of this run:
+        # they would count against the next one.
+        server = subprocess.Popen(
+            redis_server_argv("redis-server", redis_port, tmp_path / "data" / "redis"),
+            stdout=subprocess.DEVNULL,
+        )
+        try:
+            again = redis.Redis(port=redis_port)
+            wait_until(lambda: again.ping(), 10, "the private redis-server, restarted")
+            assert again.dbsize() > 0  # the data is there (queues, the model card) ...
+            assert list(again.scan_iter("inferq:limit:*")) == []  # ... but no window
+        finally:
+            server.terminate()
+            server.wait(10)
     finally:
         for leftover in [proc, *children]:  # only when the test failed half-way
             with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
