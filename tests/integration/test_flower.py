@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -114,3 +115,25 @@ def test_flower_refuses_every_interface_without_basic_auth(tmp_path: Path) -> No
     assert "INFERQ_FLOWER_BASIC_AUTH" in done.stderr
     # Nothing was started: the port is still free.
     socket.create_server(("127.0.0.1", port)).close()
+
+
+def test_flower_api_needs_basic_auth_or_flowers_own_switch(tmp_path: Path, redis_url: str) -> None:
+    """Flower's HTTP API answers 401 without credentials, even on loopback, unless Flower's own
+    FLOWER_UNAUTHENTICATED_API is set: the README's two commands for it."""
+    for unauthenticated, expected in ((None, 401), ("true", 200)):
+        port = free_port()
+        env = {
+            **{k: v for k, v in os.environ.items() if not k.startswith(("INFERQ_", "FLOWER_"))},
+            "INFERQ_DATA_DIR": str(tmp_path / "data"),
+            "INFERQ_REDIS_URL": redis_url,
+            "INFERQ_FLOWER_PORT": str(port),
+            **({"FLOWER_UNAUTHENTICATED_API": unauthenticated} if unauthenticated else {}),
+        }
+        argv = [sys.executable, "-m", "app.cli", "flower"]
+        flower = Proc("flower", argv, env, tmp_path / f"flower-{port}.log")
+        try:
+            url = f"http://127.0.0.1:{port}/api/workers"
+            status = wait_until(lambda u=url: httpx.get(u, timeout=5).status_code, 60, "Flower")
+            assert status == expected, (unauthenticated, status, flower.tail())
+        finally:
+            flower.stop()
