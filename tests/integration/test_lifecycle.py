@@ -6,13 +6,15 @@ Runs on SQLite and on PostgreSQL, with the SIMULATED engine in a real `inferq wo
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests.conftest import PostgresDatabases, database_url_for
-from tests.support import Stack, running_stack, wait_until
+from tests.support import REPO, Stack, running_stack, wait_until
 
 LANES = ["realtime", "standard", "bulk"]
 
@@ -167,3 +169,30 @@ def test_two_workers_share_one_queue_and_record_each_result_once(
                     "a record of the engine's steps",
                 )
                 assert record["engine_stats"]["max_batch"] > 1, json.dumps(record)
+
+
+def _readme_session() -> list[dict[str, Any]]:
+    """The JSON samples of the README's "A session with curl", in order."""
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("## A session with curl") :]
+    section = section[: section.index("\n## ")]
+    return [json.loads(block) for block in re.findall(r"```json\n(.*?)```", section, re.S)]
+
+
+def _shape(value: Any) -> Any:
+    """The keys of every object in ``value``, nested; values only say object or not."""
+    if isinstance(value, dict):
+        return {key: _shape(item) for key, item in value.items()}
+    return "value"
+
+
+def test_the_readmes_sample_job_is_what_the_api_answers(backend_stack: Stack) -> None:
+    """The README's submit and read samples have every field the API answers, and no other:
+    they cannot drift from the Job object unnoticed."""
+    queued_sample, finished_sample = _readme_session()
+    body = {"prompt": "def fibonacci(n):", "lane": "realtime", "params": {"max_tokens": 24}}
+    job = backend_stack.submit(body)
+    assert _shape(job) == _shape(queued_sample)
+    done = backend_stack.wait_job(job["id"])
+    assert done["status"] == finished_sample["status"] == "succeeded"
+    assert _shape(done) == _shape(finished_sample)

@@ -20,6 +20,30 @@ from app.cli.stack import redis_server_argv
 from tests.support import REPO, free_port, wait_until
 
 
+def readme_banner() -> str:
+    text = (REPO / "README.md").read_text()
+    after = text[text.index("`inferq up` prints what it started") :]
+    return after[after.index("```\n") + 4 : after.index("\n```", after.index("```\n") + 4)]
+
+
+def banner_shape(banner: str) -> list[str]:
+    """A banner's lines by what they say, not by their values: each setting's label ("API",
+    "API key", "metrics", ...) and the fixed lines; continuation lines count as one."""
+    shape = []
+    for line in banner.splitlines():
+        if not line.strip() or line.startswith("            "):
+            continue
+        if line.startswith("  ") and shape and shape[-1] == "Try:":
+            shape.append("<command>")
+        elif line.startswith("  "):
+            shape.append(re.split(r"\s{2,}", line.strip())[0])
+        else:
+            shape.append(line.strip())
+        if shape[-1] == "Ctrl-C stops everything.":
+            break
+    return shape
+
+
 def test_up_runs_the_whole_stack_and_stops_every_child(tmp_path: Path) -> None:
     api_port, redis_port = free_port(), free_port()
     env = {
@@ -50,6 +74,10 @@ def test_up_runs_the_whole_stack_and_stops_every_child(tmp_path: Path) -> None:
         )
         output = "".join(lines)
         assert proc.poll() is None, output
+        # The README's sample banner has the lines this one has, in this order.
+        wait_until(lambda: any("Ctrl-C stops everything" in line for line in lines), 10, "banner")
+        banner = "".join(lines)
+        assert banner_shape(banner[banner.index("inferq is up") :]) == banner_shape(readme_banner())
         assert "private redis-server started by inferq" in output
         assert "SIMULATED" in output
         key = re.search(r"API key\s+(iq_\S+)", output).group(1)
