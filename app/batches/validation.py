@@ -19,6 +19,7 @@ from typing import Any, BinaryIO
 
 from pydantic import ValidationError
 from sqlalchemy import update
+from sqlalchemy.engine import Connection
 
 from app.batches import lease
 from app.core import dispatch, jobs, outbox, storage, tokens, transitions
@@ -182,18 +183,15 @@ def start(batch_id: str) -> str:
     stamp = now()
     if errors:
         with session_scope() as session:
-            failed = session.execute(
-                update(Batch)
-                .where(Batch.id == batch_id, Batch.claimed_at == claim)
-                .where(Batch.status == BatchStatus.VALIDATING)
-                .values(
-                    status=BatchStatus.FAILED,
-                    errors=errors,
-                    failed_at=stamp,
-                    updated_at=stamp,
-                    claimed_at=None,
-                )
-            ).rowcount  # type: ignore[attr-defined]
+            failed = _end_validation(
+                session.connection(),
+                batch_id,
+                claim,
+                status=BatchStatus.FAILED,
+                errors=errors,
+                failed_at=stamp,
+                updated_at=stamp,
+            )
             events = (
                 outbox.record_batch_event(session.connection(), batch_id, stamp) if failed else []
             )
@@ -236,19 +234,28 @@ def _insert_jobs(batch: Batch, count: int, stamp: float, claim: float) -> transi
                     after += transitions.create(connection, rows, by="ops")
                     rows = []
         after += transitions.create(connection, rows, by="ops")
-        started = connection.execute(
-            update(Batch)
-            .where(Batch.id == batch.id, Batch.status == BatchStatus.VALIDATING)
-            .where(Batch.claimed_at == claim)
-            .values(
-                status=BatchStatus.IN_PROGRESS,
-                in_progress_at=stamp,
-                request_total=count,
-                updated_at=stamp,
-                claimed_at=None,
-            )
-        ).rowcount
+        started = _end_validation(
+            connection,
+            batch.id,
+            claim,
+            status=BatchStatus.IN_PROGRESS,
+            in_progress_at=stamp,
+            request_total=count,
+            updated_at=stamp,
+        )
         if not started:
             session.rollback()  # cancelled meanwhile: no job was ever visible
             return None
     return after
+
+
+def _end_validation(connection: Connection, batch_id: str, claim: float, **values: Any) -> bool:
+    """Move a batch this ops worker validates (its lease ``claim``) out of ``validating``;
+    False if it moved on meanwhile (cancelled, or its lease was taken over)."""
+    moved = connection.execute(
+        update(Batch)
+        .where(Batch.id == batch_id, Batch.claimed_at == claim)
+        .where(Batch.status == BatchStatus.VALIDATING)
+        .values(claimed_at=None, **values)
+    ).rowcount
+    return bool(moved)
