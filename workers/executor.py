@@ -64,8 +64,8 @@ class Claim:
 class Released:
     """A job that left this worker without an outcome: someone else owns it now.
 
-    ``reason``: ``shutdown`` (handed back to the queue), ``lease_lost`` (reclaimed by the
-    reaper) or ``dropped`` (the engine stopped it for no reason of ours).
+    ``reason``: the runner's abort reason, ``shutdown`` (handed back to the queue) or
+    ``lease_lost`` (reclaimed by the reaper).
     """
 
     reason: str

@@ -34,7 +34,6 @@ log = logging.getLogger("inferq.batches")
 
 MAX_ERRORS = 100  # validation stops after this many bad lines
 MAX_CUSTOM_ID = 512
-INSERT_CHUNK = 500  # lines inserted at once in the second pass
 
 
 # --- lines: pure, no database and no Redis ------------------------------------------------------
@@ -230,7 +229,7 @@ def _insert_jobs(batch: Batch, count: int, stamp: float, claim: float) -> transi
                     deadline_at=batch.expires_at,
                 )
                 rows.append(row)
-                if len(rows) == INSERT_CHUNK:
+                if len(rows) == transitions.INSERT_CHUNK:
                     after += transitions.create(connection, rows, by="ops")
                     rows = []
         after += transitions.create(connection, rows, by="ops")

@@ -164,6 +164,8 @@ class Waiter:
 
     async def next(self, timeout_s: float = POLL_S) -> Entry | None:
         """The next message, or None when ``timeout_s`` passes quietly."""
+        if not self.queue.empty():  # no timer for what is already here (most pieces)
+            return self.queue.get_nowait()
         try:
             return await asyncio.wait_for(self.queue.get(), timeout_s)
         except TimeoutError:
@@ -191,9 +193,11 @@ class Replies:
         cannot publish before anyone listens. The caller :meth:`Waiter.close` s it.
         """
         self._start()
-        with contextlib.suppress(TimeoutError):
-            # Redis away: the call still works from the row, only slower.
-            await asyncio.wait_for(self._subscribed.wait(), get_settings().dependency_timeout_s)
+        if not self._subscribed.is_set():  # only until the first subscription (or a reconnect)
+            with contextlib.suppress(TimeoutError):
+                # Redis away: the call still works from the row, only slower.
+                timeout = get_settings().dependency_timeout_s
+                await asyncio.wait_for(self._subscribed.wait(), timeout)
         key = str(next(self._keys))
         queue: asyncio.Queue[Entry] = asyncio.Queue()
         self._waiting[key] = queue

@@ -24,6 +24,7 @@ whatever the format of the process's other logs::
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import sys
@@ -211,6 +212,12 @@ def as_job(row: dict[str, Any]) -> Job:
     return Job(**row)
 
 
+@functools.cache
+def _column_names() -> dict[str, str]:
+    """The ORM attribute -> column name of every job column (``meta`` is "metadata")."""
+    return {attr.key: attr.columns[0].name for attr in inspect(Job).column_attrs}
+
+
 def create(
     connection: Connection, rows: Sequence[dict[str, Any]], *, by: By, **fields: Any
 ) -> After:
@@ -218,7 +225,7 @@ def create(
     ``fields`` go into their log lines (a batch's id)."""
     if any(row["status"] != JobStatus.QUEUED for row in rows):
         raise ValueError("a new job starts queued (transitions.new_row)")
-    names = {attr.key: attr.columns[0].name for attr in inspect(Job).column_attrs}
+    names = _column_names()
     table = cast(Table, Job.__table__)
     # Core executemany, not the ORM unit of work: it was a third of a bulk request's cost. A
     # single row (a realtime call) is a plain execute: no executemany machinery for one.
