@@ -109,7 +109,7 @@ def stages(records: list[dict[str, Any]], rows: list[dict[str, Any]], log: Path)
     spans: dict[str, list[float]] = {name: [] for name, _, _ in STAGES}
     for record in records:
         row = by_id.get(record.get("job_id") or "")
-        if row is None or record["first_token_at"] is None:
+        if row is None or record.get("first_token_at") is None:
             continue
         points = {
             "sent": record["created_at"],

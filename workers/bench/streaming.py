@@ -18,11 +18,29 @@ from typing import Any
 
 import httpx
 
+from app.core import heap
+
 JOB_HEADER = "inferq-job-id"
 
 
 async def _one(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> dict[str, Any]:
     created = time.time()
+    try:
+        return await _stream(client, path, body, created)
+    except httpx.TransportError as exc:
+        # A dropped connection is the server's failure to report (``failed`` in the
+        # summary), not a reason to lose the whole run.
+        return {
+            "created_at": created,
+            "finished_at": time.time(),
+            "status": "failed",
+            "error": repr(exc),
+        }
+
+
+async def _stream(
+    client: httpx.AsyncClient, path: str, body: dict[str, Any], created: float
+) -> dict[str, Any]:
     times: list[float] = []
     usage: dict[str, Any] = {}
     async with client.stream("POST", path, json=body) as r:
@@ -60,7 +78,11 @@ async def _all(
     queue: asyncio.Queue[int] = asyncio.Queue()
     for i in range(len(bodies)):
         queue.put_nowait(i)
-    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    # Idle connections expire well before a server's keep-alive timeout (uvicorn's: 5 s), so
+    # the client never sends on a connection the server is closing at that moment.
+    limits = httpx.Limits(
+        max_connections=clients, max_keepalive_connections=clients, keepalive_expiry=1.0
+    )
     done = 0
     async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
 
@@ -89,5 +111,6 @@ def stream_all(
     records of all but the first ``skip`` bodies (a warm-up inside the same closed loop, so
     the measured requests are the steady state, not the start's burst of ``clients`` at
     once)."""
+    heap.freeze()  # the client's own collector pauses would count against either side
     records = asyncio.run(_all(url, path, bodies, clients, progress))
     return [r for r in records[skip:] if r is not None]
