@@ -5,17 +5,24 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import Depends, Request
-from sqlalchemy.orm import Session
+from starlette.concurrency import run_in_threadpool
 
-from app.api.deps import get_session
 from app.core import limits
+from app.core.db import new_session
 from app.core.errors import DomainError, Kind
 from app.core.keys import DEFAULT_TENANT, key_for
 from app.core.settings import get_settings
 
+_Found = tuple[str, tuple[int | None, int | None, int | None]]
 
-def current_tenant(request: Request, session: Annotated[Session, Depends(get_session)]) -> str:
-    """FastAPI dependency: the tenant of the request's bearer key (limits: ``caller_limits``)."""
+
+async def current_tenant(request: Request) -> str:
+    """FastAPI dependency: the tenant of the request's bearer key (limits: ``caller_limits``).
+
+    Async and with its own session: a sync dependency, or one on the route's session, costs
+    thread hops on every call, the realtime lane's included (docs/benchmarks.md, "What each
+    change bought"); with keys off it does no I/O at all.
+    """
     if not get_settings().require_auth:
         request.state.limits = limits.defaults()
         return DEFAULT_TENANT
@@ -27,13 +34,7 @@ def current_tenant(request: Request, session: Annotated[Session, Depends(get_ses
             "missing_api_key",
             "an API key is required: send `Authorization: Bearer <key>`",
         )
-    row = key_for(session, token.strip())
-    found = None
-    if row is not None:
-        # Read before the rollback: it expires the row, and reading it afterwards would open
-        # a transaction that holds SQLite's write lock until the request ends.
-        found = (row.tenant, (row.requests_per_minute, row.tokens_per_minute, row.max_queued))
-    session.rollback()  # end the read transaction; the route opens its own
+    found = await run_in_threadpool(_lookup, token.strip())
     if found is None:
         raise DomainError(
             Kind.UNAUTHENTICATED, "invalid_api_key", "the API key is invalid or revoked"
@@ -41,6 +42,18 @@ def current_tenant(request: Request, session: Annotated[Session, Depends(get_ses
     tenant, overrides = found
     request.state.limits = limits.for_key(*overrides)
     return tenant
+
+
+def _lookup(token: str) -> _Found | None:
+    session = new_session()
+    try:
+        row = key_for(session, token)
+        if row is None:
+            return None
+        return row.tenant, (row.requests_per_minute, row.tokens_per_minute, row.max_queued)
+    finally:
+        # Ends the read transaction: left open, it would hold SQLite's write lock.
+        session.close()
 
 
 def caller_limits(request: Request) -> limits.Limits:
