@@ -15,7 +15,7 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.api.errors import body_of, error_body, headers_of, status_of
-from app.core.errors import DomainError, param_path
+from app.core.errors import DomainError, pydantic_error
 
 log = logging.getLogger("inferq.api")
 
@@ -36,19 +36,12 @@ async def _validation_error(_request: Request, exc: Exception) -> JSONResponse:
     first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": "invalid"}
     if first.get("type") in ("json_invalid", "json_type"):
         return _respond(400, "invalid_json", f"request body is not valid JSON: {first['msg']}")
-    param = param_path(first.get("loc", ()))
-    context = first.get("ctx")
-    fields = context.get("fields") if isinstance(context, dict) else None
-    if fields:  # an error about a choice between fields names them all: "prompt|messages"
-        param = f"{param}.{fields}" if param else str(fields)
-    message = str(first.get("msg", "invalid value"))
-    if message.startswith("Value error, "):
-        message = message[len("Value error, ") :]
+    code, param, message = pydantic_error(first)
     if param:
         message = f"{param}: {message}"
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
-    return _respond(422, str(first.get("type", "invalid_value")), message, param)
+    return _respond(422, code, message, param)
 
 
 async def _domain_error(_request: Request, exc: Exception) -> JSONResponse:

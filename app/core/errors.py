@@ -10,8 +10,9 @@ docs/architecture.md, "Errors").
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from enum import StrEnum
+from typing import Any
 
 
 class Kind(StrEnum):
@@ -73,6 +74,19 @@ def unavailable(code: str, message: str, param: str | None = None) -> DomainErro
 
 
 BROKER_DOWN = ("broker_unavailable", "the queue (Redis) is unavailable; retry later")
+
+
+def pydantic_error(error: Mapping[str, Any]) -> tuple[str, str | None, str]:
+    """One pydantic error as (code, param, message). The param is its location, and an error
+    about a choice between fields (``ctx["fields"]``: "prompt|messages", or the field a model
+    rule names) adds them."""
+    param = param_path(error.get("loc", ()))
+    context = error.get("ctx")
+    fields = context.get("fields") if isinstance(context, dict) else None
+    if fields:
+        param = f"{param}.{fields}" if param else str(fields)
+    message = str(error.get("msg", "invalid value")).removeprefix("Value error, ")
+    return str(error.get("type", "invalid_value")), param, message
 
 
 def param_path(loc: Sequence[int | str]) -> str | None:
