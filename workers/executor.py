@@ -76,6 +76,10 @@ def request_id(job_id: str, token: int) -> str:
     return f"{job_id}.{token}"
 
 
+# The sampling options GenRequest has fields of its own for; the rest travel in ``options``.
+_OWN_FIELDS = frozenset({"max_tokens", "temperature", "top_p", "stop", "seed"})
+
+
 def request_for(job: Any, token: int) -> GenRequest:
     """The engine request for a claimed row (``transitions.CLAIMED``) or an ORM ``Job``."""
     params: dict[str, Any] = job.params
@@ -90,6 +94,7 @@ def request_for(job: Any, token: int) -> GenRequest:
         seed=params.get("seed"),
         priority=LANE_PRIORITY[job.lane],
         arrival=job.created_at,
+        options={k: v for k, v in params.items() if k not in _OWN_FIELDS},
     )
 
 

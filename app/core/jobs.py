@@ -71,8 +71,8 @@ def job_values(
     check_webhook_url(body.webhook_url, checked)
     created = now()
     timeout_s = body.timeout_s or settings.lane_default_timeout_s.get(body.lane.value)
-    params: dict[str, Any] = body.params.model_dump()
-    params["max_tokens"] = params["max_tokens"] or settings.default_max_tokens
+    params = body.params.stored()
+    params["max_tokens"] = body.params.max_tokens or settings.default_max_tokens
     return transitions.new_row(
         id=new_id("job"),
         tenant=tenant,

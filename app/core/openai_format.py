@@ -2,9 +2,12 @@
 
 One translation serves the realtime endpoints (``/v1/chat/completions``, ``/v1/completions``)
 and batch lines, so a line is valid in a batch exactly when the same body would be accepted by
-the endpoint. Bounds are the jobs API's own (``JobCreate``); an OpenAI parameter inferq does not
-implement is refused by name (422), never silently ignored. inferq's additions: ``lane``
-(default realtime), ``metadata`` and ``timeout_s``, as on jobs.
+the endpoint. The sampling options are the jobs API's own model (``JobParams``, vLLM's names and
+bounds). Every other field of vLLM's two request classes is in ``REFUSED`` with the reason:
+at vLLM's default (or null) it asks for nothing and is accepted, any other value is a 422 that
+names it; a field vLLM does not know is a 422 too, never silently ignored (README, "vLLM's
+fields"). inferq's additions: ``lane`` (default realtime), ``metadata`` and ``timeout_s``, as on
+jobs.
 
 A completion's ``id`` is its job's id, so ``GET /v1/jobs/<id>`` finds every call.
 """
@@ -14,11 +17,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
-from app.core.errors import DomainError, Kind, param_path
+from app.core.errors import DomainError, Kind, pydantic_error
 from app.core.models import Job, JobStatus, Lane
-from app.core.schemas import ChatMessage, JobCreate, StrictModel
+from app.core.schemas import ChatMessage, JobCreate, JobParams, StrictModel
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -34,13 +38,98 @@ class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
-class _Request(StrictModel):
+# Why inferq does not take a field of vLLM's request classes, grouped by reason. Each field is
+# listed with vLLM's default for it: that value (or null) asks for nothing and is accepted.
+_NOT_YET = "not supported yet"
+_MULTIMODAL = "inferq serves text: multimodal inputs are not accepted"
+_TEMPLATE = "the worker applies the model's own chat template, unchanged"
+_TOKENIZING = "the engine tokenizes with the model's defaults"
+_TRANSFER = "disaggregated serving (KV or encoder-cache transfer) is not part of inferq"
+_BEAM = "beam search is not offered: a job samples its sequences"
+_COMMON_REFUSED: dict[str, tuple[Any, str]] = {
+    "logprobs": (None, _NOT_YET),
+    "prompt_logprobs": (None, _NOT_YET),
+    "logprob_token_ids": (None, _NOT_YET),
+    "return_tokens_as_token_ids": (None, _NOT_YET),
+    "return_token_ids": (None, _NOT_YET),
+    "return_token_offsets": (False, _NOT_YET),
+    "echo": (False, _NOT_YET),
+    "response_format": (None, _NOT_YET),
+    "structured_outputs": (None, _NOT_YET),
+    "allowed_token_ids": (None, _NOT_YET),
+    "bad_words": ([], _NOT_YET),
+    "use_beam_search": (False, _BEAM),
+    "length_penalty": (1.0, _BEAM),
+    "watermarking": (None, "output watermarking is not offered"),
+    "repetition_detection": (None, "not offered: min_tokens, max_tokens and stop bound output"),
+    "thinking_token_budget": (None, "reasoning models' options are not offered"),
+    "truncate_prompt_tokens": (
+        None,
+        "prompts are never cut: one longer than the context fails as context_length_exceeded",
+    ),
+    "truncation_side": (None, "prompts are never cut"),
+    "priority": (0, "the lane decides the priority (`lane`: realtime, standard or bulk)"),
+    "request_id": (None, "the job's id is the request's id (the `inferq-job-id` header)"),
+    "session_id": (None, "not offered"),
+    "routed_experts_prompt_start": (0, "a debugging option of mixture-of-experts models"),
+    "mm_payload": ("tensors", _MULTIMODAL),
+    "return_mm_kwargs": (None, _MULTIMODAL),
+    "cache_salt": (None, "the prefix cache is shared by every tenant of a deployment"),
+    "kv_transfer_params": (None, _TRANSFER),
+    "ec_transfer_params": (None, _TRANSFER),
+    "vllm_xargs": (None, "free-form engine arguments would bypass the request's validation"),
+    "stream_interval": (None, "the relay decides how streamed pieces are merged"),
+}
+COMPLETION_REFUSED: dict[str, tuple[Any, str]] = {
+    **_COMMON_REFUSED,
+    "suffix": (None, "vLLM's server does not support it either"),
+    "prompt_embeds": (None, "a job's input is text, stored in its row and re-run from it"),
+    "add_special_tokens": (True, _TOKENIZING),
+}
+CHAT_REFUSED: dict[str, tuple[Any, str]] = {
+    **_COMMON_REFUSED,
+    "logprobs": (False, _NOT_YET),
+    "top_logprobs": (0, _NOT_YET),
+    "tools": (None, _NOT_YET),
+    "tool_choice": ("none", _NOT_YET),
+    "parallel_tool_calls": (True, _NOT_YET),
+    "reasoning_effort": (None, "reasoning models' options are not offered"),
+    "include_reasoning": (True, "reasoning models' options are not offered"),
+    "add_generation_prompt": (True, _TEMPLATE),
+    "continue_final_message": (False, _TEMPLATE),
+    "documents": (None, _TEMPLATE),
+    "chat_template": (None, _TEMPLATE),
+    "chat_template_kwargs": (None, _TEMPLATE),
+    "media_io_kwargs": (None, _MULTIMODAL),
+    "mm_processor_kwargs": (None, _MULTIMODAL),
+    "return_prompt_text": (None, "not offered: a job's prompt is in its row"),
+    "add_special_tokens": (False, _TOKENIZING),
+}
+
+
+def _refused(data: Any, refused: dict[str, tuple[Any, str]]) -> Any:
+    """Drop the refused fields that ask for nothing; a 422 naming the first that asks."""
+    if not isinstance(data, dict):
+        return data
+    kept = {}
+    for key, value in data.items():
+        if key not in refused:
+            kept[key] = value
+            continue
+        default, reason = refused[key]
+        if value is not None and value != default:
+            raise PydanticCustomError(
+                "unsupported_parameter",
+                "{field} is not supported: {reason}",
+                {"field": key, "reason": reason, "fields": key},
+            )
+    return kept
+
+
+class _Request(JobParams):
+    """The fields both endpoints share: the sampling options (``JobParams``) and these."""
+
     model: str = Field(min_length=1, max_length=256)
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -57,12 +146,8 @@ class _Request(StrictModel):
         return value
 
     def _params(self, max_tokens: int | None) -> dict[str, Any]:
-        params: dict[str, Any] = {"max_tokens": max_tokens, "stop": self.stop, "seed": self.seed}
-        if self.temperature is not None:
-            params["temperature"] = self.temperature
-        if self.top_p is not None:
-            params["top_p"] = self.top_p
-        return params
+        params = self.model_dump(include=set(JobParams.model_fields), exclude_defaults=True)
+        return {**params, "max_tokens": max_tokens}
 
     def _job(self, fields: dict[str, Any]) -> JobCreate:
         """The job body, with the jobs API's bounds; errors name the OpenAI parameter."""
@@ -77,22 +162,22 @@ class _Request(StrictModel):
                 }
             )
         except ValidationError as exc:
-            first = exc.errors()[0]
-            param = param_path(("body", *first["loc"]))
+            code, param, message = pydantic_error(exc.errors()[0])
             if param is not None:
                 param = param.removeprefix("params.")
-            message = str(first["msg"]).removeprefix("Value error, ")
             raise DomainError(
-                Kind.INVALID,
-                str(first["type"]),
-                f"{param}: {message}" if param else message,
-                param=param,
+                Kind.INVALID, code, f"{param}: {message}" if param else message, param=param
             ) from None
 
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refused_fields(cls, data: Any) -> Any:
+        return _refused(data, CHAT_REFUSED)
 
     def job(self) -> JobCreate:
         max_tokens = self.max_completion_tokens or self.max_tokens
@@ -101,7 +186,11 @@ class ChatCompletionRequest(_Request):
 
 class CompletionRequest(_Request):
     prompt: str | list[str]
-    echo: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refused_fields(cls, data: Any) -> Any:
+        return _refused(data, COMPLETION_REFUSED)
 
     @field_validator("prompt")
     @classmethod
@@ -110,13 +199,6 @@ class CompletionRequest(_Request):
             if len(value) != 1:
                 raise ValueError("exactly one prompt per request (send a batch for many)")
             return value[0]
-        return value
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("echo is not supported")
         return value
 
     def job(self) -> JobCreate:

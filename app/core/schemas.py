@@ -47,9 +47,23 @@ def _check_storable(value: Any) -> None:
 
 
 class StrictModel(BaseModel):
-    """Request bodies: unknown fields refused, every string storable as it is."""
+    """Request bodies: unknown fields refused, every string storable as it is, and an explicit
+    null read as the field's default (OpenAI's semantics: ``"temperature": null`` asks for
+    nothing)."""
 
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {
+            key: value
+            for key, value in data.items()
+            if value is not None or key not in fields or fields[key].is_required()
+        }
 
     @field_validator("*")
     @classmethod
@@ -96,12 +110,77 @@ def check_metadata(value: dict[str, str]) -> dict[str, str]:
     return value
 
 
+# OpenAI's bound on a logit bias, which vLLM's server applies too.
+LOGIT_BIAS_LIMIT = 100.0
+MAX_TOKEN_IDS = 256  # stop_token_ids and logit_bias entries per job
+
+
 class JobParams(StrictModel):
+    """Sampling: one model for the jobs API's ``params``, the OpenAI bodies and batch lines.
+
+    Names, defaults and bounds are those of vLLM's ``SamplingParams`` (README, "vLLM's
+    fields"), so a body ``vllm serve`` takes means the same here; a job's row keeps only the
+    options its caller set (``max_tokens`` always). Engines other than vLLM honour what they
+    can and fail a job that asks for the rest with ``invalid_request`` naming the option.
+    """
+
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1, description="0 or -1: every token.")
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    logit_bias: dict[int, float] | None = Field(
+        None, description="Token id -> bias added to its logit, -100 to 100."
+    )
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
     stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias_bounds(cls, value: dict[int, float] | None) -> dict[int, float] | None:
+        if value is None:
+            return None
+        if len(value) > MAX_TOKEN_IDS:
+            raise ValueError(f"at most {MAX_TOKEN_IDS} tokens may be biased")
+        for token, bias in value.items():
+            if token < 0:
+                raise ValueError(f"token ids are not negative (got {token})")
+            if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+                raise ValueError(f"each bias must be between -100 and 100 (got {bias})")
+        return value
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _token_ids_bounds(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None:
+            if len(value) > MAX_TOKEN_IDS:
+                raise ValueError(f"at most {MAX_TOKEN_IDS} stop token ids are allowed")
+            if any(token < 0 for token in value):
+                raise ValueError("token ids are not negative")
+        return value
+
+    @model_validator(mode="after")
+    def _min_below_max(self) -> JobParams:
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise PydanticCustomError(
+                "min_tokens_above_max",
+                "min_tokens ({min}) must not exceed max_tokens ({max})",
+                {"min": self.min_tokens, "max": self.max_tokens, "fields": "min_tokens"},
+            )
+        return self
+
+    def stored(self) -> dict[str, Any]:
+        """What a job's row keeps: the options set to something other than their default."""
+        return self.model_dump(exclude_defaults=True)
 
     @field_validator("max_tokens")
     @classmethod

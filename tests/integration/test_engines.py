@@ -169,15 +169,20 @@ def test_vllm_streams_chat_completions(vllm_stack: tuple[Stack, int]) -> None:
     assert plain.usage is not None and plain.usage.completion_tokens == 8
 
 
+def published_tokenizer(stack: Stack) -> tuple[dict, Tokenizer]:
+    """The model card and tokenizer the worker published for the API."""
+    store = redis.Redis.from_url(stack.redis_url)
+    card = json.loads(store.get("inferq:model:inferq-demo") or "{}")
+    digest = card["tokenizer"].removeprefix("sha256:")
+    return card, Tokenizer.from_str((store.get(f"inferq:tokenizer:{digest}") or b"").decode())
+
+
 def test_the_api_counts_prompts_as_vllm_does(vllm_stack: tuple[Stack, int]) -> None:
     """The worker publishes its context and tokenizer; the API counts a prompt to the token
     the engine reports, and refuses one past the context before it becomes a job."""
     stack, _ = vllm_stack
-    store = redis.Redis.from_url(stack.redis_url)
-    card = json.loads(store.get("inferq:model:inferq-demo") or "{}")
+    card, tokenizer = published_tokenizer(stack)
     assert card["max_model_len"] == 1024  # the demo model's max_position_embeddings
-    digest = card["tokenizer"].removeprefix("sha256:")
-    tokenizer = Tokenizer.from_str((store.get(f"inferq:tokenizer:{digest}") or b"").decode())
     prompt = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1)"
     with stack.client() as c:
         submitted = stack.submit({"prompt": prompt, "params": {"max_tokens": 1}}, c)
@@ -199,6 +204,56 @@ def test_the_api_counts_prompts_as_vllm_does(vllm_stack: tuple[Stack, int]) -> N
         failed = stack.wait_job(stack.submit(chat, c)["id"], timeout=120)
         assert failed["status"] == "failed", failed
         assert failed["error"]["code"] == "context_length_exceeded"
+
+
+def test_vllms_sampling_options_change_what_the_real_engine_produces(
+    vllm_stack: tuple[Stack, int],
+) -> None:
+    """Options sent as to `vllm serve` (the official client's extra_body) reach vLLM's
+    SamplingParams: each changes the output as vLLM's own server would."""
+    stack, _ = vllm_stack
+    _, tokenizer = published_tokenizer(stack)
+    token = tokenizer.encode(" fibonacci").ids[-1]
+    client = OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def complete(temperature: float = 0.0, **extra: object) -> tuple[str, str, int]:
+        out = client.completions.create(
+            model="inferq-demo",
+            prompt="def f(x):",
+            max_tokens=6,
+            temperature=temperature,
+            extra_body=extra,
+        )
+        assert out.usage is not None
+        return out.choices[0].text, str(out.choices[0].finish_reason), out.usage.completion_tokens
+
+    greedy, _, _ = complete()
+    forced = {"logit_bias": {str(token): 100}}
+    assert complete(**forced)[0] == tokenizer.decode([token] * 6)
+    # The forced token as a stop token ends the output at once; min_tokens holds it off.
+    assert complete(**forced, stop_token_ids=[token])[1:] == ("stop", 1)
+    assert complete(**forced, stop_token_ids=[token], min_tokens=4)[1:] == ("stop", 5)
+    # The end-of-sequence token forced (the demo model's is id 2) ends the output at once,
+    # unless ignore_eos.
+    eos = {"logit_bias": {"2": 100}}
+    assert complete(**eos)[1:] == ("stop", 1)
+    assert complete(**eos, ignore_eos=True)[1:] == ("length", 6)
+    # top_k=1 leaves the most likely token only: sampling at temperature 1 is greedy.
+    assert complete(1.0, top_k=1, seed=3)[0] == greedy
+    assert complete(1.0, min_p=1.0, seed=3)[0] == greedy
+    # A stop string in the greedy text: cut before it, or kept with include_stop_str_in_output.
+    middle = len(greedy) // 2
+    stop = greedy[middle : middle + 2]
+    cut = greedy.index(stop)
+    assert complete(stop=[stop])[0] == greedy[:cut]
+    assert complete(stop=[stop], include_stop_str_in_output=True)[0] == greedy[: cut + 2]
+    # A bias beyond the vocabulary is the engine's refusal: the request's fault, a 400.
+    with stack.client() as c:
+        response = c.post(
+            "/v1/completions",
+            json={"model": "inferq-demo", "prompt": "x", "logit_bias": {"999999": 1}},
+        )
+    assert_error(response, 400, "invalid_request")
 
 
 def test_vllm_worker_stops_its_engine_processes(vllm_stack: tuple[Stack, int]) -> None:
@@ -264,3 +319,19 @@ def test_hf_engine_runs_a_model_from_a_local_path(tmp_path: Path, demo_cache: Pa
         )
         assert 0 < batches <= sequences == len(done)
         assert {j["model"] for j in done} == {"local-llama"}
+        # vLLM's options transformers has: honoured; the others fail the job by name.
+        with stack.client() as c:
+            base = {"prompt": "def f(x):", "model": "local-llama"}
+            params = {"max_tokens": 6, "temperature": 1.0, "top_k": 1, "min_tokens": 6}
+            greedy = stack.submit({**base, "params": {"max_tokens": 6, "temperature": 0}}, c)
+            top_k = stack.submit({**base, "params": params}, c)
+            penalty = stack.submit({**base, "params": {"presence_penalty": 1.0}}, c)
+            greedy, top_k, penalty = (
+                stack.wait_job(j["id"], timeout=180) for j in (greedy, top_k, penalty)
+            )
+        assert (
+            top_k["status"] == "succeeded" and top_k["result"]["text"] == greedy["result"]["text"]
+        )
+        assert penalty["status"] == "failed"
+        assert penalty["error"]["code"] == "invalid_request"
+        assert "presence_penalty" in penalty["error"]["message"]

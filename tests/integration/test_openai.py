@@ -18,6 +18,7 @@ from standardwebhooks import Webhook
 
 from app.core.settings import DEMO_MODEL_NAME
 from tests.conftest import PostgresDatabases, backend_stack_for
+from tests.integration.test_api import assert_error
 from tests.support import Receiver, Stack, wait_until
 
 SECRET = "whsec_" + "MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
@@ -209,6 +210,50 @@ def test_unsupported_and_bad_requests_are_refused(client: OpenAI, stack: Stack) 
             before += jobs_made
             if not jobs_made:
                 assert body["param"] == "messages"  # type: ignore[index]
+
+
+def test_what_vllm_serve_takes_is_taken(client: OpenAI, stack: Stack) -> None:
+    """Explicit nulls are defaults, vLLM's sampling options reach the job (only those set),
+    refused fields ask for nothing at their defaults, and an option this engine cannot honour
+    fails its job by name."""
+    messages = [{"role": "user", "content": "hi"}]
+    out = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=5,
+        extra_body={
+            "temperature": None,
+            "logprobs": None,
+            "tools": None,
+            "use_beam_search": False,
+            "repetition_penalty": 1.0,
+            "top_k": 3,
+            "min_tokens": 2,
+            "logit_bias": {"7": -100},
+        },
+    )
+    assert out.choices[0].finish_reason == "length"
+    stored = stack.scalar("SELECT params FROM jobs WHERE id = :id", id=out.id)
+    params = stored if isinstance(stored, dict) else json.loads(stored)
+    assert params == {"max_tokens": 5, "top_k": 3, "min_tokens": 2, "logit_bias": {"7": -100.0}}
+    with stack.client() as c:
+        submitted = c.post("/v1/jobs", json={"prompt": "hi", "params": {"seed": None, "top_k": 2}})
+        assert submitted.status_code == 202, submitted.text
+        before = stack.scalar("SELECT count(*) FROM jobs")
+        bad = c.post("/v1/jobs", json={"prompt": "hi", "params": {"min_p": 2}})
+        assert_error(bad, 422, "less_than_equal", "params.min_p")
+        bad = c.post(CHAT, json={"model": MODEL, "messages": messages, "echo": True})
+        assert_error(bad, 422, "unsupported_parameter", "echo")
+        assert stack.scalar("SELECT count(*) FROM jobs") == before
+    # The SIMULATED engine has no vocabulary: stop_token_ids fails the job, a 400 naming it.
+    with pytest.raises(openai.BadRequestError) as failed:
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,  # type: ignore[arg-type]
+            extra_body={"stop_token_ids": [1]},
+        )
+    assert failed.value.body["code"] == "invalid_request"  # type: ignore[index]
+    assert "stop_token_ids" in failed.value.body["message"]  # type: ignore[index]
 
 
 # --- files and batches ---------------------------------------------------------------------------

@@ -65,6 +65,9 @@ def test_a_good_line_becomes_its_job_body() -> None:
         (line(chat(model="another")), "model_not_found", "body.model"),
         (line(chat(temperature=9)), "less_than_equal", "body.temperature"),
         (line(chat(max_tokenz=3)), "extra_forbidden", "body.max_tokenz"),
+        (line(chat(top_k=-2)), "greater_than_equal", "body.top_k"),
+        (line(chat(max_tokens=4, min_tokens=5)), "min_tokens_above_max", "body.min_tokens"),
+        (line(chat(tools=[{"type": "function"}])), "unsupported_parameter", "body.tools"),
         (line({"model": DEMO_MODEL_NAME}), "missing", "body.messages"),
     ],
 )

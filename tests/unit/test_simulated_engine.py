@@ -1,11 +1,14 @@
-"""The SIMULATED engine: determinism, priority admission, batching, stop strings, aborts."""
+"""The SIMULATED engine: determinism, priority admission, batching, stop strings, sampling
+options, aborts."""
 
 from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from app.core.settings import Settings
-from workers.engines.base import GenRequest
+from workers.engines.base import EngineRequestError, GenRequest
 from workers.engines.simulated import CostModel, SimulatedEngine
 
 
@@ -112,6 +115,44 @@ def test_stop_string_ends_the_sequence() -> None:
     full, stop, (text, reason, _) = asyncio.run(main())
     assert reason == "stop"
     assert text == full[: full.index(stop)]
+
+
+def test_sampling_options_act_as_in_vllm_or_are_refused() -> None:
+    """min_tokens holds stop strings back, include_stop_str_in_output keeps the stop string,
+    options that only shape the distribution change nothing, and stop_token_ids (which needs
+    a vocabulary) fails its request by name."""
+
+    async def main() -> tuple[str, ...]:
+        engine = SimulatedEngine(_fast())
+        await engine.start()
+
+        async def text(rid: str, **kw: object) -> tuple[str, str | None, int]:
+            req = GenRequest(rid, prompt="q", max_tokens=30, seed=3, **kw)  # type: ignore[arg-type]
+            return await _collect(engine, req)
+
+        full, _, _ = await text("full")
+        stop = " " + full.split()[4]
+        kept, reason, _ = await text(
+            "kept", stop=(stop,), options={"include_stop_str_in_output": True}
+        )
+        assert reason == "stop"
+        late, _, late_tokens = await text("late", stop=(stop,), options={"min_tokens": 6})
+        shaped, _, _ = await text("shaped", options={"top_k": 5, "presence_penalty": 1.5})
+        with pytest.raises(EngineRequestError) as refused:
+            await text("ids", options={"stop_token_ids": [2]})
+        await engine.shutdown()
+        assert refused.value.code == "invalid_request"
+        assert "stop_token_ids" in str(refused.value)
+        return full, stop, kept, late, str(late_tokens), shaped
+
+    full, stop, kept, late, late_tokens, shaped = asyncio.run(main())
+    assert kept == full[: full.index(stop) + len(stop)]
+    # The stop string's first occurrence is the 5th word: with min_tokens=6 it is passed over,
+    # and the sequence ends at a later occurrence or at max_tokens.
+    after = full.index(stop) + len(stop)
+    assert int(late_tokens) >= 6 and late.startswith(full[:after])
+    assert late == full[: full.find(stop, after)] if stop in full[after:] else late == full
+    assert shaped == full
 
 
 def test_abort_finishes_a_running_sequence() -> None:

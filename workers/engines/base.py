@@ -7,7 +7,7 @@ and an engine with continuous batching batches them at every step.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -24,6 +24,9 @@ class GenRequest:
     seed: int | None = None
     priority: int = 1  # lower runs first (vLLM's convention)
     arrival: float = 0.0
+    # The other sampling options the caller set, by ``SamplingParams``' names (top_k, min_p,
+    # logit_bias, ...: app/core/schemas.py ``JobParams``); absent ones are at their defaults.
+    options: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -49,6 +52,17 @@ class EngineRequestError(Exception):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
         self.code = code
+
+
+def refuse_options(req: GenRequest, honoured: frozenset[str], engine: str) -> None:
+    """An engine that cannot honour a sampling option the request sets fails that request (as
+    ``invalid_request``, naming the option) rather than quietly sampling without it."""
+    missing = sorted(set(req.options) - honoured)
+    if missing:
+        raise EngineRequestError(
+            "invalid_request",
+            f"{', '.join(missing)}: not supported by the {engine} engine (vLLM supports it)",
+        )
 
 
 class EngineDeadError(Exception):
@@ -120,9 +134,14 @@ def prompt_text(req: GenRequest, tokenizer: Any = None) -> str:
     return req.prompt or ""
 
 
-def apply_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
-    """Cut ``text`` at the earliest stop string; returns (text, stopped)."""
-    cut = min((i for s in stop if (i := text.find(s)) >= 0), default=-1)
-    if cut < 0:
+def apply_stop(
+    text: str, stop: Sequence[str], *, include: bool = False, since: int = 0
+) -> tuple[str, bool]:
+    """Cut ``text`` at the earliest stop string that ends after ``since`` (the text already
+    checked), after it with ``include`` (vLLM's ``include_stop_str_in_output``); returns
+    (text, stopped)."""
+    found = [(i, len(s)) for s in stop if (i := text.find(s, max(0, since - len(s) + 1))) >= 0]
+    if not found:
         return text, False
-    return text[:cut], True
+    cut, length = min(found)
+    return text[: cut + length if include else cut], True

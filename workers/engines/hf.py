@@ -3,6 +3,12 @@
 It has no continuous batching: the runner releases micro-batches to it (workers/runner.py), and
 whatever arrives together runs as one left-padded ``generate`` call in a thread, grouped by
 sampling settings. It streams nothing: each request gets its whole text in one chunk.
+
+Of vLLM's sampling options it honours top_k, min_p, repetition_penalty and min_tokens (as
+``generate``'s own, the same for a whole batch, so they are part of the grouping),
+skip_special_tokens and include_stop_str_in_output; a request that sets another fails with
+``invalid_request`` naming it (``transformers`` has no presence or frequency penalty, and no
+per-request logit bias, end-of-sequence override or stop token ids in one batched call).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from workers.engines.base import (
     hf_tokenizer_json,
     ignore_step,
     prompt_text,
+    refuse_options,
 )
 
 log = logging.getLogger("inferq.engine.hf")
@@ -40,8 +47,23 @@ class _Pending:
     )
 
 
-def _sampling_key(req: GenRequest) -> tuple[bool, float, float]:
-    return (req.temperature > 0, req.temperature, req.top_p)
+HONOURED = frozenset(
+    {
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "min_tokens",
+        "skip_special_tokens",
+        "include_stop_str_in_output",
+    }
+)
+# The options ``generate`` takes for a whole batch: requests run together only when they agree.
+_BATCH_OPTIONS = ("top_k", "min_p", "repetition_penalty", "min_tokens")
+
+
+def _sampling_key(req: GenRequest) -> tuple[Any, ...]:
+    options = tuple(req.options.get(name) for name in _BATCH_OPTIONS)
+    return (req.temperature > 0, req.temperature, req.top_p, *options)
 
 
 class HFEngine:
@@ -95,6 +117,7 @@ class HFEngine:
 
     async def generate(self, req: GenRequest) -> AsyncIterator[GenChunk]:
         assert self._wake is not None, "start() first"
+        refuse_options(req, HONOURED, self.name)
         item = _Pending(req, prompt_text(req, self._tokenizer))
         self._pending.append(item)
         self._wake.set()
@@ -179,8 +202,17 @@ class HFEngine:
             "do_sample": sample,
             "pad_token_id": tok.pad_token_id,
         }
+        options = first.options
         if sample:
             kwargs.update(temperature=first.temperature, top_p=first.top_p)
+            if options.get("top_k", 0) > 0:
+                kwargs["top_k"] = options["top_k"]
+            if options.get("min_p", 0.0) > 0:
+                kwargs["min_p"] = options["min_p"]
+        if "repetition_penalty" in options:
+            kwargs["repetition_penalty"] = options["repetition_penalty"]
+        if options.get("min_tokens", 0) > 0:
+            kwargs["min_new_tokens"] = options["min_tokens"]
         with torch.inference_mode():
             out = self._model.generate(**enc.to(self._device), **kwargs)
         chunks = []
@@ -192,6 +224,9 @@ class HFEngine:
                 reason = "stop"
             if len(ids) >= item.req.max_tokens:
                 ids, reason = ids[: item.req.max_tokens], "length"
-            text, stopped = apply_stop(tok.decode(ids, skip_special_tokens=True), item.req.stop)
+            wanted = item.req.options
+            decoded = tok.decode(ids, skip_special_tokens=wanted.get("skip_special_tokens", True))
+            keep = bool(wanted.get("include_stop_str_in_output"))
+            text, stopped = apply_stop(decoded, item.req.stop, include=keep)
             chunks.append(GenChunk(text, len(ids), "stop" if stopped else reason, int(prompt_len)))
         return chunks

@@ -16,7 +16,11 @@ launch overhead), ``decode_ms_per_seq=0.17`` and ``prefill_ms_per_token=0.035`` 
 token at ~45% of 989 TFLOP/s) reproduce it: 6 + 0.17*67 = 17.4 ms, plus ~14% prefill share,
 is about 19.8 ms per step, 67 / 19.8 ms = 3380 tok/s.
 
-Output text is deterministic from (prompt, seed); temperature and top_p do not change it.
+Output text is deterministic from (prompt, seed). It does not sample, so the options that shape
+the distribution (temperature, top_p, top_k, min_p, the penalties, logit_bias) change nothing;
+it has no end-of-sequence token (every sequence runs to max_tokens unless a stop string ends it),
+so ``ignore_eos`` holds by construction; ``min_tokens`` and ``include_stop_str_in_output`` act
+as in vLLM. ``stop_token_ids`` needs a real vocabulary: a request that sets it fails.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from workers.engines.base import (
     apply_stop,
     ignore_step,
     prompt_text,
+    refuse_options,
 )
 
 _WORDS = tuple(
@@ -98,6 +103,24 @@ class _Seq:
     done: bool = False
 
 
+# See the module docstring: what this engine honours, or has no use for.
+HONOURED = frozenset(
+    {
+        "top_k",
+        "min_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "logit_bias",
+        "min_tokens",
+        "ignore_eos",
+        "include_stop_str_in_output",
+        "skip_special_tokens",
+        "spaces_between_special_tokens",
+    }
+)
+
+
 class SimulatedEngine:
     """SIMULATED engine; see the module docstring."""
 
@@ -129,6 +152,7 @@ class SimulatedEngine:
 
     async def generate(self, req: GenRequest) -> AsyncIterator[GenChunk]:
         assert self._wake is not None, "start() first"
+        refuse_options(req, HONOURED, self.name)
         text = prompt_text(req)
         digest = hashlib.sha256(f"{req.seed or 0}\x00{text}".encode()).digest()
         tokens = count_words(text)
@@ -224,10 +248,13 @@ class SimulatedEngine:
         word = seq.rng.choice(_WORDS)
         seq.generated += 1
         piece = word if seq.generated == 1 else " " + word
+        checked = len(seq.text)
         seq.text += piece
         reason = None
-        if seq.req.stop:
-            cut, stopped = apply_stop(seq.text, seq.req.stop)
+        # As in vLLM, stop strings apply once min_tokens have been generated, to new text only.
+        if seq.req.stop and seq.generated >= seq.req.options.get("min_tokens", 0):
+            keep = bool(seq.req.options.get("include_stop_str_in_output"))
+            cut, stopped = apply_stop(seq.text, seq.req.stop, include=keep, since=checked)
             if stopped:
                 piece = piece[: max(0, len(piece) - (len(seq.text) - len(cut)))]
                 seq.text = cut

@@ -149,16 +149,20 @@ class VLLMEngine:
         from vllm.sampling_params import RequestOutputKind
         from vllm.v1.engine.exceptions import EngineDeadError as VLLMDead
 
-        params = SamplingParams(
-            max_tokens=req.max_tokens,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            stop=list(req.stop) or None,
-            seed=req.seed,
-            output_kind=RequestOutputKind.DELTA,
-        )
+        options = dict(req.options)
+        if "logit_bias" in options:  # JSON keeps the token ids as strings
+            options["logit_bias"] = {int(k): float(v) for k, v in options["logit_bias"].items()}
         prompt = prompt_text(req, self._tokenizer)
         try:
+            params = SamplingParams(
+                max_tokens=req.max_tokens,
+                temperature=req.temperature,
+                top_p=req.top_p,
+                stop=list(req.stop) or None,
+                seed=req.seed,
+                output_kind=RequestOutputKind.DELTA,
+                **options,
+            )
             async for out in self._llm.generate(
                 prompt, params, req.request_id, priority=req.priority
             ):

