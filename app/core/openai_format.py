@@ -15,14 +15,14 @@ A completion's ``id`` is its job's id, so ``GET /v1/jobs/<id>`` finds every call
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from app.core.errors import DomainError, Kind, pydantic_error
 from app.core.models import Job, JobStatus, Lane
-from app.core.schemas import ChatMessage, JobCreate, JobParams, StrictModel
+from app.core.schemas import ChatMessage, JobCreate, JobParams, StrictModel, check_json_schema
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -54,8 +54,6 @@ _COMMON_REFUSED: dict[str, tuple[Any, str]] = {
     "return_token_ids": (None, _NOT_YET),
     "return_token_offsets": (False, _NOT_YET),
     "echo": (False, _NOT_YET),
-    "response_format": (None, _NOT_YET),
-    "structured_outputs": (None, _NOT_YET),
     "allowed_token_ids": (None, _NOT_YET),
     "bad_words": ([], _NOT_YET),
     "use_beam_search": (False, _BEAM),
@@ -107,6 +105,45 @@ CHAT_REFUSED: dict[str, tuple[Any, str]] = {
 }
 
 
+class JsonSchemaFormat(StrictModel):
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+    @field_validator("schema_")
+    @classmethod
+    def _compiles(cls, value: dict[str, Any]) -> dict[str, Any]:
+        check_json_schema(value)
+        return value
+
+
+class ResponseFormat(StrictModel):
+    """OpenAI's ``response_format``: held as vLLM holds it, by ``structured_outputs``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_when_asked(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise PydanticCustomError(
+                "missing", "type json_schema needs json_schema", {"fields": "json_schema"}
+            )
+        return self
+
+    def constraint(self) -> dict[str, Any]:
+        """What it sets in ``structured_outputs`` (vLLM's rule: it overrides the constraint)."""
+        if self.type == "json_object":
+            return {"json_object": True}
+        if self.type == "json_schema":
+            assert self.json_schema is not None
+            return {"json": self.json_schema.schema_}
+        return {}
+
+
 def _refused(data: Any, refused: dict[str, tuple[Any, str]]) -> Any:
     """Drop the refused fields that ask for nothing; a 422 naming the first that asks."""
     if not isinstance(data, dict):
@@ -137,6 +174,7 @@ class _Request(JobParams):
     metadata: dict[str, str] = Field(default_factory=dict)
     lane: Lane = Lane.REALTIME
     timeout_s: float | None = None
+    response_format: ResponseFormat | None = None
 
     @field_validator("n")
     @classmethod
@@ -146,7 +184,18 @@ class _Request(JobParams):
         return value
 
     def _params(self, max_tokens: int | None) -> dict[str, Any]:
-        params = self.model_dump(include=set(JobParams.model_fields), exclude_defaults=True)
+        params = self.model_dump(
+            include=set(JobParams.model_fields), exclude_defaults=True, by_alias=True
+        )
+        constraint = self.response_format.constraint() if self.response_format else {}
+        if constraint:
+            # As in vLLM: response_format replaces the constraint, keeps the other options.
+            kept = params.get("structured_outputs", {})
+            kinds = ("json", "regex", "choice", "grammar", "json_object")
+            params["structured_outputs"] = {
+                **{k: v for k, v in kept.items() if k not in kinds},
+                **constraint,
+            }
         return {**params, "max_tokens": max_tokens}
 
     def _job(self, fields: dict[str, Any]) -> JobCreate:

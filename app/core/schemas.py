@@ -7,8 +7,11 @@ out-of-bounds value is a 422 that names its field. Unknown fields are refused (a
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any, Literal
 
+import jsonschema
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -110,6 +113,75 @@ def check_metadata(value: dict[str, str]) -> dict[str, str]:
     return value
 
 
+class StructuredOutputs(StrictModel):
+    """vLLM's ``structured_outputs``: the output held to exactly one constraint (a JSON schema,
+    any JSON object, a regex, a choice of strings or a grammar) by vLLM's structured-output
+    backend. The OpenAI endpoints' ``response_format`` becomes one of these (as in vLLM)."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    json_schema: dict[str, Any] | None = Field(None, alias="json")
+    regex: str | None = Field(None, min_length=1)
+    choice: list[str] | None = Field(None, min_length=1)
+    grammar: str | None = Field(None, min_length=1)
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = Field(None, min_length=1)
+
+    @field_validator("json_schema", mode="before")
+    @classmethod
+    def _schema_from_text(cls, value: Any) -> Any:
+        # vLLM takes the schema as an object or as its JSON text.
+        if isinstance(value, str):
+            try:
+                return json.loads(value)
+            except ValueError as exc:
+                raise ValueError(f"the JSON schema is not valid JSON: {exc}") from None
+        return value
+
+    @field_validator("json_schema")
+    @classmethod
+    def _schema_compiles(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None:
+            check_json_schema(value)
+        return value
+
+    @field_validator("regex", "whitespace_pattern")
+    @classmethod
+    def _regex_compiles(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                re.compile(value)
+            except re.error as exc:
+                raise ValueError(f"the regex does not compile: {exc}") from None
+        return value
+
+    @field_validator("json_object")
+    @classmethod
+    def _false_is_unset(cls, value: bool | None) -> bool | None:
+        return True if value else None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputs:
+        kinds = (self.json_schema, self.regex, self.choice, self.grammar, self.json_object)
+        if sum(kind is not None for kind in kinds) != 1:
+            raise PydanticCustomError(
+                "one_constraint",
+                "exactly one of json, regex, choice, grammar or json_object is required",
+                {"fields": "json|regex|choice|grammar|json_object"},
+            )
+        return self
+
+
+def check_json_schema(schema: dict[str, Any]) -> None:
+    """A JSON schema that compiles (its own metaschema's rules), else a ValueError saying why."""
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        raise ValueError(f"the JSON schema is invalid: {exc.message}") from None
+
+
 # OpenAI's bound on a logit bias, which vLLM's server applies too.
 LOGIT_BIAS_LIMIT = 100.0
 MAX_TOKEN_IDS = 256  # stop_token_ids and logit_bias entries per job
@@ -143,6 +215,7 @@ class JobParams(StrictModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    structured_outputs: StructuredOutputs | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -180,7 +253,7 @@ class JobParams(StrictModel):
 
     def stored(self) -> dict[str, Any]:
         """What a job's row keeps: the options set to something other than their default."""
-        return self.model_dump(exclude_defaults=True)
+        return self.model_dump(exclude_defaults=True, by_alias=True)
 
     @field_validator("max_tokens")
     @classmethod

