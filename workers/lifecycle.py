@@ -28,7 +28,7 @@ from celery.signals import (
 )
 from prometheus_client import REGISTRY
 
-from app.core import dispatch, heap, tokens
+from app.core import dispatch, tokens
 from app.core.dispatch import RUN_JOBS_TASK
 from app.core.settings import get_settings
 from workers import children, metrics
@@ -182,7 +182,6 @@ def _on_worker_init(**_: Any) -> None:
 
 @worker_ready.connect  # type: ignore[untyped-decorator]
 def _on_worker_ready(sender: Any = None, **_: Any) -> None:
-    heap.freeze()  # every worker, inference or ops, has built what it keeps
     # The sender is Celery's consumer: from now on the intake opens and closes lane queues.
     if _current is not None and sender is not None:
         _current.intake.bind(sender)

@@ -10,7 +10,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from app import __version__
 from app.api import errors, handlers
 from app.api.routes import batches, health, jobs, openai
-from app.core import heap
 from app.core.settings import get_settings
 
 # Multipart framing around an uploaded file: its size is checked exactly by app/core/files.py.
@@ -107,5 +106,4 @@ def create_app() -> FastAPI:
         max_bytes=settings.max_body_bytes,
         paths={"/v1/files": settings.files_max_bytes + UPLOAD_OVERHEAD},
     )
-    heap.freeze()
     return app

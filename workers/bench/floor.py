@@ -27,7 +27,6 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from app.core import heap
 from app.core.settings import get_settings
 from workers.engines import create_engine
 from workers.engines.base import Engine, GenRequest
@@ -108,9 +107,7 @@ def create_app() -> Starlette:
 @click.option("--port", type=int, required=True)
 def main(host: str, port: int) -> None:
     """Serve the floor (see the module docstring)."""
-    app = create_app()
-    heap.freeze()  # as inferq's API does: the same collector on both sides
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+    uvicorn.run(create_app(), host=host, port=port, log_level="warning")
 
 
 if __name__ == "__main__":

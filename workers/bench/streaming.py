@@ -18,8 +18,6 @@ from typing import Any
 
 import httpx
 
-from app.core import heap
-
 JOB_HEADER = "inferq-job-id"
 
 
@@ -111,6 +109,5 @@ def stream_all(
     records of all but the first ``skip`` bodies (a warm-up inside the same closed loop, so
     the measured requests are the steady state, not the start's burst of ``clients`` at
     once)."""
-    heap.freeze()  # the client's own collector pauses would count against either side
     records = asyncio.run(_all(url, path, bodies, clients, progress))
     return [r for r in records[skip:] if r is not None]
