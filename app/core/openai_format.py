@@ -3,7 +3,8 @@
 One translation serves the realtime endpoints (``/v1/chat/completions``, ``/v1/completions``)
 and batch lines, so a line is valid in a batch exactly when the same body would be accepted by
 the endpoint. The sampling options are the jobs API's own model (``JobParams``, vLLM's names and
-bounds). Every other field of vLLM's two request classes is in ``REFUSED`` with the reason:
+bounds). Every other field of vLLM's two request classes is in ``CHAT_REFUSED`` or
+``COMPLETION_REFUSED`` with the reason:
 at vLLM's default (or null) it asks for nothing and is accepted, any other value is a 422 that
 names it; a field vLLM does not know is a 422 too, never silently ignored (README, "vLLM's
 fields"). inferq's additions: ``lane`` (default realtime), ``metadata`` and ``timeout_s``, as on
@@ -15,14 +16,21 @@ A completion's ``id`` is its job's id, so ``GET /v1/jobs/<id>`` finds every call
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, ClassVar, Literal, Protocol
 
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from app.core.errors import DomainError, Kind, pydantic_error
 from app.core.models import Job, JobStatus, Lane
-from app.core.schemas import ChatMessage, JobCreate, JobParams, StrictModel, check_json_schema
+from app.core.schemas import (
+    CONSTRAINTS,
+    ChatMessage,
+    JobCreate,
+    JobParams,
+    StrictModel,
+    check_json_schema,
+)
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -163,8 +171,14 @@ def _refused(data: Any, refused: dict[str, tuple[Any, str]]) -> Any:
     return kept
 
 
+_SAMPLING = set(JobParams.model_fields)
+
+
 class _Request(JobParams):
     """The fields both endpoints share: the sampling options (``JobParams``) and these."""
+
+    # The endpoint's vLLM fields inferq refuses (above), with vLLM's defaults and the reasons.
+    refused: ClassVar[dict[str, tuple[Any, str]]] = {}
 
     model: str = Field(min_length=1, max_length=256)
     n: int = 1
@@ -176,6 +190,11 @@ class _Request(JobParams):
     timeout_s: float | None = None
     response_format: ResponseFormat | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _refused_fields(cls, data: Any) -> Any:
+        return _refused(data, cls.refused)
+
     @field_validator("n")
     @classmethod
     def _one_choice(cls, value: int) -> int:
@@ -184,16 +203,13 @@ class _Request(JobParams):
         return value
 
     def _params(self, max_tokens: int | None) -> dict[str, Any]:
-        params = self.model_dump(
-            include=set(JobParams.model_fields), exclude_defaults=True, by_alias=True
-        )
+        params = self.model_dump(include=_SAMPLING, exclude_defaults=True, by_alias=True)
         constraint = self.response_format.constraint() if self.response_format else {}
         if constraint:
             # As in vLLM: response_format replaces the constraint, keeps the other options.
             kept = params.get("structured_outputs", {})
-            kinds = ("json", "regex", "choice", "grammar", "json_object")
             params["structured_outputs"] = {
-                **{k: v for k, v in kept.items() if k not in kinds},
+                **{k: v for k, v in kept.items() if k not in CONSTRAINTS},
                 **constraint,
             }
         return {**params, "max_tokens": max_tokens}
@@ -223,10 +239,7 @@ class ChatCompletionRequest(_Request):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
 
-    @model_validator(mode="before")
-    @classmethod
-    def _refused_fields(cls, data: Any) -> Any:
-        return _refused(data, CHAT_REFUSED)
+    refused = CHAT_REFUSED
 
     def job(self) -> JobCreate:
         max_tokens = self.max_completion_tokens or self.max_tokens
@@ -236,10 +249,7 @@ class ChatCompletionRequest(_Request):
 class CompletionRequest(_Request):
     prompt: str | list[str]
 
-    @model_validator(mode="before")
-    @classmethod
-    def _refused_fields(cls, data: Any) -> Any:
-        return _refused(data, COMPLETION_REFUSED)
+    refused = COMPLETION_REFUSED
 
     @field_validator("prompt")
     @classmethod

@@ -164,14 +164,22 @@ class StructuredOutputs(StrictModel):
 
     @model_validator(mode="after")
     def _exactly_one(self) -> StructuredOutputs:
-        kinds = (self.json_schema, self.regex, self.choice, self.grammar, self.json_object)
-        if sum(kind is not None for kind in kinds) != 1:
+        given = self.model_dump(by_alias=True, include=_CONSTRAINT_FIELDS)
+        if sum(value is not None for value in given.values()) != 1:
             raise PydanticCustomError(
                 "one_constraint",
-                "exactly one of json, regex, choice, grammar or json_object is required",
-                {"fields": "json|regex|choice|grammar|json_object"},
+                f"exactly one of {', '.join(CONSTRAINTS[:-1])} or {CONSTRAINTS[-1]} is required",
+                {"fields": "|".join(CONSTRAINTS)},
             )
         return self
+
+
+# The constraints of ``structured_outputs`` by their names on the wire (vLLM's), one of which
+# a request gives; the model's fields that hold them.
+CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
+_CONSTRAINT_FIELDS = {
+    name for name, f in StructuredOutputs.model_fields.items() if (f.alias or name) in CONSTRAINTS
+}
 
 
 def check_json_schema(schema: dict[str, Any]) -> None:
