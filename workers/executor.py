@@ -46,6 +46,7 @@ class Claim:
     deadline: float | None
     relay: str | None  # a caller waits (app/core/relay.py): "end" or "tokens"
     reply_to: str | None  # where the relay goes
+    echo: str = ""  # what the output starts with (``echo``: see echo_of)
 
     @property
     def job_id(self) -> str:
@@ -76,8 +77,21 @@ def request_id(job_id: str, token: int) -> str:
     return f"{job_id}.{token}"
 
 
-# The sampling options GenRequest has fields of its own for; the rest travel in ``options``.
-_OWN_FIELDS = frozenset({"max_tokens", "temperature", "top_p", "stop", "seed"})
+# The sampling options GenRequest has fields of its own for, and ``echo``, which the executor
+# applies itself (echo_of); the rest travel in ``options``.
+_OWN_FIELDS = frozenset({"max_tokens", "temperature", "top_p", "stop", "seed", "echo"})
+
+
+def echo_of(job: Any) -> str:
+    """What a job with ``echo`` shows before its output, as vLLM's server does: the prompt of a
+    completion; of a chat, the last message's content if it is the assistant's (the reply
+    continues it), else nothing."""
+    if not job.params.get("echo"):
+        return ""
+    if job.messages is None:
+        return str(job.prompt or "")
+    last = job.messages[-1] if job.messages else {}
+    return str(last.get("content") or "") if last.get("role") == "assistant" else ""
 
 
 def request_for(job: Any, token: int) -> GenRequest:
@@ -98,10 +112,14 @@ def request_for(job: Any, token: int) -> GenRequest:
     )
 
 
-def ending_of(result: GenResult) -> Outcome | Released:
-    """How a generation that left the engine ends its job."""
+def ending_of(result: GenResult, echo: str = "") -> Outcome | Released:
+    """How a generation that left the engine ends its job (``echo``: see echo_of)."""
+    choices = result.choices
+    if echo and choices is not None:
+        choices = [{**c, "text": echo + c["text"]} for c in choices]
     produced: dict[str, Any] = {
-        "text": result.text,
+        "text": echo + result.text,
+        "choices": choices,
         "prompt_tokens": result.prompt_tokens,
         "completion_tokens": result.completion_tokens,
         "first_token_at": result.first_token_at,
@@ -265,6 +283,8 @@ class Executor:
         if claim.relay != "tokens" or claim.reply_to is None:
             return None
         reply_to, token, publish = claim.reply_to, claim.token, self.recorder.relay.piece
+        if claim.echo:  # the caller's first piece is what the output starts with
+            publish(reply_to, token, claim.echo)
         return lambda text, _tokens: publish(reply_to, token, text) if text else None
 
     def _ending(
@@ -272,7 +292,7 @@ class Executor:
     ) -> Outcome | Released:
         """How the job left the engine (raises EngineDeadError)."""
         try:
-            return ending_of(future.result())
+            return ending_of(future.result(), claim.echo)
         except EngineRequestError as exc:
             return Outcome(JobStatus.FAILED, error_code=exc.code, error_message=str(exc))
         except EngineDeadError:
@@ -301,6 +321,7 @@ class Executor:
                 deadline=row.deadline_at,
                 relay=row.relay,
                 reply_to=row.reply_to,
+                echo=echo_of(row),
             )
             for row in rows
         ]

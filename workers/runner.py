@@ -24,6 +24,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from app.core.models import LANE_PRIORITY
 from app.core.settings import Settings
@@ -43,6 +44,27 @@ class GenResult:
     completion_tokens: int
     first_token_at: float | None
     abort_reason: str | None = None  # set when the runner stopped it: cancelled, deadline, ...
+    # Every choice (index, text, finish_reason, logprobs), where the request asked for more
+    # than one (``n``) or for logprobs; ``text`` and ``finish_reason`` are choice 0's.
+    choices: list[dict[str, Any]] | None = None
+
+
+def _choices(
+    n: int,
+    texts: dict[int, list[str]],
+    finishes: dict[int, str],
+    logprobs: dict[int, list[dict[str, Any]]] | None,
+    aborted: bool,
+) -> list[dict[str, Any]]:
+    return [
+        {
+            "index": i,
+            "text": "".join(texts.get(i, ())),
+            "finish_reason": "abort" if aborted else finishes.get(i),
+            "logprobs": None if logprobs is None else logprobs.get(i, []),
+        }
+        for i in range(n)
+    ]
 
 
 class MicroBatcher:
@@ -309,11 +331,13 @@ class Runner:
         task = asyncio.current_task()
         assert task is not None
         self._tasks[req.request_id] = task
-        pieces: list[str] = []
+        texts: dict[int, list[str]] = {0: []}  # by choice
+        finishes: dict[int, str] = {}
+        n = int(req.options.get("n", 1))
+        logprobs: dict[int, list[dict[str, Any]]] | None = {} if "logprobs" in req.options else None
         tokens = 0
         prompt_tokens = 0
         first_at: float | None = None
-        finish: str | None = None
         released = False
         realtime = req.priority == REALTIME_PRIORITY
         bulk = prefilling = False
@@ -338,14 +362,21 @@ class Runner:
                             prefilling = False
                             self.pacer.bulk_first_token()
                     if chunk.text:
-                        pieces.append(chunk.text)
+                        texts.setdefault(chunk.index, []).append(chunk.text)
+                    if logprobs is not None and chunk.logprobs:
+                        logprobs.setdefault(chunk.index, []).extend(chunk.logprobs)
                     tokens += chunk.num_tokens
                     if chunk.prompt_tokens is not None:
                         prompt_tokens = chunk.prompt_tokens
-                    if on_delta is not None and (chunk.text or chunk.num_tokens):
+                    # Streaming is of one choice (the API refuses n > 1 with stream).
+                    if (
+                        on_delta is not None
+                        and chunk.index == 0
+                        and (chunk.text or chunk.num_tokens)
+                    ):
                         on_delta(chunk.text, chunk.num_tokens)
                     if chunk.finish_reason is not None:
-                        finish = chunk.finish_reason
+                        finishes[chunk.index] = chunk.finish_reason
         except TimeoutError:
             self._abort_reasons.setdefault(req.request_id, "deadline")
         except asyncio.CancelledError:
@@ -362,10 +393,15 @@ class Runner:
             if released and self.batcher is not None:
                 self.batcher.done(req.request_id)
         reason = self._abort_reasons.pop(req.request_id, None)
+        finish = finishes.get(0)
         if reason is not None:
             await self.engine.abort(req.request_id)
             finish = "abort"
-        return GenResult("".join(pieces), finish, prompt_tokens, tokens, first_at, reason)
+        choices = None
+        if n > 1 or logprobs is not None:
+            choices = _choices(n, texts, finishes, logprobs, reason is not None)
+        text = "".join(texts[0])
+        return GenResult(text, finish, prompt_tokens, tokens, first_at, reason, choices)
 
     def in_flight(self) -> int:
         return len(self._tasks)

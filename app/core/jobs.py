@@ -85,6 +85,7 @@ def job_values(
         params=params,
         webhook_url=body.webhook_url,
         meta=dict(body.metadata),
+        end_user=body.user,
         relay=relay,
         reply_to=reply_to,
         timeout_s=timeout_s,

@@ -134,6 +134,8 @@ class Job(Base):
     # (a caller waits for the outcome) or "tokens" (a caller streams the output), and where to.
     relay: Mapped[str | None] = mapped_column(String(8), nullable=True)
     reply_to: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    # OpenAI's ``user``: the caller's id for its own end user, recorded and shown, never used.
+    end_user: Mapped[str | None] = mapped_column(String(256), nullable=True)
 
     status: Mapped[str] = mapped_column(String(16))
     attempts: Mapped[int] = mapped_column(Integer, default=0)
@@ -154,6 +156,9 @@ class Job(Base):
 
     result_text: Mapped[str | None] = mapped_column(Text, nullable=True)
     finish_reason: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    # Every choice (index, text, finish_reason, logprobs) of a job that asked for more than one
+    # (``n``) or for logprobs; None otherwise. Choice 0 is also result_text/finish_reason.
+    choices: Mapped[list[dict[str, Any]] | None] = mapped_column(JSONType, nullable=True)
     prompt_tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)
     completion_tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)
     error_code: Mapped[str | None] = mapped_column(String(64), nullable=True)

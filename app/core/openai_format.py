@@ -25,6 +25,7 @@ from app.core.errors import DomainError, Kind, pydantic_error
 from app.core.models import Job, JobStatus, Lane
 from app.core.schemas import (
     CONSTRAINTS,
+    MAX_LOGPROBS,
     ChatMessage,
     JobCreate,
     JobParams,
@@ -54,16 +55,16 @@ _TEMPLATE = "the worker applies the model's own chat template, unchanged"
 _TOKENIZING = "the engine tokenizes with the model's defaults"
 _TRANSFER = "disaggregated serving (KV or encoder-cache transfer) is not part of inferq"
 _BEAM = "beam search is not offered: a job samples its sequences"
+_TEXT_RESULT = "a result is text, with its tokens' logprobs on request; token ids are not returned"
 _COMMON_REFUSED: dict[str, tuple[Any, str]] = {
-    "logprobs": (None, _NOT_YET),
-    "prompt_logprobs": (None, _NOT_YET),
-    "logprob_token_ids": (None, _NOT_YET),
-    "return_tokens_as_token_ids": (None, _NOT_YET),
-    "return_token_ids": (None, _NOT_YET),
-    "return_token_offsets": (False, _NOT_YET),
-    "echo": (False, _NOT_YET),
-    "allowed_token_ids": (None, _NOT_YET),
-    "bad_words": ([], _NOT_YET),
+    "prompt_logprobs": (None, "the prompt's logprobs are not returned, the output's are"),
+    "logprob_token_ids": (
+        None,
+        "logprobs name the best alternatives (top_logprobs), not chosen ids",
+    ),
+    "return_tokens_as_token_ids": (None, _TEXT_RESULT),
+    "return_token_ids": (None, _TEXT_RESULT),
+    "return_token_offsets": (False, _TEXT_RESULT),
     "use_beam_search": (False, _BEAM),
     "length_penalty": (1.0, _BEAM),
     "watermarking": (None, "output watermarking is not offered"),
@@ -94,8 +95,6 @@ COMPLETION_REFUSED: dict[str, tuple[Any, str]] = {
 }
 CHAT_REFUSED: dict[str, tuple[Any, str]] = {
     **_COMMON_REFUSED,
-    "logprobs": (False, _NOT_YET),
-    "top_logprobs": (0, _NOT_YET),
     "tools": (None, _NOT_YET),
     "tool_choice": ("none", _NOT_YET),
     "parallel_tool_calls": (True, _NOT_YET),
@@ -181,10 +180,9 @@ class _Request(JobParams):
     refused: ClassVar[dict[str, tuple[Any, str]]] = {}
 
     model: str = Field(min_length=1, max_length=256)
-    n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = Field(None, max_length=256)  # accepted for compatibility, not stored
+    user: str | None = Field(None, max_length=256)  # recorded in the job (``user``)
     metadata: dict[str, str] = Field(default_factory=dict)
     lane: Lane = Lane.REALTIME
     timeout_s: float | None = None
@@ -195,12 +193,19 @@ class _Request(JobParams):
     def _refused_fields(cls, data: Any) -> Any:
         return _refused(data, cls.refused)
 
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, value: int) -> int:
-        if value != 1:
-            raise ValueError("only n=1 is supported")
-        return value
+    @model_validator(mode="after")
+    def _streams_one_choice(self) -> _Request:
+        # A stream relays one choice's text as it comes (app/core/relay.py); several choices
+        # and logprobs are in the committed result (README, "vLLM's fields").
+        asked = "n" if self.n > 1 else "logprobs" if self.logprobs is not None else None
+        if self.stream and asked:
+            raise PydanticCustomError(
+                "unsupported_parameter",
+                "{field} is not supported with stream: ask without stream (the response has "
+                "every choice and its logprobs)",
+                {"field": asked, "fields": asked},
+            )
+        return self
 
     def _params(self, max_tokens: int | None) -> dict[str, Any]:
         params = self.model_dump(include=_SAMPLING, exclude_defaults=True, by_alias=True)
@@ -223,6 +228,7 @@ class _Request(JobParams):
                     "model": self.model,
                     "metadata": self.metadata,
                     "timeout_s": self.timeout_s,
+                    "user": self.user,
                     **fields,
                 }
             )
@@ -238,8 +244,38 @@ class _Request(JobParams):
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     refused = CHAT_REFUSED
+
+    @model_validator(mode="before")
+    @classmethod
+    def _chat_logprobs(cls, data: Any) -> Any:
+        """Chat says ``logprobs: true`` and ``top_logprobs: k``; a job, vLLM's ``logprobs: k``."""
+        if not isinstance(data, dict) or "logprobs" not in data:
+            return data
+        data = dict(data)
+        asked = data.pop("logprobs")
+        if asked is not None and not isinstance(asked, bool):
+            raise PydanticCustomError(
+                "bool_type", "logprobs is true or false on chat", {"fields": "logprobs"}
+            )
+        if asked:
+            top = data.get("top_logprobs")
+            # An invalid top_logprobs is its own field's error, not logprobs'.
+            valid = isinstance(top, int) and not isinstance(top, bool) and top <= MAX_LOGPROBS
+            data["logprobs"] = top if valid and top > 0 else 0
+        return data
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and self.logprobs is None:  # vLLM's rule
+            raise PydanticCustomError(
+                "unsupported_parameter",
+                "top_logprobs needs logprobs: true",
+                {"fields": "top_logprobs"},
+            )
+        return self
 
     def job(self) -> JobCreate:
         max_tokens = self.max_completion_tokens or self.max_tokens
@@ -289,6 +325,8 @@ class JobView(Protocol):
     @property
     def finish_reason(self) -> str | None: ...
     @property
+    def choices(self) -> list[dict[str, Any]] | None: ...
+    @property
     def prompt_tokens(self) -> int | None: ...
     @property
     def completion_tokens(self) -> int | None: ...
@@ -310,6 +348,7 @@ class Ended:
     status: str
     result_text: str | None
     finish_reason: str | None
+    choices: list[dict[str, Any]] | None
     prompt_tokens: int | None
     completion_tokens: int | None
     error_code: str | None
@@ -325,6 +364,7 @@ class Ended:
             status=row["status"],
             result_text=row.get("result_text"),
             finish_reason=row.get("finish_reason"),
+            choices=row.get("choices"),
             prompt_tokens=row.get("prompt_tokens"),
             completion_tokens=row.get("completion_tokens"),
             error_code=row.get("error_code"),
@@ -346,26 +386,93 @@ def usage(job: JobView) -> dict[str, int]:
     }
 
 
+def _bytes(token: str) -> list[int]:
+    return list(token.encode("utf-8", errors="replace"))
+
+
+def chat_logprobs(tokens: list[dict[str, Any]]) -> dict[str, Any]:
+    """A choice's stored logprobs (``token_logprob`` items) as chat's ``logprobs``."""
+    return {
+        "content": [
+            {
+                "token": t["token"],
+                "logprob": t["logprob"],
+                "bytes": _bytes(t["token"]),
+                "top_logprobs": [
+                    {**top, "bytes": _bytes(top["token"])} for top in t["top_logprobs"]
+                ],
+            }
+            for t in tokens
+        ]
+    }
+
+
+def completion_logprobs(tokens: list[dict[str, Any]]) -> dict[str, Any]:
+    """A choice's stored logprobs as the legacy completions ``logprobs``: per token its text,
+    logprob, offset in the choice's text (no echo: a job with logprobs has none) and a map of
+    the alternatives with the token itself (OpenAI's "up to logprobs + 1")."""
+    offsets, at = [], 0
+    for t in tokens:
+        offsets.append(at)
+        at += len(t["token"])
+    return {
+        "tokens": [t["token"] for t in tokens],
+        "token_logprobs": [t["logprob"] for t in tokens],
+        "top_logprobs": [
+            {
+                **{top["token"]: top["logprob"] for top in t["top_logprobs"]},
+                t["token"]: t["logprob"],
+            }
+            for t in tokens
+        ],
+        "text_offset": offsets,
+    }
+
+
+def _choices(job: JobView) -> list[dict[str, Any]]:
+    """Every choice of a succeeded job, stored (n > 1, logprobs) or its one result."""
+    if job.choices is not None:
+        return job.choices
+    return [
+        {
+            "index": 0,
+            "text": job.result_text or "",
+            "finish_reason": job.finish_reason,
+            "logprobs": None,
+        }
+    ]
+
+
 def response_body(job: JobView) -> dict[str, Any]:
     """The OpenAI response of a succeeded job (``chat.completion`` or ``text_completion``)."""
-    text = job.result_text or ""
-    if endpoint_of(job) == CHAT:
-        choice: dict[str, Any] = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": None,
-            "finish_reason": job.finish_reason,
-        }
-        kind = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": job.finish_reason}
-        kind = "text_completion"
+    chat = endpoint_of(job) == CHAT
+    choices = []
+    for c in _choices(job):
+        tokens = c["logprobs"]
+        if chat:
+            choices.append(
+                {
+                    "index": c["index"],
+                    "message": {"role": "assistant", "content": c["text"]},
+                    "logprobs": None if tokens is None else chat_logprobs(tokens),
+                    "finish_reason": c["finish_reason"],
+                }
+            )
+        else:
+            choices.append(
+                {
+                    "index": c["index"],
+                    "text": c["text"],
+                    "logprobs": None if tokens is None else completion_logprobs(tokens),
+                    "finish_reason": c["finish_reason"],
+                }
+            )
     return {
         "id": job.id,
-        "object": kind,
+        "object": "chat.completion" if chat else "text_completion",
         "created": int(job.created_at),
         "model": job.model,
-        "choices": [choice],
+        "choices": choices,
         "usage": usage(job),
     }
 

@@ -192,7 +192,10 @@ def check_json_schema(schema: dict[str, Any]) -> None:
 
 # OpenAI's bound on a logit bias, which vLLM's server applies too.
 LOGIT_BIAS_LIMIT = 100.0
-MAX_TOKEN_IDS = 256  # stop_token_ids and logit_bias entries per job
+MAX_TOKEN_IDS = 256  # stop_token_ids, allowed_token_ids, logit_bias entries, bad_words per job
+MAX_BAD_WORD_CHARS = 64
+# vLLM's default max_logprobs: the most alternatives per token it returns.
+MAX_LOGPROBS = 20
 
 
 class JobParams(StrictModel):
@@ -205,6 +208,7 @@ class JobParams(StrictModel):
     """
 
     max_tokens: int | None = Field(None, ge=1)
+    n: int = Field(1, ge=1, description="Choices to sample (at most INFERQ_MAX_N).")
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1, description="0 or -1: every token.")
@@ -219,11 +223,32 @@ class JobParams(StrictModel):
     ignore_eos: bool = False
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    allowed_token_ids: list[int] | None = Field(
+        None, description="Only these token ids may be sampled (at most 256)."
+    )
+    bad_words: list[str] | None = Field(
+        None, description="Words never generated (at most 256, each 1 to 64 characters)."
+    )
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     structured_outputs: StructuredOutputs | None = None
+    logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_LOGPROBS,
+        description="Return each output token's log-probability and this many alternatives.",
+    )
+    echo: bool = Field(False, description="The result starts with the prompt (vLLM's echo).")
+
+    @field_validator("n")
+    @classmethod
+    def _n_bound(cls, value: int) -> int:
+        limit = get_settings().max_n
+        if value > limit:
+            raise ValueError(f"n must be at most {limit}")
+        return value
 
     @field_validator("logit_bias")
     @classmethod
@@ -239,15 +264,53 @@ class JobParams(StrictModel):
                 raise ValueError(f"each bias must be between -100 and 100 (got {bias})")
         return value
 
-    @field_validator("stop_token_ids")
+    @field_validator("stop_token_ids", "allowed_token_ids")
     @classmethod
     def _token_ids_bounds(cls, value: list[int] | None) -> list[int] | None:
         if value is not None:
             if len(value) > MAX_TOKEN_IDS:
-                raise ValueError(f"at most {MAX_TOKEN_IDS} stop token ids are allowed")
+                raise ValueError(f"at most {MAX_TOKEN_IDS} token ids are allowed")
             if any(token < 0 for token in value):
                 raise ValueError("token ids are not negative")
         return value
+
+    @field_validator("allowed_token_ids")
+    @classmethod
+    def _some_allowed(cls, value: list[int] | None) -> list[int] | None:
+        if value == []:  # vLLM's rule: nothing could be sampled
+            raise ValueError("allowed_token_ids must not be empty")
+        return value
+
+    @field_validator("bad_words")
+    @classmethod
+    def _bad_words_bounds(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None:
+            if len(value) > MAX_TOKEN_IDS:
+                raise ValueError(f"at most {MAX_TOKEN_IDS} bad words are allowed")
+            if any(not 1 <= len(word) <= MAX_BAD_WORD_CHARS for word in value):
+                raise ValueError(f"each bad word is 1 to {MAX_BAD_WORD_CHARS} characters")
+        return value or None
+
+    @model_validator(mode="after")
+    def _greedy_is_one_choice(self) -> JobParams:
+        if self.n > 1 and self.temperature == 0:  # vLLM's rule: they would all be the same
+            raise PydanticCustomError(
+                "greedy_n",
+                "n must be 1 when sampling greedily (temperature 0)",
+                {"fields": "n"},
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _echo_without_logprobs(self) -> JobParams:
+        if self.echo and self.logprobs is not None:
+            raise PydanticCustomError(
+                "unsupported_parameter",
+                "echo with logprobs is not supported: it would return the prompt's logprobs, "
+                "which inferq does not",
+                {"fields": "echo"},
+            )
+        return self
 
     @model_validator(mode="after")
     def _min_below_max(self) -> JobParams:
@@ -296,6 +359,9 @@ class JobCreate(StrictModel):
     webhook_url: str | None = Field(None, max_length=2048)
     metadata: dict[str, str] = Field(default_factory=dict)
     timeout_s: float | None = Field(None, gt=0)
+    user: str | None = Field(
+        None, max_length=256, description="Your id for your end user (OpenAI's), recorded."
+    )
 
     @field_validator("prompt")
     @classmethod
@@ -353,10 +419,31 @@ class Usage(BaseModel):
     total_tokens: int
 
 
-class JobResult(BaseModel):
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+
+
+class TokenLogprob(BaseModel):
+    token: str
+    logprob: float
+    top_logprobs: list[TopLogprob]
+
+
+class JobChoice(BaseModel):
+    index: int
     text: str
     finish_reason: str | None
-    usage: Usage
+    logprobs: list[TokenLogprob] | None
+
+
+class JobResult(BaseModel):
+    text: str = Field(description="Choice 0's text.")
+    finish_reason: str | None
+    usage: Usage = Field(description="completion_tokens counts every choice's tokens.")
+    choices: list[JobChoice] | None = Field(
+        None, description="Every choice, where the job asked for n > 1 or for logprobs."
+    )
 
 
 class JobError(BaseModel):
@@ -416,6 +503,7 @@ class JobOut(BaseModel):
     error: JobError | None
     attempts: int
     metadata: dict[str, str]
+    user: str | None
     webhook_url: str | None
     batch_id: str | None
     timings: JobTimings
@@ -434,6 +522,9 @@ class JobOut(BaseModel):
                     completion_tokens=completion_tokens,
                     total_tokens=prompt_tokens + completion_tokens,
                 ),
+                choices=None
+                if job.choices is None
+                else [JobChoice.model_validate(c) for c in job.choices],
             )
         error = None
         if job.error_code is not None:
@@ -450,6 +541,7 @@ class JobOut(BaseModel):
             error=error,
             attempts=job.attempts,
             metadata=dict(job.meta or {}),
+            user=job.end_user,
             webhook_url=job.webhook_url,
             batch_id=job.batch_id,
             timings=JobTimings.from_row(job),

@@ -453,6 +453,7 @@ class Outcome:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     first_token_at: float | None = None
+    choices: list[dict[str, Any]] | None = None  # see Job.choices
 
     def __post_init__(self) -> None:
         if not can_transition(JobStatus.RUNNING, self.status) or self.status == JobStatus.QUEUED:
@@ -465,12 +466,25 @@ class Outcome:
             "error_code": self.error_code,
             "error_message": self.error_message,
             # PostgreSQL text cannot hold NUL, which a model can emit: U+FFFD is stored.
-            "result_text": self.text.replace("\x00", "\ufffd") if self.text is not None else None,
+            "result_text": _nul_free(self.text),
             "finish_reason": self.finish_reason,
+            "choices": _nul_free(self.choices),
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "first_token_at": self.first_token_at,
         }
+
+
+def _nul_free(value: Any) -> Any:
+    """``value`` with NUL, which a model can emit and PostgreSQL cannot store (text or JSONB),
+    as U+FFFD in every string."""
+    if isinstance(value, str):
+        return value.replace("\x00", "\ufffd")
+    if isinstance(value, list):
+        return [_nul_free(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _nul_free(v) for k, v in value.items()}
+    return value
 
 
 # The fenced outcome write, one row per parameter set (see record).
@@ -490,6 +504,7 @@ _RECORD = (
         error_message=bindparam("b_error_message"),
         result_text=bindparam("b_result_text"),
         finish_reason=bindparam("b_finish_reason"),
+        choices=bindparam("b_choices", type_=Job.__table__.c.choices.type),
         prompt_tokens=bindparam("b_prompt_tokens"),
         completion_tokens=bindparam("b_completion_tokens"),
         first_token_at=bindparam("b_first_token_at"),

@@ -167,6 +167,7 @@ def test_accepted_job_is_committed_and_queued(stack: Stack, client: httpx.Client
         "error",
         "attempts",
         "metadata",
+        "user",
         "webhook_url",
         "batch_id",
         "timings",

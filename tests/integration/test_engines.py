@@ -237,6 +237,9 @@ def test_vllms_sampling_options_change_what_the_real_engine_produces(
     greedy, _, _ = complete()
     forced = {"logit_bias": {str(token): 100}}
     assert complete(**forced)[0] == tokenizer.decode([token] * 6)
+    assert complete(allowed_token_ids=[token])[0] == tokenizer.decode([token] * 6)
+    # The forced word banned: it cannot come out, however strongly it is pushed.
+    assert "fibonacci" not in complete(**forced, bad_words=["fibonacci"])[0]
     # The forced token as a stop token ends the output at once; min_tokens holds it off.
     assert complete(**forced, stop_token_ids=[token])[1:] == ("stop", 1)
     assert complete(**forced, stop_token_ids=[token], min_tokens=4)[1:] == ("stop", 5)
@@ -261,6 +264,78 @@ def test_vllms_sampling_options_change_what_the_real_engine_produces(
             json={"model": "inferq-demo", "prompt": "x", "logit_bias": {"999999": 1}},
         )
     assert_error(response, 400, "invalid_request")
+
+
+def test_vllm_returns_several_choices_with_logprobs_as_its_server_does(
+    vllm_stack: tuple[Stack, int],
+) -> None:
+    """n, logprobs/top_logprobs, echo and user, sent as to `vllm serve`: n choices, each with a
+    logprob per token that matches its text, the sampled token first among its alternatives
+    when greedy, every choice's tokens in the usage."""
+    stack, _ = vllm_stack
+    _, tokenizer = published_tokenizer(stack)
+    client = OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    out = client.completions.create(
+        model="inferq-demo", prompt="def f(x):", max_tokens=5, n=3, logprobs=2, seed=7
+    )
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert len({c.text for c in out.choices}) > 1  # sampled apart
+    counted = 0
+    for choice in out.choices:
+        lp = choice.logprobs
+        assert lp is not None and lp.tokens is not None and lp.token_logprobs is not None
+        assert "".join(lp.tokens) == choice.text
+        assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(lp.tokens))]
+        assert all(x is not None and x <= 0 for x in lp.token_logprobs)
+        assert lp.top_logprobs is not None
+        for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+            assert top[token] == logprob and 2 <= len(top) <= 3  # 2 best, and the token
+        counted += len(lp.tokens)
+    assert out.usage is not None and out.usage.completion_tokens == counted
+    # top_k=1 samples greedily (vLLM takes no n > 1 at temperature 0): each token is the best
+    # of its alternatives, and both choices are the same text.
+    chat = client.chat.completions.create(
+        model="inferq-demo",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=5,
+        n=2,
+        logprobs=True,
+        top_logprobs=3,
+        user="end-user-7",
+        extra_body={"top_k": 1},
+    )
+    assert len(chat.choices) == 2
+    assert chat.choices[0].message.content == chat.choices[1].message.content
+    content = chat.choices[0].logprobs and chat.choices[0].logprobs.content
+    assert content and "".join(t.token for t in content) == chat.choices[0].message.content
+    for token in content:
+        assert len(token.top_logprobs) == 3
+        assert token.top_logprobs[0].token == token.token
+        assert token.top_logprobs[0].logprob == token.logprob
+        assert token.bytes == list(token.token.encode())
+    with stack.client() as c:
+        job = c.get(f"/v1/jobs/{chat.id}").json()
+    assert job["user"] == "end-user-7"
+    assert [choice["index"] for choice in job["result"]["choices"]] == [0, 1]
+    assert job["result"]["text"] == chat.choices[0].message.content
+    # echo: the completion starts with its prompt, streamed or not.
+    echoed = client.completions.create(
+        model="inferq-demo", prompt="def f(x):", max_tokens=4, temperature=0, echo=True
+    )
+    plain = client.completions.create(
+        model="inferq-demo", prompt="def f(x):", max_tokens=4, temperature=0
+    )
+    assert echoed.choices[0].text == "def f(x):" + plain.choices[0].text
+    streamed = client.completions.create(
+        model="inferq-demo",
+        prompt="def f(x):",
+        max_tokens=4,
+        temperature=0,
+        echo=True,
+        stream=True,
+    )
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == echoed.choices[0].text
+    assert tokenizer.encode(plain.choices[0].text).ids  # the output is not empty
 
 
 ANSWER = {
@@ -296,6 +371,8 @@ def test_vllm_holds_output_to_a_json_schema_in_a_call_and_in_a_batch(
                 "messages": [{"role": "user", "content": f"Document {i}: is it relevant?"}],
                 "max_tokens": 60,
                 "structured_outputs": {"json": ANSWER},
+                # Every tenth line: two choices with logprobs, in the output line too.
+                **({"n": 2, "logprobs": True, "top_logprobs": 1} if i % 10 == 0 else {}),
             },
         }
         for i in range(100)
@@ -321,8 +398,21 @@ def test_vllm_holds_output_to_a_json_schema_in_a_call_and_in_a_batch(
         ops.stop()
     assert len(output) == 100
     for raw in output:
-        body = json.loads(raw)["response"]["body"]
-        jsonschema.validate(json.loads(body["choices"][0]["message"]["content"]), ANSWER)
+        record = json.loads(raw)
+        body = record["response"]["body"]
+        several = int(record["custom_id"].removeprefix("doc-")) % 10 == 0
+        assert len(body["choices"]) == (2 if several else 1)
+        for choice in body["choices"]:
+            jsonschema.validate(json.loads(choice["message"]["content"]), ANSWER)
+            if several:
+                tokens = choice["logprobs"]["content"]
+                # The end-of-sequence token that ended the JSON has a logprob, as in vLLM's
+                # server, and no text.
+                text = "".join(t["token"] for t in tokens)
+                assert text.removesuffix("</s>") == choice["message"]["content"]
+                assert all(len(t["top_logprobs"]) == 1 for t in tokens)
+            else:
+                assert choice["logprobs"] is None
 
 
 def test_vllm_worker_stops_its_engine_processes(vllm_stack: tuple[Stack, int]) -> None:

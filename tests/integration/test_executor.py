@@ -226,6 +226,29 @@ def test_nul_in_model_output_is_stored_and_a_refused_row_fails_only_its_job(
         assert after.error_code == "result_not_stored"
 
 
+def test_every_choice_is_stored_alone_or_in_a_group_write(database: str, runner: Runner) -> None:
+    """A job's choices and logprobs (n > 1, logprobs) reach its row through the one fenced
+    write, alone and in a group commit, on both databases; a NUL in them is stored as U+FFFD."""
+    logprob = {"token": "a\x00", "logprob": -0.5, "top_logprobs": [{"token": "b", "logprob": -1}]}
+    choices = [
+        {"index": 0, "text": "a\x00", "finish_reason": "length", "logprobs": [logprob]},
+        {"index": 1, "text": "c", "finish_reason": "stop", "logprobs": []},
+    ]
+    result = GenResult("a\x00", "length", 1, 2, None, choices=choices)
+    executor = Executor(runner, "w", get_settings())
+    for group in (1, 3):
+        claims = executor.claim([new_job(f"choices {group} {i}") for i in range(group)])
+        written = [executor.recorder.put(c, ending_of(result, echo="> ")) for c in claims]
+        for claim, write in zip(claims, written, strict=True):
+            assert executor.recorder.stored(claim, ending_of(result), write) == "succeeded"
+            stored = row(claim.job_id)
+            assert stored.result_text == "> a\ufffd"
+            assert stored.choices is not None
+            assert [c["text"] for c in stored.choices] == ["> a\ufffd", "> c"]
+            assert stored.choices[0]["logprobs"][0]["token"] == "a\ufffd"
+            assert stored.choices[1]["finish_reason"] == "stop"
+
+
 class RecordingExecutor(Executor):
     """An executor that records the aborts its heartbeat asks for."""
 

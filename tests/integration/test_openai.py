@@ -187,8 +187,6 @@ def test_unsupported_and_bad_requests_are_refused(client: OpenAI, stack: Stack) 
             tools=[{"type": "function", "function": {"name": "f"}}],
         )
     assert refused.value.body["param"] == "tools"  # type: ignore[index]
-    with pytest.raises(openai.UnprocessableEntityError):
-        client.chat.completions.create(model=MODEL, messages=messages, n=2)  # type: ignore[arg-type]
     with pytest.raises(openai.UnprocessableEntityError) as refused:
         client.chat.completions.create(model="gpt-4o", messages=messages)  # type: ignore[arg-type]
     assert refused.value.body["code"] == "model_not_found"  # type: ignore[index]
@@ -242,18 +240,33 @@ def test_what_vllm_serve_takes_is_taken(client: OpenAI, stack: Stack) -> None:
         before = stack.scalar("SELECT count(*) FROM jobs")
         bad = c.post("/v1/jobs", json={"prompt": "hi", "params": {"min_p": 2}})
         assert_error(bad, 422, "less_than_equal", "params.min_p")
-        bad = c.post(CHAT, json={"model": MODEL, "messages": messages, "echo": True})
-        assert_error(bad, 422, "unsupported_parameter", "echo")
+        bad = c.post(CHAT, json={"model": MODEL, "messages": messages, "n": 2, "stream": True})
+        assert_error(bad, 422, "unsupported_parameter", "n")
+        bad = c.post(COMPLETIONS, json={"model": MODEL, "prompt": "hi", "n": 99})
+        assert_error(bad, 422, "value_error", "n")
         assert stack.scalar("SELECT count(*) FROM jobs") == before
-    # The SIMULATED engine has no vocabulary: stop_token_ids fails the job, a 400 naming it.
-    with pytest.raises(openai.BadRequestError) as failed:
-        client.chat.completions.create(
-            model=MODEL,
-            messages=messages,  # type: ignore[arg-type]
-            extra_body={"stop_token_ids": [1]},
-        )
-    assert failed.value.body["code"] == "invalid_request"  # type: ignore[index]
-    assert "stop_token_ids" in failed.value.body["message"]  # type: ignore[index]
+    # The SIMULATED engine has no vocabulary: stop_token_ids, several choices and logprobs
+    # fail the job, a 400 naming the option.
+    for extra in ({"stop_token_ids": [1]}, {"n": 2}, {"logprobs": True}):
+        with pytest.raises(openai.BadRequestError) as failed:
+            client.chat.completions.create(
+                model=MODEL,
+                messages=messages,  # type: ignore[arg-type]
+                extra_body=extra,
+            )
+        assert failed.value.body["code"] == "invalid_request"  # type: ignore[index]
+        assert next(iter(extra)) in failed.value.body["message"]  # type: ignore[index]
+    # echo is the worker's, not the engine's: it works on every engine. A chat continues the
+    # assistant's last message.
+    prefix = [*messages, {"role": "assistant", "content": "Well,"}]
+    echoed = client.chat.completions.create(
+        model=MODEL,
+        messages=prefix,  # type: ignore[arg-type]
+        max_tokens=3,
+        extra_body={"echo": True, "user": "u-42"},
+    )
+    assert (echoed.choices[0].message.content or "").startswith("Well,")
+    assert stack.scalar("SELECT end_user FROM jobs WHERE id = :id", id=echoed.id) == "u-42"
 
 
 # --- files and batches ---------------------------------------------------------------------------

@@ -124,6 +124,11 @@ def test_sampling_options_reach_the_job_with_only_what_was_set() -> None:
         ("stop_token_ids", [-1]),
         ("min_tokens", 20),  # over max_tokens
         ("seed", -1),
+        ("n", 0),
+        ("n", 17),  # over INFERQ_MAX_N
+        ("logprobs", 21),  # over vLLM's max_logprobs
+        ("allowed_token_ids", []),
+        ("bad_words", [""]),
     ],
 )
 def test_out_of_range_options_are_refused_naming_the_field(field: str, value: Any) -> None:
@@ -136,6 +141,41 @@ def test_out_of_range_options_are_refused_naming_the_field(field: str, value: An
         JobCreate.model_validate({**JOB, "params": {"max_tokens": 10, field: value}})
     first = error.value.errors()[0]
     assert field in (*first["loc"], (first.get("ctx") or {}).get("fields")), first
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({**COMPLETION, "n": 2, "stream": True}, "n"),
+        ({**COMPLETION, "logprobs": 1, "stream": True}, "logprobs"),
+        ({**CHAT, "logprobs": True, "stream": True}, "logprobs"),
+        ({**CHAT, "top_logprobs": 2}, "top_logprobs"),
+        ({**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({**CHAT, "n": 2, "temperature": 0}, "n"),
+        ({**COMPLETION, "echo": True, "logprobs": 0}, "echo"),
+    ],
+)
+def test_choices_and_logprobs_refuse_what_vllm_would_not_do_naming_the_field(
+    body: dict[str, Any], field: str
+) -> None:
+    with pytest.raises(ValidationError) as error:
+        type_of(body).model_validate(body)
+    first = error.value.errors()[0]
+    assert field in (*first["loc"], (first.get("ctx") or {}).get("fields")), first
+
+
+def test_chat_logprobs_become_vllms_count_of_alternatives() -> None:
+    def stored(**fields: Any) -> dict[str, Any]:
+        body = ChatCompletionRequest.model_validate({**CHAT, **fields})
+        return body.job().params.stored()
+
+    assert stored(logprobs=True, top_logprobs=3)["logprobs"] == 3
+    assert stored(logprobs=True)["logprobs"] == 0
+    assert "logprobs" not in stored(logprobs=False, top_logprobs=0)
+    assert stored(n=3, echo=True, logprobs=None) == {"n": 3, "echo": True}
+    completion = CompletionRequest.model_validate({**COMPLETION, "logprobs": 2, "user": "u1"})
+    assert completion.job().params.stored()["logprobs"] == 2
+    assert completion.job().user == "u1"
 
 
 def type_of(body: dict[str, Any]) -> type[BaseModel]:
@@ -185,7 +225,8 @@ def test_every_sampling_option_is_a_field_of_vllms_sampling_params() -> None:
         else set(getattr(SamplingParams, "__struct_fields__", ()))
         or set(inspect.signature(SamplingParams).parameters)
     )
-    assert set(JobParams.model_fields) - names == set()
+    # echo is the executor's (the output starts with the prompt), not the sampler's.
+    assert set(JobParams.model_fields) - {"echo"} - names == set()
 
 
 def test_the_readme_table_names_every_field_decided_here() -> None:

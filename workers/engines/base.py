@@ -35,6 +35,9 @@ class GenChunk:
     num_tokens: int
     finish_reason: str | None = None
     prompt_tokens: int | None = None
+    index: int = 0  # which choice (a request with ``n`` > 1 has several)
+    # With ``logprobs`` asked: one ``token_logprob`` per token of ``text``.
+    logprobs: list[dict[str, Any]] | None = None
 
 
 @dataclass
@@ -44,6 +47,18 @@ class EngineStats:
     kv_cache_usage: float | None = None
     generated_tokens_per_s: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+def token_logprob(
+    token: str, logprob: float, top: Sequence[tuple[str, float]] = ()
+) -> dict[str, Any]:
+    """One output token's log-probability and its ``top`` alternatives, best first: the shape
+    a job stores and shows (OpenAI's chat ``logprobs.content`` item, less ``bytes``)."""
+    return {
+        "token": token,
+        "logprob": logprob,
+        "top_logprobs": [{"token": t, "logprob": lp} for t, lp in top],
+    }
 
 
 class EngineRequestError(Exception):

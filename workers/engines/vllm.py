@@ -30,6 +30,7 @@ from workers.engines.base import (
     hf_tokenizer_json,
     ignore_step,
     prompt_text,
+    token_logprob,
 )
 
 log = logging.getLogger("inferq.engine.vllm")
@@ -42,6 +43,29 @@ def _request_errors() -> tuple[type[Exception], ...]:
     except ImportError:
         return (ValueError,)
     return (ValueError, VLLMClientError)
+
+
+def _rank(item: tuple[int, Any]) -> int:
+    rank = item[1].rank
+    return 1 << 30 if rank is None else int(rank)
+
+
+def _logprobs(token_ids: Any, steps: Any, top: int) -> list[dict[str, Any]]:
+    """vLLM's per-token ``{token id: Logprob}`` as inferq stores them: the sampled token's
+    logprob and the ``top`` best alternatives by rank. -inf is -9999.0, as in vLLM's server
+    (JSON has no infinity)."""
+    out = []
+    for token_id, step in zip(token_ids, steps, strict=True):
+        ranked = sorted(step.items(), key=_rank)[:top]
+        sampled = step[token_id]
+        out.append(
+            token_logprob(
+                sampled.decoded_token or "",
+                max(sampled.logprob, -9999.0),
+                [(lp.decoded_token or "", max(lp.logprob, -9999.0)) for _, lp in ranked],
+            )
+        )
+    return out
 
 
 class _StatsHolder:
@@ -176,16 +200,23 @@ class VLLMEngine:
                 output_kind=RequestOutputKind.DELTA,
                 **options,
             )
+            top = params.logprobs or 0
             async for out in self._llm.generate(
                 prompt, params, req.request_id, priority=req.priority
             ):
-                completion = out.outputs[0]
-                yield GenChunk(
-                    text=completion.text,
-                    num_tokens=len(completion.token_ids),
-                    finish_reason=completion.finish_reason if out.finished else None,
-                    prompt_tokens=len(out.prompt_token_ids) if out.prompt_token_ids else None,
-                )
+                # With n > 1 an output carries the choices that moved in this step, each with
+                # its index and, once that choice is done, its finish_reason.
+                for completion in out.outputs:
+                    yield GenChunk(
+                        text=completion.text,
+                        num_tokens=len(completion.token_ids),
+                        finish_reason=completion.finish_reason,
+                        prompt_tokens=len(out.prompt_token_ids) if out.prompt_token_ids else None,
+                        index=completion.index,
+                        logprobs=None
+                        if completion.logprobs is None
+                        else _logprobs(completion.token_ids, completion.logprobs, top),
+                    )
         except VLLMDead as exc:
             raise EngineDeadError(str(exc)) from exc
         except self._request_errors as exc:
