@@ -28,7 +28,7 @@ from app.core.db import transaction, with_db_retry
 from app.core.models import LANE_PRIORITY, JobStatus, now
 from app.core.settings import Settings
 from app.core.transitions import DEADLINE_EXCEEDED, Lease, Outcome
-from workers import metrics
+from workers import metrics, tools
 from workers.engines.base import EngineDeadError, EngineRequestError, GenRequest
 from workers.intake import Intake
 from workers.recorder import Recorder
@@ -109,6 +109,7 @@ def request_for(job: Any, token: int) -> GenRequest:
         priority=LANE_PRIORITY[job.lane],
         arrival=job.created_at,
         options={k: v for k, v in params.items() if k not in _OWN_FIELDS},
+        tools=job.tools,
     )
 
 
@@ -292,7 +293,10 @@ class Executor:
     ) -> Outcome | Released:
         """How the job left the engine (raises EngineDeadError)."""
         try:
-            return ending_of(future.result(), claim.echo)
+            result = future.result()
+            if claim.request.tools is not None:
+                result = tools.with_calls(result, claim.request.tools, self.runner.engine)
+            return ending_of(result, claim.echo)
         except EngineRequestError as exc:
             return Outcome(JobStatus.FAILED, error_code=exc.code, error_message=str(exc))
         except EngineDeadError:

@@ -111,6 +111,7 @@ class InferenceWorker:
                 engine.model_name,
                 engine.max_model_len,
                 engine.tokenizer_json(),
+                engine.tool_parser,
             )
         except redis.RedisError as exc:
             log.warning("could not publish the model card (%s); the API will not count tokens", exc)

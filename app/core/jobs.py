@@ -73,6 +73,9 @@ def job_values(
     timeout_s = body.timeout_s or settings.lane_default_timeout_s.get(body.lane.value)
     params = body.params.stored()
     params["max_tokens"] = body.params.max_tokens or settings.default_max_tokens
+    constraint = body.tool_constraint()
+    if constraint is not None:  # tool_choice required or named: vLLM's way (README, "Tools")
+        params["structured_outputs"] = {"json": constraint}
     return transitions.new_row(
         id=new_id("job"),
         tenant=tenant,
@@ -86,6 +89,7 @@ def job_values(
         webhook_url=body.webhook_url,
         meta=dict(body.metadata),
         end_user=body.user,
+        tools=body.tool_spec(),
         relay=relay,
         reply_to=reply_to,
         timeout_s=timeout_s,

@@ -124,6 +124,9 @@ class Job(Base):
     prompt: Mapped[str | None] = mapped_column(Text, nullable=True)
     messages: Mapped[list[dict[str, Any]] | None] = mapped_column(JSONType, nullable=True)
     params: Mapped[dict[str, Any]] = mapped_column(JSONType)
+    # A chat's tools, tool_choice and parallel_tool_calls (schemas.ToolUse.tool_spec); None
+    # without tools.
+    tools: Mapped[dict[str, Any] | None] = mapped_column(JSONType, nullable=True)
     webhook_url: Mapped[str | None] = mapped_column(Text, nullable=True)
     meta: Mapped[dict[str, str]] = mapped_column("metadata", JSONType)
     batch_id: Mapped[str | None] = mapped_column(String(40), nullable=True, index=True)

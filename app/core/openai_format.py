@@ -30,6 +30,7 @@ from app.core.schemas import (
     JobCreate,
     JobParams,
     StrictModel,
+    ToolUse,
     check_json_schema,
 )
 
@@ -49,7 +50,6 @@ class StreamOptions(StrictModel):
 
 # Why inferq does not take a field of vLLM's request classes, grouped by reason. Each field is
 # listed with vLLM's default for it: that value (or null) asks for nothing and is accepted.
-_NOT_YET = "not supported yet"
 _MULTIMODAL = "inferq serves text: multimodal inputs are not accepted"
 _TEMPLATE = "the worker applies the model's own chat template, unchanged"
 _TOKENIZING = "the engine tokenizes with the model's defaults"
@@ -95,9 +95,6 @@ COMPLETION_REFUSED: dict[str, tuple[Any, str]] = {
 }
 CHAT_REFUSED: dict[str, tuple[Any, str]] = {
     **_COMMON_REFUSED,
-    "tools": (None, _NOT_YET),
-    "tool_choice": ("none", _NOT_YET),
-    "parallel_tool_calls": (True, _NOT_YET),
     "reasoning_effort": (None, "reasoning models' options are not offered"),
     "include_reasoning": (True, "reasoning models' options are not offered"),
     "add_generation_prompt": (True, _TEMPLATE),
@@ -241,7 +238,7 @@ class _Request(JobParams):
             ) from None
 
 
-class ChatCompletionRequest(_Request):
+class ChatCompletionRequest(_Request, ToolUse):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -268,6 +265,18 @@ class ChatCompletionRequest(_Request):
         return data
 
     @model_validator(mode="after")
+    def _tool_calls_are_not_streamed(self) -> ChatCompletionRequest:
+        # Tool calls are parsed from a choice's whole text (README, "Tools").
+        if self.stream and self.chosen() != "none":
+            raise PydanticCustomError(
+                "unsupported_parameter",
+                "tools are not supported with stream: ask without stream (the response has "
+                "the tool calls)",
+                {"fields": "tools"},
+            )
+        return self
+
+    @model_validator(mode="after")
     def _top_needs_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and self.logprobs is None:  # vLLM's rule
             raise PydanticCustomError(
@@ -279,7 +288,8 @@ class ChatCompletionRequest(_Request):
 
     def job(self) -> JobCreate:
         max_tokens = self.max_completion_tokens or self.max_tokens
-        return self._job({"messages": self.messages, "params": self._params(max_tokens)})
+        tools = self.model_dump(include=set(ToolUse.model_fields), exclude_defaults=True)
+        return self._job({"messages": self.messages, "params": self._params(max_tokens), **tools})
 
 
 class CompletionRequest(_Request):
@@ -450,10 +460,13 @@ def response_body(job: JobView) -> dict[str, Any]:
     for c in _choices(job):
         tokens = c["logprobs"]
         if chat:
+            message: dict[str, Any] = {"role": "assistant", "content": c["text"]}
+            if c.get("tool_calls"):  # the text was calls (workers/tools.py): content is the rest
+                message = {**message, "content": c["content"], "tool_calls": c["tool_calls"]}
             choices.append(
                 {
                     "index": c["index"],
-                    "message": {"role": "assistant", "content": c["text"]},
+                    "message": message,
                     "logprobs": None if tokens is None else chat_logprobs(tokens),
                     "finish_reason": c["finish_reason"],
                 }

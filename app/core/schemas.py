@@ -80,19 +80,63 @@ class TextPart(StrictModel):
     text: str
 
 
+# OpenAI's rule for a function's name.
+TOOL_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
+MAX_TOOLS = 128
+
+
+class CalledFunction(StrictModel):
+    name: str = Field(pattern=TOOL_NAME)
+    arguments: str = Field(description="The arguments as a JSON text.")
+
+
+class ToolCall(StrictModel):
+    """A call the assistant made, as a chat's history sends it back."""
+
+    id: str = Field(min_length=1, max_length=128)
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart]
+    # Null only on an assistant message that made tool calls (OpenAI's rule).
+    content: str | list[TextPart] | None = None
     name: str | None = Field(None, max_length=64)
+    tool_calls: list[ToolCall] | None = Field(None, max_length=MAX_TOOLS)
+    tool_call_id: str | None = Field(None, max_length=128)
 
     @field_validator("content")
     @classmethod
-    def _content_bounds(cls, value: str | list[TextPart]) -> str:
+    def _content_bounds(cls, value: str | list[TextPart] | None) -> str | None:
+        if value is None:
+            return None
         text = value if isinstance(value, str) else "".join(part.text for part in value)
         limit = get_settings().max_prompt_chars
         if len(text) > limit:
             raise ValueError(f"message content is longer than {limit} characters")
         return text
+
+    @model_validator(mode="after")
+    def _content_or_calls(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise PydanticCustomError(
+                "missing",
+                "content is required (null only on an assistant message with tool_calls)",
+                {"fields": "content"},
+            )
+        if self.tool_calls and self.role != "assistant":
+            raise PydanticCustomError(
+                "unexpected_tool_calls",
+                "only assistant messages carry tool_calls",
+                {"fields": "tool_calls"},
+            )
+        return self
+
+    def text(self) -> str:
+        """What the message says, its tool calls included (for counting and checks)."""
+        calls = "".join(c.function.name + c.function.arguments for c in self.tool_calls or ())
+        return str(self.content or "") + calls
 
 
 def check_webhook_scheme(value: str | None) -> str | None:
@@ -350,7 +394,110 @@ class JobParams(StrictModel):
         return stops
 
 
-class JobCreate(StrictModel):
+class FunctionDef(StrictModel):
+    name: str = Field(pattern=TOOL_NAME)
+    description: str | None = Field(None, max_length=4096)
+    parameters: dict[str, Any] | None = Field(None, description="A JSON schema that compiles.")
+    strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _compiles(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None:
+            check_json_schema(value)
+        return value
+
+
+class Tool(StrictModel):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class ChosenFunction(StrictModel):
+    name: str = Field(pattern=TOOL_NAME)
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: ChosenFunction
+
+
+class ToolUse(StrictModel):
+    """OpenAI's tool fields of a chat (on ``/v1/chat/completions``, its batch lines and chat
+    jobs on ``/v1/jobs``), with vLLM's rules: ``tool_choice`` defaults to ``auto`` when there
+    are tools; ``required`` and a named function hold the output to the tools' schemas by
+    structured output; ``auto`` needs the model's tool parser (README, "Tools")."""
+
+    tools: list[Tool] | None = Field(None, min_length=1, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    @model_validator(mode="after")
+    def _choice_among_tools(self) -> ToolUse:
+        choice = self.tool_choice
+        if choice is not None and choice != "none" and not self.tools:
+            raise PydanticCustomError(
+                "missing", "tool_choice needs tools", {"fields": "tool_choice"}
+            )
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {
+            tool.function.name for tool in self.tools or ()
+        }:
+            raise PydanticCustomError(
+                "unknown_tool",
+                "tool_choice names a function that is not in tools",
+                {"fields": "tool_choice"},
+            )
+        return self
+
+    def chosen(self) -> str | dict[str, str]:
+        """``none``, ``auto``, ``required``, or ``{"name": ...}`` of the named function."""
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            return {"name": choice.function.name}
+        return choice or ("auto" if self.tools else "none")
+
+    def tool_spec(self) -> dict[str, Any] | None:
+        """What a job keeps (``jobs.tools``); None without tools."""
+        if not self.tools:
+            return None
+        return {
+            "tools": [tool.model_dump(exclude_none=True) for tool in self.tools],
+            "tool_choice": self.chosen(),
+            "parallel_tool_calls": self.parallel_tool_calls,
+        }
+
+    def tool_constraint(self) -> dict[str, Any] | None:
+        """The JSON schema a ``required`` or named choice holds the output to, as vLLM's
+        server builds it: the named function's arguments, or a list of calls of the tools."""
+        chosen = self.chosen()
+        functions = {tool.function.name: tool.function for tool in self.tools or ()}
+        if isinstance(chosen, dict):
+            return functions[chosen["name"]].parameters or {"type": "object", "properties": {}}
+        if chosen != "required":
+            return None
+        calls: dict[str, Any] = {
+            "type": "array",
+            "minItems": 1,
+            "items": {
+                "type": "object",
+                "anyOf": [
+                    {
+                        "properties": {
+                            "name": {"type": "string", "enum": [name]},
+                            "parameters": f.parameters or {"type": "object", "properties": {}},
+                        },
+                        "required": ["name", "parameters"],
+                    }
+                    for name, f in functions.items()
+                ],
+            },
+        }
+        if not self.parallel_tool_calls:
+            calls["maxItems"] = 1
+        return calls
+
+
+class JobCreate(ToolUse):
     lane: Lane = Lane.STANDARD
     model: str | None = Field(None, min_length=1, max_length=256)
     prompt: str | None = Field(None, min_length=1)
@@ -394,6 +541,21 @@ class JobCreate(StrictModel):
             )
         return self
 
+    @model_validator(mode="after")
+    def _tools_in_a_chat(self) -> JobCreate:
+        if self.tools and self.messages is None:
+            raise PydanticCustomError(
+                "tools_need_messages", "tools are for chat jobs (messages)", {"fields": "tools"}
+            )
+        if self.params.structured_outputs is not None and self.tool_constraint() is not None:
+            raise PydanticCustomError(
+                "unsupported_parameter",
+                "tool_choice required or named holds the output to the tools' schemas: it "
+                "cannot be combined with structured_outputs or response_format",
+                {"fields": "tool_choice"},
+            )
+        return self
+
     @field_validator("webhook_url")
     @classmethod
     def _webhook_scheme(cls, value: str | None) -> str | None:
@@ -430,11 +592,21 @@ class TokenLogprob(BaseModel):
     top_logprobs: list[TopLogprob]
 
 
+class MadeCall(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class JobChoice(BaseModel):
     index: int
-    text: str
+    text: str = Field(description="The whole output, tool calls included.")
     finish_reason: str | None
     logprobs: list[TokenLogprob] | None
+    tool_calls: list[MadeCall] | None = Field(
+        None, description="The calls found in the text, where the job had tools."
+    )
+    content: str | None = Field(None, description="With tool_calls: the text around them.")
 
 
 class JobResult(BaseModel):

@@ -107,6 +107,11 @@ class Settings(BaseSettings):
     vllm_engine_args: dict[str, Any] = Field(
         default_factory=dict, description="Extra AsyncEngineArgs as JSON, passed through."
     )
+    tool_call_parser: str | None = Field(
+        None,
+        description="vLLM's tool parser for tool_choice auto (its --tool-call-parser: hermes, "
+        "llama3_json, mistral, ...); unset: auto is refused.",
+    )
     hf_device: str = Field("auto", description="transformers device: auto, cpu, cuda, cuda:N.")
 
     sim_base_ms: float = Field(6.0, description="Simulated engine: fixed cost per step.")

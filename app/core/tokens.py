@@ -1,4 +1,5 @@
-"""Prompt token counts as the served model counts them, from the model card workers publish.
+"""Prompt token counts as the served model counts them, from the model card workers publish;
+and whether the model can parse tool calls (``tool_choice: auto``).
 
 The API holds no model, so it cannot know on its own how many tokens a prompt is or how long
 the model's context is. Workers know both once their engine is up, and publish a **model card**
@@ -58,10 +59,15 @@ class ModelCard:
     model: str
     max_model_len: int
     tokenizer: str  # WORDS, "sha256:<hex>" of a stored tokenizer.json, or "" (none)
+    tool_parser: str | None = None  # vLLM's parser of the model's tool calls, if it has one
 
 
 def publish(
-    client: redis.Redis, model: str, max_model_len: int, tokenizer: str | None
+    client: redis.Redis,
+    model: str,
+    max_model_len: int,
+    tokenizer: str | None,
+    tool_parser: str | None = None,
 ) -> ModelCard:
     """Store the card of ``model`` (``tokenizer``: a tokenizer.json, WORDS, or None)."""
     name = tokenizer or ""
@@ -69,7 +75,7 @@ def publish(
         digest = hashlib.sha256(tokenizer.encode()).hexdigest()
         client.set(TOKENIZER_KEY + digest, tokenizer)
         name = f"sha256:{digest}"
-    card = ModelCard(model, max_model_len, name)
+    card = ModelCard(model, max_model_len, name, tool_parser)
     client.set(CARD_KEY + model, json.dumps(asdict(card)))
     return card
 
@@ -83,7 +89,7 @@ class Counter:
 
     def count(self, body: JobCreate) -> int:
         if body.messages is not None:
-            texts = [str(m.content) for m in body.messages]
+            texts = [m.text() for m in body.messages]
             specials = False
         else:
             texts = [body.prompt or ""]
@@ -155,6 +161,16 @@ def check(
         return [estimate(body) for body in bodies]
     counts = []
     for index, body in enumerate(bodies):
+        if body.chosen() == "auto" and found.card.tool_parser is None:
+            param = f"{field}.{index}.tool_choice" if field else "tool_choice"
+            raise DomainError(
+                Kind.MALFORMED,
+                "tools_not_supported",
+                f"{param}: tool_choice auto (the default with tools) needs the model's tool "
+                "parser, and its workers have none (INFERQ_TOOL_CALL_PARSER); tool_choice "
+                "required or a named function works without one",
+                param=param,
+            )
         n = found.count(body)
         limit = found.card.max_model_len
         # vLLM's rule: the context holds the prompt and at least one generated token.
@@ -175,7 +191,7 @@ def check(
 def estimate(body: JobCreate) -> int:
     """Prompt tokens when no tokenizer is published: about four characters each."""
     if body.messages is not None:
-        chars = sum(len(str(m.content)) for m in body.messages) + 16 * len(body.messages)
+        chars = sum(len(m.text()) for m in body.messages) + 16 * len(body.messages)
     else:
         chars = len(body.prompt or "")
     return math.ceil(chars / 4)

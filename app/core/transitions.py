@@ -374,6 +374,7 @@ CLAIMED = (
     Job.prompt,
     Job.messages,
     Job.params,
+    Job.tools,
     Job.created_at,
     Job.deadline_at,
 )

@@ -1,5 +1,6 @@
-"""job choices and user: every choice of a job that asked for several or for logprobs, and the
-caller's end-user id (OpenAI's ``user``), recorded (README, "vLLM's fields")
+"""job choices, user and tools: every choice of a job that asked for several or for logprobs
+(with its tool calls), the caller's end-user id (OpenAI's ``user``), recorded, and a chat's
+tools (README, "vLLM's fields")
 
 Revision ID: 0005
 Revises: 0004
@@ -28,9 +29,17 @@ def upgrade() -> None:
             )
         )
         batch_op.add_column(sa.Column("end_user", sa.String(length=256), nullable=True))
+        batch_op.add_column(
+            sa.Column(
+                "tools",
+                sa.JSON().with_variant(postgresql.JSONB(astext_type=sa.Text()), "postgresql"),
+                nullable=True,
+            )
+        )
 
 
 def downgrade() -> None:
     with op.batch_alter_table("jobs") as batch_op:
+        batch_op.drop_column("tools")
         batch_op.drop_column("end_user")
         batch_op.drop_column("choices")

@@ -9,9 +9,11 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import re
 import signal
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import jsonschema
 import psutil
@@ -120,7 +122,11 @@ def vllm_stack(
         {"structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True}}
     )
     yield from engine_stack(
-        tmp_path_factory.mktemp("vllm"), "vllm", demo_cache, vllm_engine_args=compact
+        tmp_path_factory.mktemp("vllm"),
+        "vllm",
+        demo_cache,
+        vllm_engine_args=compact,
+        tool_call_parser="hermes",  # the demo model's template writes calls hermes-style
     )
 
 
@@ -413,6 +419,81 @@ def test_vllm_holds_output_to_a_json_schema_in_a_call_and_in_a_batch(
                 assert all(len(t["top_logprobs"]) == 1 for t in tokens)
             else:
                 assert choice["logprobs"] is None
+
+
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Oslo", "Lima"]}, "days": {"enum": [1, 2, 3]}},
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "parameters": {
+                "type": "object",
+                "properties": {"zone": {"enum": ["UTC", "CET"]}},
+                "required": ["zone"],
+                "additionalProperties": False,
+            },
+        },
+    },
+]
+
+
+def test_vllm_calls_tools_as_its_server_does(vllm_stack: tuple[Stack, int]) -> None:
+    """tools and tool_choice on chat: the template shows the tools to the model; a named
+    function or `required` holds the output to the tools' schemas, and `auto` reads the
+    model's own calls with vLLM's tool parser (hermes, the demo template's format)."""
+    stack, _ = vllm_stack
+    client = OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    ask = [{"role": "user", "content": "What is the weather in Oslo?"}]
+
+    def chat(**fields: Any) -> Any:
+        fields = {"messages": ask, "max_tokens": 60, **fields}
+        return client.chat.completions.create(model="inferq-demo", **fields)
+
+    plain = chat(tool_choice="none", tools=TOOLS, max_tokens=1)
+    bare = chat(max_tokens=1)
+    assert plain.usage.prompt_tokens > bare.usage.prompt_tokens + 20  # the tools are shown
+    named = chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    (made,) = named.choices[0].message.tool_calls
+    assert made.function.name == "get_weather" and made.id.startswith("call_")
+    jsonschema.validate(json.loads(made.function.arguments), WEATHER)
+    assert named.choices[0].message.content is None
+    required = chat(tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
+    assert required.choices[0].finish_reason == "tool_calls"
+    (made,) = required.choices[0].message.tool_calls
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    jsonschema.validate(json.loads(made.function.arguments), schemas[made.function.name])
+    # auto: the model's own words are parsed. Random weights never write a call by themselves,
+    # so one is forced with a regex; then the same request without it is an answer.
+    forced = '<tool_call>{"name": "get_weather", "arguments": {"city": "Lima", "days": 2}}'
+    auto = chat(
+        tools=TOOLS,
+        extra_body={"structured_outputs": {"regex": re.escape(forced) + "</tool_call>"}},
+    )
+    assert auto.choices[0].finish_reason == "tool_calls"
+    (made,) = auto.choices[0].message.tool_calls
+    assert made.function.name == "get_weather"
+    assert json.loads(made.function.arguments) == {"city": "Lima", "days": 2}
+    answer = chat(tools=TOOLS, max_tokens=5)
+    assert answer.choices[0].message.tool_calls is None
+    assert answer.choices[0].finish_reason == "length"
+    # The call and its result go back as history; the job keeps the whole text and the calls.
+    history = [
+        *ask,
+        {"role": "assistant", "content": None, "tool_calls": [made.model_dump()]},
+        {"role": "tool", "tool_call_id": made.id, "content": "sunny, 21 C"},
+    ]
+    assert chat(messages=history, tools=TOOLS, tool_choice="none", max_tokens=3).choices
+    with stack.client() as c:
+        job = c.get(f"/v1/jobs/{auto.id}").json()
+    assert job["result"]["text"] == forced + "</tool_call>"
+    assert job["result"]["choices"][0]["tool_calls"][0]["function"]["name"] == "get_weather"
 
 
 def test_vllm_worker_stops_its_engine_processes(vllm_stack: tuple[Stack, int]) -> None:

@@ -181,13 +181,6 @@ def test_caller_that_gives_up_before_the_answer_cancels_the_job(stack: Stack) ->
 def test_unsupported_and_bad_requests_are_refused(client: OpenAI, stack: Stack) -> None:
     messages = [{"role": "user", "content": "hi"}]
     with pytest.raises(openai.UnprocessableEntityError) as refused:
-        client.chat.completions.create(
-            model=MODEL,
-            messages=messages,  # type: ignore[arg-type]
-            tools=[{"type": "function", "function": {"name": "f"}}],
-        )
-    assert refused.value.body["param"] == "tools"  # type: ignore[index]
-    with pytest.raises(openai.UnprocessableEntityError) as refused:
         client.chat.completions.create(model="gpt-4o", messages=messages)  # type: ignore[arg-type]
     assert refused.value.body["code"] == "model_not_found"  # type: ignore[index]
     with pytest.raises(openai.UnprocessableEntityError) as refused:
@@ -267,6 +260,59 @@ def test_what_vllm_serve_takes_is_taken(client: OpenAI, stack: Stack) -> None:
     )
     assert (echoed.choices[0].message.content or "").startswith("Well,")
     assert stack.scalar("SELECT end_user FROM jobs WHERE id = :id", id=echoed.id) == "u-42"
+
+
+def test_tools_the_model_cannot_call_are_refused_by_name(client: OpenAI, stack: Stack) -> None:
+    """The SIMULATED engine has no tool parser (its model card says so): tool_choice auto, the
+    default with tools, is a 400 naming tool_choice before anything is written; a forced
+    choice fails its job by name; malformed tool fields are 422s naming the field."""
+    messages = [{"role": "user", "content": "hi"}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    before = stack.scalar("SELECT count(*) FROM jobs")
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=MODEL, messages=messages, tools=tools)  # type: ignore[arg-type]
+    assert refused.value.body["code"] == "tools_not_supported"  # type: ignore[index]
+    assert refused.value.body["param"] == "tool_choice"  # type: ignore[index]
+    with stack.client() as c:
+        chat = {"model": MODEL, "messages": messages}
+        for body, param in (
+            ({**chat, "tools": tools, "stream": True, "tool_choice": "required"}, "tools"),
+            (
+                {
+                    **chat,
+                    "tools": tools,
+                    "tool_choice": {"type": "function", "function": {"name": "g"}},
+                },
+                "tool_choice",
+            ),
+            ({**chat, "tool_choice": "required"}, "tool_choice"),
+            (
+                {**chat, "tools": [{"type": "function", "function": {"name": "no spaces"}}]},
+                "tools[0].function.name",
+            ),
+            ({**chat, "tools": [], "tool_choice": "none"}, "tools"),
+        ):
+            assert_error(c.post(CHAT, json=body), 422, param=param)
+        assert_error(
+            c.post(COMPLETIONS, json={"model": MODEL, "prompt": "x", "tools": tools}),
+            422,
+            "extra_forbidden",
+            "tools",
+        )
+        jobs = c.post("/v1/jobs", json={"prompt": "x", "tools": tools, "tool_choice": "required"})
+        assert_error(jobs, 422, "tools_need_messages", "tools")
+    assert stack.scalar("SELECT count(*) FROM jobs") == before
+    # A forced choice runs by structured output, which only vLLM has: the job fails naming it.
+    with pytest.raises(openai.BadRequestError) as failed:
+        client.chat.completions.create(
+            model=MODEL, messages=messages, tools=tools, tool_choice="required"
+        )  # type: ignore[arg-type]
+    assert "tools" in failed.value.body["message"]  # type: ignore[index]
+    # With tool_choice none the tools ask for nothing the engine must do.
+    out = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=tools, tool_choice="none", max_tokens=3
+    )  # type: ignore[arg-type]
+    assert out.choices[0].message.tool_calls is None and out.choices[0].finish_reason == "length"
 
 
 # --- files and batches ---------------------------------------------------------------------------

@@ -67,7 +67,8 @@ def test_a_good_line_becomes_its_job_body() -> None:
         (line(chat(max_tokenz=3)), "extra_forbidden", "body.max_tokenz"),
         (line(chat(top_k=-2)), "greater_than_equal", "body.top_k"),
         (line(chat(max_tokens=4, min_tokens=5)), "min_tokens_above_max", "body.min_tokens"),
-        (line(chat(tools=[{"type": "function"}])), "unsupported_parameter", "body.tools"),
+        (line(chat(tools=[{"type": "function"}])), "missing", "body.tools[0].function"),
+        (line(chat(tool_choice="required")), "missing", "body.tool_choice"),
         (line({"model": DEMO_MODEL_NAME}), "missing", "body.messages"),
     ],
 )

@@ -7,6 +7,8 @@ and an engine with continuous batching batches them at every step.
 
 from __future__ import annotations
 
+import contextlib
+import json
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -27,6 +29,13 @@ class GenRequest:
     # The other sampling options the caller set, by ``SamplingParams``' names (top_k, min_p,
     # logit_bias, ...: app/core/schemas.py ``JobParams``); absent ones are at their defaults.
     options: Mapping[str, Any] = field(default_factory=dict)
+    # A chat's tools, tool_choice and parallel_tool_calls (``jobs.tools``); the chat template
+    # shows the tools to the model, and workers/tools.py finds the calls in the output.
+    tools: Mapping[str, Any] | None = None
+
+    @property
+    def tool_choice(self) -> str | dict[str, str]:
+        return "none" if self.tools is None else self.tools["tool_choice"]
 
 
 @dataclass
@@ -73,6 +82,8 @@ def refuse_options(req: GenRequest, honoured: frozenset[str], engine: str) -> No
     """An engine that cannot honour a sampling option the request sets fails that request (as
     ``invalid_request``, naming the option) rather than quietly sampling without it."""
     missing = sorted(set(req.options) - honoured)
+    if req.tool_choice != "none" and "tools" not in honoured:
+        missing.append("tools")
     if missing:
         raise EngineRequestError(
             "invalid_request",
@@ -102,6 +113,8 @@ class Engine(Protocol):
 
     # The context length in tokens, known once start() has returned.
     max_model_len: int
+    # vLLM's parser of the model's tool calls (``tool_choice: auto``), if it has one.
+    tool_parser: str | None
     on_step: StepObserver
 
     async def start(self) -> None: ...
@@ -112,6 +125,14 @@ class Engine(Protocol):
         ...
 
     def generate(self, req: GenRequest) -> AsyncIterator[GenChunk]: ...
+
+    def extract_tool_calls(
+        self, text: str, tools: Sequence[dict[str, Any]]
+    ) -> tuple[str | None, list[dict[str, Any]]]:
+        """The model's own tool calls in ``text`` (``tool_choice: auto``): the content around
+        them and the calls (``name`` and ``arguments``, a JSON text). Only an engine with a
+        tool parser is asked (one that honours ``tools`` with ``auto``)."""
+        ...
 
     async def abort(self, request_id: str) -> None: ...
 
@@ -126,14 +147,36 @@ FALLBACK_CHAT_TEMPLATE = (
 )
 
 
-def render_chat(messages: Sequence[dict[str, Any]], tokenizer: Any = None) -> str:
-    """Turn chat messages into one prompt: the tokenizer's chat template, else a plain one."""
+def _for_template(message: dict[str, Any]) -> dict[str, Any]:
+    """A stored message as chat templates read it: a call's arguments as an object, as vLLM's
+    server hands them over (templates write them with ``tojson``)."""
+    if not message.get("tool_calls"):
+        return message
+    calls = []
+    for call in message["tool_calls"]:
+        function = dict(call["function"])
+        with contextlib.suppress(ValueError):
+            function["arguments"] = json.loads(function["arguments"])
+        calls.append({**call, "function": function})
+    return {**message, "tool_calls": calls}
+
+
+def render_chat(
+    messages: Sequence[dict[str, Any]],
+    tokenizer: Any = None,
+    tools: Sequence[dict[str, Any]] | None = None,
+) -> str:
+    """Turn chat messages into one prompt: the tokenizer's chat template (given the tools),
+    else a plain one."""
     if tokenizer is not None and getattr(tokenizer, "chat_template", None):
         rendered = tokenizer.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=True
+            [_for_template(m) for m in messages],
+            tools=list(tools) if tools else None,
+            tokenize=False,
+            add_generation_prompt=True,
         )
         return str(rendered)
-    parts = [f"<|{m['role']}|>\n{m['content']}\n" for m in messages]
+    parts = [f"<|{m['role']}|>\n{m.get('content') or ''}\n" for m in messages]
     return "".join(parts) + "<|assistant|>\n"
 
 
@@ -145,7 +188,7 @@ def hf_tokenizer_json(tokenizer: Any) -> str | None:
 
 def prompt_text(req: GenRequest, tokenizer: Any = None) -> str:
     if req.messages is not None:
-        return render_chat(req.messages, tokenizer)
+        return render_chat(req.messages, tokenizer, req.tools["tools"] if req.tools else None)
     return req.prompt or ""
 
 

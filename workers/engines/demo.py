@@ -16,13 +16,26 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from workers.engines.base import FALLBACK_CHAT_TEMPLATE
-
 log = logging.getLogger("inferq.engine.demo")
 
-DEMO_VERSION = "v1"
+DEMO_VERSION = "v2"  # v2: the chat template shows tools and tool calls
 VOCAB_SIZE = 2048
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>"]
+
+
+# The plain template (workers/engines/base.py's fallback) with tools, hermes-style: the tools as
+# JSON in a system block, and an assistant's calls as <tool_call>{"name", "arguments"}</tool_call>
+# (what vLLM's ``hermes`` tool parser reads). A chat without tools renders as with the fallback.
+CHAT_TEMPLATE = (
+    "{% if tools %}<|system|>\nCall a tool as <tool_call>{\"name\": ..., \"arguments\": {...}}"
+    "</tool_call>. Tools: {{ tools | tojson }}\n{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>\n"
+    "{% if m.content is defined and m.content %}{{ m.content }}{% endif %}"
+    "{% if m.tool_calls is defined and m.tool_calls %}{% for c in m.tool_calls %}"
+    "<tool_call>{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}"
+    "</tool_call>{% endfor %}{% endif %}{{ '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 
 
 def demo_model_dir(cache_dir: Path) -> Path:
@@ -75,7 +88,7 @@ def _build(out: Path) -> None:
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=bpe, bos_token=bos, eos_token=eos, pad_token=pad, padding_side="left"
     )
-    tokenizer.chat_template = FALLBACK_CHAT_TEMPLATE
+    tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(out)
 
     torch.manual_seed(0)

@@ -17,13 +17,14 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from app.core.settings import Settings
 from workers.engines.base import (
+    EngineRequestError,
     EngineStats,
     GenChunk,
     GenRequest,
@@ -70,6 +71,7 @@ class HFEngine:
     name = "hf"
     continuous_batching = False
     own_processes = False
+    tool_parser: str | None = None  # tool_choice auto is refused (refuse_options)
 
     def __init__(self, model: str | Path, model_name: str, settings: Settings) -> None:
         self.model_path = str(model)
@@ -111,6 +113,12 @@ class HFEngine:
         if not self.max_model_len:
             self.max_model_len = int(getattr(model.config, "max_position_embeddings", 2048))
         log.info("transformers model %s loaded on %s", self.model_path, device)
+
+    def extract_tool_calls(
+        self, text: str, tools: Sequence[dict[str, Any]]
+    ) -> tuple[str | None, list[dict[str, Any]]]:
+        # Never asked: generate refuses tools (refuse_options), as this engine has no parser.
+        raise EngineRequestError("invalid_request", "tools: not supported by the hf engine")
 
     def tokenizer_json(self) -> str | None:
         return hf_tokenizer_json(self._tokenizer)

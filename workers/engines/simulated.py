@@ -32,8 +32,9 @@ import itertools
 import random
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from app.core.settings import Settings
 from app.core.tokens import WORDS, count_words
@@ -127,6 +128,7 @@ class SimulatedEngine:
     name = "simulated"
     continuous_batching = True
     own_processes = False
+    tool_parser: str | None = None  # tool_choice auto is refused (refuse_options)
 
     def __init__(
         self, cost: CostModel, model_name: str = "simulated", max_model_len: int = 131_072
@@ -179,6 +181,12 @@ class SimulatedEngine:
         seq = self._by_id.get(request_id)
         if seq is not None:
             self._finish(seq, "abort")
+
+    def extract_tool_calls(
+        self, text: str, tools: Sequence[dict[str, Any]]
+    ) -> tuple[str | None, list[dict[str, Any]]]:
+        # Never asked: generate refuses tools (refuse_options), as this engine has no parser.
+        raise EngineRequestError("invalid_request", "tools: not supported by the simulated engine")
 
     def tokenizer_json(self) -> str:
         return WORDS

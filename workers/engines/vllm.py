@@ -15,7 +15,7 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -125,6 +125,9 @@ class VLLMEngine:
         self._request_errors: tuple[type[Exception], ...] = (ValueError,)
         self._stats = _StatsHolder()
         self.on_step: StepObserver = ignore_step
+        # vLLM's tool parser class for ``tool_choice: auto`` (INFERQ_TOOL_CALL_PARSER).
+        self.tool_parser: str | None = settings.tool_call_parser
+        self._tool_parser_class: Any = None
 
     def engine_args(self) -> dict[str, Any]:
         s = self.settings
@@ -150,6 +153,11 @@ class VLLMEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self._request_errors = _request_errors()
+        if self.tool_parser:
+            # An unknown name stops the worker before it takes any message (KeyError names it).
+            from vllm.tool_parsers import ToolParserManager
+
+            self._tool_parser_class = ToolParserManager.get_tool_parser(self.tool_parser)
         engine_args = self.engine_args()
         if isinstance(engine_args.get("structured_outputs_config"), dict):
             # EngineArgs builds its other configs from dicts, not this one (vllm 0.32); it is
@@ -183,6 +191,21 @@ class VLLMEngine:
         from vllm.v1.engine.exceptions import EngineDeadError as VLLMDead
 
         options = dict(req.options)
+        if req.tool_choice == "auto":
+            if self._tool_parser_class is None:
+                raise EngineRequestError(
+                    "invalid_request",
+                    "tool_choice auto needs the model's tool parser, and this worker has none "
+                    "(INFERQ_TOOL_CALL_PARSER, vLLM's --tool-call-parser)",
+                )
+            # As vLLM's server: a parser may need the tokens that mark calls (hermes keeps
+            # special tokens).
+            assert req.tools is not None
+            adjusted = self._tool_parser_class(self._tokenizer).adjust_request(
+                self._tool_request(req.tools["tools"], options.get("skip_special_tokens", True))
+            )
+            if not adjusted.skip_special_tokens:
+                options["skip_special_tokens"] = False
         if "logit_bias" in options:  # JSON keeps the token ids as strings
             options["logit_bias"] = {int(k): float(v) for k, v in options["logit_bias"].items()}
         prompt = prompt_text(req, self._tokenizer)
@@ -223,6 +246,32 @@ class VLLMEngine:
             # vLLM refuses bad input (a prompt that leaves no room in max_model_len) this way.
             code = "context_length_exceeded" if "length" in str(exc) else "invalid_request"
             raise EngineRequestError(code, str(exc)) from exc
+
+    def _tool_request(self, tools: Sequence[dict[str, Any]], skip_special: bool = True) -> Any:
+        """vLLM's chat request that its tool parsers read (the tools, tool_choice auto)."""
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+        return ChatCompletionRequest(
+            model=self.model_name,
+            messages=[],
+            tools=list(tools),
+            tool_choice="auto",
+            skip_special_tokens=skip_special,
+        )
+
+    def extract_tool_calls(
+        self, text: str, tools: Sequence[dict[str, Any]]
+    ) -> tuple[str | None, list[dict[str, Any]]]:
+        request = self._tool_request(tools)
+        parser = self._tool_parser_class(self._tokenizer, request.tools)
+        found = parser.extract_tool_calls(text, request)
+        if not found.tools_called:
+            return text, []
+        calls = [
+            {"name": call.function.name, "arguments": call.function.arguments}
+            for call in found.tool_calls
+        ]
+        return found.content, calls
 
     async def abort(self, request_id: str) -> None:
         if self._llm is not None:
