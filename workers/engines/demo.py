@@ -27,7 +27,7 @@ SPECIAL_TOKENS = ["<pad>", "<s>", "</s>"]
 # JSON in a system block, and an assistant's calls as <tool_call>{"name", "arguments"}</tool_call>
 # (what vLLM's ``hermes`` tool parser reads). A chat without tools renders as with the fallback.
 CHAT_TEMPLATE = (
-    "{% if tools %}<|system|>\nCall a tool as <tool_call>{\"name\": ..., \"arguments\": {...}}"
+    '{% if tools %}<|system|>\nCall a tool as <tool_call>{"name": ..., "arguments": {...}}'
     "</tool_call>. Tools: {{ tools | tojson }}\n{% endif %}"
     "{% for m in messages %}<|{{ m['role'] }}|>\n"
     "{% if m.content is defined and m.content %}{{ m.content }}{% endif %}"
