@@ -229,11 +229,13 @@ def test_vllms_sampling_options_change_what_the_real_engine_produces(
     token = tokenizer.encode(" fibonacci").ids[-1]
     client = OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
-    def complete(temperature: float = 0.0, **extra: object) -> tuple[str, str, int]:
+    def complete(
+        temperature: float = 0.0, max_tokens: int = 6, **extra: object
+    ) -> tuple[str, str, int]:
         out = client.completions.create(
             model="inferq-demo",
             prompt="def f(x):",
-            max_tokens=6,
+            max_tokens=max_tokens,
             temperature=temperature,
             extra_body=extra,
         )
@@ -254,6 +256,16 @@ def test_vllms_sampling_options_change_what_the_real_engine_produces(
     eos = {"logit_bias": {"2": 100}}
     assert complete(**eos)[1:] == ("stop", 1)
     assert complete(**eos, ignore_eos=True)[1:] == ("length", 6)
+    # The end-of-sequence token kept in the text: special tokens are skipped unless asked.
+    # (spaces_between_special_tokens reaches vLLM too, whose detokenizer for a fast tokenizer,
+    # like the demo model's, does not use it: "</s></s></s>" either way, as with vllm serve.)
+    assert complete(**eos, ignore_eos=True, max_tokens=3)[0] == ""
+    kept = complete(**eos, ignore_eos=True, max_tokens=3, skip_special_tokens=False)
+    assert kept[0] == "</s></s></s>"
+    # Each penalty moves the greedy text of a model that repeats itself.
+    long_greedy = complete(max_tokens=24)[0]
+    for penalty in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+        assert complete(max_tokens=24, **{penalty: 2.0})[0] != long_greedy, penalty
     # top_k=1 leaves the most likely token only: sampling at temperature 1 is greedy.
     assert complete(1.0, top_k=1, seed=3)[0] == greedy
     assert complete(1.0, min_p=1.0, seed=3)[0] == greedy
