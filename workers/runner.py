@@ -28,6 +28,7 @@ from typing import Any
 
 from app.core.models import LANE_PRIORITY
 from app.core.settings import Settings
+from app.core.transitions import choice
 from workers.engines.base import Engine, EngineStats, GenRequest
 
 log = logging.getLogger("inferq.runner")
@@ -57,12 +58,12 @@ def _choices(
     aborted: bool,
 ) -> list[dict[str, Any]]:
     return [
-        {
-            "index": i,
-            "text": "".join(texts.get(i, ())),
-            "finish_reason": "abort" if aborted else finishes.get(i),
-            "logprobs": None if logprobs is None else logprobs.get(i, []),
-        }
+        choice(
+            i,
+            "".join(texts.get(i, ())),
+            "abort" if aborted else finishes.get(i),
+            None if logprobs is None else logprobs.get(i, []),
+        )
         for i in range(n)
     ]
 

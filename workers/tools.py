@@ -22,6 +22,7 @@ import secrets
 from collections.abc import Mapping
 from typing import Any
 
+from app.core.transitions import choice
 from workers.engines.base import Engine
 from workers.runner import GenResult
 
@@ -62,16 +63,14 @@ def with_calls(result: GenResult, tools: Mapping[str, Any], engine: Engine) -> G
     """``result`` with every choice's tool calls (choices are kept for a job with tools)."""
     if tools["tool_choice"] == "none" or result.abort_reason is not None:
         return result
-    choices = result.choices or [
-        {"index": 0, "text": result.text, "finish_reason": result.finish_reason, "logprobs": None}
-    ]
+    choices = result.choices or [choice(0, result.text, result.finish_reason)]
     found = []
-    for choice in choices:
-        content, made = calls_in(choice["text"], tools, engine)
+    for one in choices:
+        content, made = calls_in(one["text"], tools, engine)
         if made:
-            finish = choice["finish_reason"]
+            finish = one["finish_reason"]
             if tools["tool_choice"] in ("auto", "required") and finish == "stop":
                 finish = "tool_calls"
-            choice = {**choice, "content": content, "tool_calls": made, "finish_reason": finish}
-        found.append(choice)
+            one = {**one, "content": content, "tool_calls": made, "finish_reason": finish}
+        found.append(one)
     return dataclasses.replace(result, choices=found, finish_reason=found[0]["finish_reason"])

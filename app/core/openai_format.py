@@ -33,6 +33,7 @@ from app.core.schemas import (
     ToolUse,
     check_json_schema,
 )
+from app.core.transitions import choice
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -443,14 +444,7 @@ def _choices(job: JobView) -> list[dict[str, Any]]:
     """Every choice of a succeeded job, stored (n > 1, logprobs) or its one result."""
     if job.choices is not None:
         return job.choices
-    return [
-        {
-            "index": 0,
-            "text": job.result_text or "",
-            "finish_reason": job.finish_reason,
-            "logprobs": None,
-        }
-    ]
+    return [choice(0, job.result_text or "", job.finish_reason)]
 
 
 def response_body(job: JobView) -> dict[str, Any]:

@@ -442,6 +442,14 @@ def claim(
     return rows, after
 
 
+def choice(
+    index: int, text: str, finish_reason: str | None, logprobs: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    """One choice as ``Job.choices`` holds it (a worker may add ``tool_calls`` and
+    ``content``: workers/tools.py)."""
+    return {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
+
+
 @dataclass(frozen=True)
 class Outcome:
     """How a running job ended, and what it produced."""
