@@ -15,7 +15,7 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.api.errors import body_of, error_body, headers_of, status_of
-from app.core.errors import DomainError, pydantic_error
+from app.core.errors import DomainError, named, pydantic_error
 
 log = logging.getLogger("inferq.api")
 
@@ -37,8 +37,7 @@ async def _validation_error(_request: Request, exc: Exception) -> JSONResponse:
     if first.get("type") in ("json_invalid", "json_type"):
         return _respond(400, "invalid_json", f"request body is not valid JSON: {first['msg']}")
     code, param, message = pydantic_error(first)
-    if param:
-        message = f"{param}: {message}"
+    message = named(param, message)
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
     return _respond(422, code, message, param)

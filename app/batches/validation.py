@@ -24,7 +24,7 @@ from sqlalchemy.engine import Connection
 from app.batches import lease
 from app.core import dispatch, jobs, outbox, storage, tokens, transitions
 from app.core.db import session_scope
-from app.core.errors import DomainError, Kind, pydantic_error
+from app.core.errors import DomainError, Kind, named, pydantic_error
 from app.core.models import Batch, BatchStatus, Lane, now
 from app.core.openai_format import REQUEST_TYPES
 from app.core.schemas import JobCreate, storable
@@ -103,7 +103,7 @@ def parse(raw: bytes | None, endpoint: str, limit: int) -> tuple[str, JobCreate]
     except ValidationError as exc:
         code, param, message = pydantic_error(exc.errors()[0])
         param = f"body.{param}" if param else "body"
-        raise _bad(code, f"{param}: {message}", param) from None
+        raise _bad(code, named(param, message), param) from None
     except DomainError as exc:
         raise _in_body(exc) from None
     return custom_id, job

@@ -89,6 +89,18 @@ def pydantic_error(error: Mapping[str, Any]) -> tuple[str, str | None, str]:
     return str(error.get("type", "invalid_value")), param, message
 
 
+def named(param: str | None, message: str) -> str:
+    """``message`` about ``param`` as a reply says it: "top_k: must be ..." once, not
+    "top_k: top_k must be ...": a message that starts with the field's name gets the full
+    path in its place."""
+    if not param:
+        return message
+    last = param.rsplit(".", 1)[-1].split("[", 1)[0]
+    if message.startswith(last + " "):
+        return param + message[len(last) :]
+    return f"{param}: {message}"
+
+
 def param_path(loc: Sequence[int | str]) -> str | None:
     """A validation error's location as a parameter: ("body", "messages", 0, "content") ->
     "messages[0].content"."""

@@ -21,7 +21,7 @@ from typing import Any, ClassVar, Literal, Protocol
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from app.core.errors import DomainError, Kind, pydantic_error
+from app.core.errors import DomainError, Kind, named, pydantic_error
 from app.core.models import Job, JobStatus, Lane
 from app.core.schemas import (
     CONSTRAINTS,
@@ -234,9 +234,7 @@ class _Request(JobParams):
             code, param, message = pydantic_error(exc.errors()[0])
             if param is not None:
                 param = param.removeprefix("params.")
-            raise DomainError(
-                Kind.INVALID, code, f"{param}: {message}" if param else message, param=param
-            ) from None
+            raise DomainError(Kind.INVALID, code, named(param, message), param=param) from None
 
 
 class ChatCompletionRequest(_Request, ToolUse):
