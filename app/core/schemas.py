@@ -487,6 +487,7 @@ class ToolUse(StrictModel):
                             "parameters": f.parameters or {"type": "object", "properties": {}},
                         },
                         "required": ["name", "parameters"],
+                        "additionalProperties": False,
                     }
                     for name, f in functions.items()
                 ],

@@ -110,7 +110,12 @@ def test_prompt_longer_than_the_context_is_refused_before_anything_is_written(
 ) -> None:
     store = redis.Redis.from_url(stack.redis_url)
     card = json.loads(store.get("inferq:model:inferq-demo") or "{}")
-    assert card == {"model": "inferq-demo", "max_model_len": CONTEXT, "tokenizer": "words"}
+    assert card == {
+        "model": "inferq-demo",
+        "max_model_len": CONTEXT,
+        "tokenizer": "words",
+        "tool_parser": None,
+    }
     with key(stack, "context") as c:
         fits = c.post("/v1/jobs", json=job(lane="realtime", prompt="w " * (CONTEXT - 1)))
         assert fits.status_code == 202, fits.text
