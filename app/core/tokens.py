@@ -166,7 +166,7 @@ def check(
             raise DomainError(
                 Kind.MALFORMED,
                 "tools_not_supported",
-                f"{param}: tool_choice auto (the default with tools) needs the model's tool "
+                f"{param} auto (the default with tools) needs the model's tool "
                 "parser, and its workers have none (INFERQ_TOOL_CALL_PARSER); tool_choice "
                 "required or a named function works without one",
                 param=param,

@@ -274,6 +274,7 @@ def test_tools_the_model_cannot_call_are_refused_by_name(client: OpenAI, stack: 
         client.chat.completions.create(model=MODEL, messages=messages, tools=tools)  # type: ignore[arg-type]
     assert refused.value.body["code"] == "tools_not_supported"  # type: ignore[index]
     assert refused.value.body["param"] == "tool_choice"  # type: ignore[index]
+    assert refused.value.body["message"].startswith("tool_choice auto (the default")  # type: ignore[index]
     with stack.client() as c:
         chat = {"model": MODEL, "messages": messages}
         for body, param in (
