@@ -118,6 +118,9 @@ def ending_of(result: GenResult, echo: str = "") -> Outcome | Released:
     choices = result.choices
     if echo and choices is not None:
         choices = [{**c, "text": echo + c["text"]} for c in choices]
+    stopped = {"cancelled": "cancelled", "deadline": "deadline"}.get(result.abort_reason or "")
+    if stopped and choices is not None:  # every choice ends as the job does
+        choices = [{**c, "finish_reason": stopped} for c in choices]
     produced: dict[str, Any] = {
         "text": echo + result.text,
         "choices": choices,

@@ -96,7 +96,10 @@ def admit(
     if limits.max_queued and bodies:
         _check_queued(session, tenant, limits.max_queued, len(bodies))
     default = get_settings().default_max_tokens
-    tokens = sum(prompt_tokens) + sum(body.params.max_tokens or default for body in bodies)
+    # Every choice can run to max_tokens.
+    tokens = sum(prompt_tokens) + sum(
+        (body.params.max_tokens or default) * body.params.n for body in bodies
+    )
     _take(tenant, limits, tokens)
 
 

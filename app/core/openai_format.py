@@ -240,7 +240,7 @@ class _Request(JobParams):
 class ChatCompletionRequest(_Request, ToolUse):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, strict=True)
 
     refused = CHAT_REFUSED
 

@@ -125,6 +125,12 @@ class ChatMessage(StrictModel):
                 "content is required (null only on an assistant message with tool_calls)",
                 {"fields": "content"},
             )
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise PydanticCustomError(
+                "tool_call_id",
+                "a tool message answers one call: tool_call_id is required on it, and only on it",
+                {"fields": "tool_call_id"},
+            )
         if self.tool_calls and self.role != "assistant":
             raise PydanticCustomError(
                 "unexpected_tool_calls",
@@ -334,6 +340,27 @@ class JobParams(StrictModel):
             if any(not 1 <= len(word) <= MAX_BAD_WORD_CHARS for word in value):
                 raise ValueError(f"each bad word is 1 to {MAX_BAD_WORD_CHARS} characters")
         return value or None
+
+    @model_validator(mode="after")
+    def _result_bound(self) -> JobParams:
+        # A result is one row and one relay message: logprobs of many long choices would make
+        # it hundreds of megabytes.
+        if self.logprobs is not None:
+            settings = get_settings()
+            entries = self.n * (self.max_tokens or settings.default_max_tokens)
+            entries *= 1 + self.logprobs
+            if entries > settings.max_logprob_entries:
+                raise PydanticCustomError(
+                    "result_too_large",
+                    "n x max_tokens x (1 + logprobs) is {entries}, over the limit of {limit} "
+                    "log-probabilities a job may return (INFERQ_MAX_LOGPROB_ENTRIES)",
+                    {
+                        "entries": entries,
+                        "limit": settings.max_logprob_entries,
+                        "fields": "logprobs",
+                    },
+                )
+        return self
 
     @model_validator(mode="after")
     def _greedy_is_one_choice(self) -> JobParams:
@@ -593,10 +620,16 @@ class TokenLogprob(BaseModel):
     top_logprobs: list[TopLogprob]
 
 
+class MadeFunction(BaseModel):
+    # What the model wrote, as it wrote it: a parsed name need not follow the request's rule.
+    name: str
+    arguments: str
+
+
 class MadeCall(BaseModel):
     id: str
     type: Literal["function"]
-    function: CalledFunction
+    function: MadeFunction
 
 
 class JobChoice(BaseModel):

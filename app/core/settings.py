@@ -47,6 +47,10 @@ class Settings(BaseSettings):
     max_tokens_limit: int = Field(8192, description="Upper bound accepted for max_tokens.")
     default_max_tokens: int = Field(128, description="max_tokens when a job does not say.")
     max_n: int = Field(16, description="Most choices (n) one job may ask for.")
+    max_logprob_entries: int = Field(
+        200_000,
+        description="Most log-probabilities one job returns: n x max_tokens x (1 + logprobs).",
+    )
     max_stop_sequences: int = Field(4, description="Most stop strings per job.")
     max_stop_chars: int = Field(64, description="Longest stop string.")
     max_timeout_s: float = Field(86_400.0, description="Largest timeout_s a job may ask for.")

@@ -247,6 +247,11 @@ def test_every_choice_is_stored_alone_or_in_a_group_write(database: str, runner:
             assert [c["text"] for c in stored.choices] == ["> a\ufffd", "> c"]
             assert stored.choices[0]["logprobs"][0]["token"] == "a\ufffd"
             assert stored.choices[1]["finish_reason"] == "stop"
+    # A job stopped while running ends every choice as it ends (not the runner's "abort").
+    cancelled = GenResult("a", "abort", 1, 2, None, "cancelled", choices=choices)
+    ending = ending_of(cancelled)
+    assert isinstance(ending, Outcome) and ending.choices is not None
+    assert {c["finish_reason"] for c in ending.choices} == {"cancelled"} == {ending.finish_reason}
 
 
 class RecordingExecutor(Executor):

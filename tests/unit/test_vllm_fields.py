@@ -24,7 +24,7 @@ from app.core.openai_format import (
     ChatCompletionRequest,
     CompletionRequest,
 )
-from app.core.schemas import JobCreate, JobParams
+from app.core.schemas import JobChoice, JobCreate, JobParams
 from app.core.settings import DEMO_MODEL_NAME
 
 CHAT = {"model": DEMO_MODEL_NAME, "messages": [{"role": "user", "content": "hi"}]}
@@ -162,6 +162,46 @@ def test_choices_and_logprobs_refuse_what_vllm_would_not_do_naming_the_field(
         type_of(body).model_validate(body)
     first = error.value.errors()[0]
     assert field in (*first["loc"], (first.get("ctx") or {}).get("fields")), first
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({**COMPLETION, "n": 16, "max_tokens": 8192, "logprobs": 20}, "logprobs"),
+        ({**CHAT, "logprobs": True, "top_logprobs": "3"}, "top_logprobs"),
+        ({**CHAT, "messages": [{"role": "tool", "content": "sunny"}]}, "tool_call_id"),
+        (
+            {**CHAT, "messages": [{"role": "user", "content": "x", "tool_call_id": "c1"}]},
+            "tool_call_id",
+        ),
+    ],
+)
+def test_results_too_large_and_malformed_history_are_refused_by_name(
+    body: dict[str, Any], field: str
+) -> None:
+    with pytest.raises(ValidationError) as error:
+        type_of(body).model_validate(body)
+    first = error.value.errors()[0]
+    assert field in (*first["loc"], (first.get("ctx") or {}).get("fields")), first
+
+
+def test_a_stored_call_shows_the_name_the_model_wrote() -> None:
+    """A tool parser returns whatever name the model wrote; the job still reads back."""
+    stored = {
+        "index": 0,
+        "text": "...",
+        "finish_reason": "tool_calls",
+        "logprobs": None,
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get weather", "arguments": "{}"},
+            }
+        ],
+    }
+    assert JobChoice.model_validate(stored).tool_calls[0].function.name == "get weather"  # type: ignore[index]
 
 
 def test_chat_logprobs_become_vllms_count_of_alternatives() -> None:

@@ -208,7 +208,12 @@ class VLLMEngine:
                 options["skip_special_tokens"] = False
         if "logit_bias" in options:  # JSON keeps the token ids as strings
             options["logit_bias"] = {int(k): float(v) for k, v in options["logit_bias"].items()}
-        prompt = prompt_text(req, self._tokenizer)
+        try:
+            prompt = prompt_text(req, self._tokenizer)
+        except Exception as exc:  # jinja2's errors: the messages this model's template refuses
+            raise EngineRequestError(
+                "invalid_request", f"the model's chat template refused the messages: {exc}"
+            ) from exc
         try:
             if "structured_outputs" in options:
                 options["structured_outputs"] = StructuredOutputsParams(
