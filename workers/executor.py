@@ -115,42 +115,37 @@ def request_for(job: Any, token: int) -> GenRequest:
 
 def ending_of(result: GenResult, echo: str = "") -> Outcome | Released:
     """How a generation that left the engine ends its job (``echo``: see echo_of)."""
-    choices = result.choices
-    if echo and choices is not None:
-        choices = [{**c, "text": echo + c["text"]} for c in choices]
-    stopped = {"cancelled": "cancelled", "deadline": "deadline"}.get(result.abort_reason or "")
-    if stopped and choices is not None:  # every choice ends as the job does
-        choices = [{**c, "finish_reason": stopped} for c in choices]
-    produced: dict[str, Any] = {
-        "text": echo + result.text,
-        "choices": choices,
-        "prompt_tokens": result.prompt_tokens,
-        "completion_tokens": result.completion_tokens,
-        "first_token_at": result.first_token_at,
-    }
+    error: tuple[str | None, str | None] = (None, None)
+    finish: str | None
     match result.abort_reason:
         case None if result.finish_reason == "abort":
-            return Outcome(
-                JobStatus.FAILED,
-                error_code="engine_aborted",
-                error_message="the engine aborted the request",
-                finish_reason="abort",
-                **produced,
-            )
+            status, finish = JobStatus.FAILED, "abort"
+            error = ("engine_aborted", "the engine aborted the request")
         case None:
-            return Outcome(JobStatus.SUCCEEDED, finish_reason=result.finish_reason, **produced)
+            status, finish = JobStatus.SUCCEEDED, result.finish_reason
         case "cancelled":
-            return Outcome(JobStatus.CANCELLED, finish_reason="cancelled", **produced)
+            status, finish = JobStatus.CANCELLED, "cancelled"
         case "deadline":
-            return Outcome(
-                JobStatus.EXPIRED,
-                error_code=DEADLINE_EXCEEDED,
-                error_message="the job's timeout_s passed while it was running",
-                finish_reason="deadline",
-                **produced,
-            )
+            status, finish = JobStatus.EXPIRED, "deadline"
+            error = (DEADLINE_EXCEEDED, "the job's timeout_s passed while it was running")
         case reason:
             return Released(reason)
+    choices = result.choices
+    if choices is not None:
+        # A job stopped while running ends every choice as it ends (the runner says "abort").
+        stopped = {} if result.abort_reason is None else {"finish_reason": finish}
+        choices = [{**c, "text": echo + c["text"], **stopped} for c in choices]
+    return Outcome(
+        status,
+        error_code=error[0],
+        error_message=error[1],
+        text=echo + result.text,
+        finish_reason=finish,
+        prompt_tokens=result.prompt_tokens,
+        completion_tokens=result.completion_tokens,
+        first_token_at=result.first_token_at,
+        choices=choices,
+    )
 
 
 class Executor:
