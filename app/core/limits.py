@@ -95,11 +95,7 @@ def admit(
         _backpressure(session, lane)
     if limits.max_queued and bodies:
         _check_queued(session, tenant, limits.max_queued, len(bodies))
-    default = get_settings().default_max_tokens
-    # Every choice can run to max_tokens.
-    tokens = sum(prompt_tokens) + sum(
-        (body.params.max_tokens or default) * body.params.n for body in bodies
-    )
+    tokens = sum(prompt_tokens) + sum(body.params.most_output_tokens() for body in bodies)
     _take(tenant, limits, tokens)
 
 

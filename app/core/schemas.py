@@ -347,8 +347,7 @@ class JobParams(StrictModel):
         # it hundreds of megabytes.
         if self.logprobs is not None:
             settings = get_settings()
-            entries = self.n * (self.max_tokens or settings.default_max_tokens)
-            entries *= 1 + self.logprobs
+            entries = self.most_output_tokens() * (1 + self.logprobs)
             if entries > settings.max_logprob_entries:
                 raise PydanticCustomError(
                     "result_too_large",
@@ -392,6 +391,10 @@ class JobParams(StrictModel):
                 {"min": self.min_tokens, "max": self.max_tokens, "fields": "min_tokens"},
             )
         return self
+
+    def most_output_tokens(self) -> int:
+        """What the job can generate: every choice can run to max_tokens."""
+        return self.n * (self.max_tokens or get_settings().default_max_tokens)
 
     def stored(self) -> dict[str, Any]:
         """What a job's row keeps: the options set to something other than their default."""
@@ -497,9 +500,13 @@ class ToolUse(StrictModel):
         """The JSON schema a ``required`` or named choice holds the output to, as vLLM's
         server builds it: the named function's arguments, or a list of calls of the tools."""
         chosen = self.chosen()
-        functions = {tool.function.name: tool.function for tool in self.tools or ()}
+        # A function without parameters takes an empty object (vLLM's rule).
+        arguments = {
+            tool.function.name: tool.function.parameters or {"type": "object", "properties": {}}
+            for tool in self.tools or ()
+        }
         if isinstance(chosen, dict):
-            return functions[chosen["name"]].parameters or {"type": "object", "properties": {}}
+            return arguments[chosen["name"]]
         if chosen != "required":
             return None
         calls: dict[str, Any] = {
@@ -511,12 +518,12 @@ class ToolUse(StrictModel):
                     {
                         "properties": {
                             "name": {"type": "string", "enum": [name]},
-                            "parameters": f.parameters or {"type": "object", "properties": {}},
+                            "parameters": schema,
                         },
                         "required": ["name", "parameters"],
                         "additionalProperties": False,
                     }
-                    for name, f in functions.items()
+                    for name, schema in arguments.items()
                 ],
             },
         }

@@ -162,7 +162,7 @@ def check(
     counts = []
     for index, body in enumerate(bodies):
         if body.chosen() == "auto" and found.card.tool_parser is None:
-            param = f"{field}.{index}.tool_choice" if field else "tool_choice"
+            param = _param(field, index, "tool_choice")
             raise DomainError(
                 Kind.MALFORMED,
                 "tools_not_supported",
@@ -175,8 +175,7 @@ def check(
         limit = found.card.max_model_len
         # vLLM's rule: the context holds the prompt and at least one generated token.
         if limit and n >= limit:
-            name = "messages" if body.messages is not None else "prompt"
-            param = f"{field}.{index}.{name}" if field else name
+            param = _param(field, index, "messages" if body.messages is not None else "prompt")
             raise DomainError(
                 Kind.INVALID,
                 "context_length_exceeded",
@@ -186,6 +185,11 @@ def check(
             )
         counts.append(n)
     return counts
+
+
+def _param(field: str | None, index: int, name: str) -> str:
+    """``name`` of the body at ``index`` of ``field`` (``jobs.3.prompt``), or of the body."""
+    return f"{field}.{index}.{name}" if field else name
 
 
 def estimate(body: JobCreate) -> int:
