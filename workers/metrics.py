@@ -12,6 +12,7 @@ Names and labels are the README's metrics table.
 from __future__ import annotations
 
 import ipaddress
+import itertools
 import logging
 import socket
 import statistics
@@ -80,6 +81,13 @@ class _Steps:
 
     def median_ms(self) -> float | None:
         return statistics.median(self.recent) * 1000 if self.recent else None
+
+    def latest_ms(self, n: int = 8) -> float | None:
+        """The median of the last ``n`` steps: what bulk pacing compares with its step budget
+        (the median of all recent ones would follow a change too slowly)."""
+        if not self.recent:
+            return None
+        return statistics.median(itertools.islice(reversed(self.recent), n)) * 1000
 
 
 STEP_WINDOW = 256

@@ -29,6 +29,7 @@ from typing import Any
 from app.core.models import LANE_PRIORITY
 from app.core.settings import Settings
 from app.core.transitions import choice
+from workers import metrics
 from workers.engines.base import Engine, EngineStats, GenRequest
 
 log = logging.getLogger("inferq.runner")
@@ -141,30 +142,52 @@ def _settle(future: concurrent.futures.Future[GenResult], task: asyncio.Task[Gen
 
 
 class BulkPacer:
-    """Keeps bulk prefills from delaying realtime first tokens (used on the loop thread only).
+    """Keeps bulk work from delaying realtime first tokens (used on the loop thread only).
 
-    A step that prefills many new bulk sequences (a bulk message brings 32 at once) can take
-    several times as long as a decode step, and a realtime request scheduled in it, or arriving
-    during it, waits for all of it. So while realtime traffic is active (a realtime request in
-    the last ``WINDOW_S``) and the engine is busy (``busy_at`` bulk requests in it), at most
-    ``limit`` bulk requests are in prefill (submitted, no first token yet) at once, and none
-    enters while a realtime request awaits its first token. Without realtime traffic bulk is
-    not paced: pacing costs bulk throughput (measured: 0.925 -> 0.789 of the engine's on vLLM
-    CPU), which only buys something when there is realtime work to protect. The first realtime
-    request after a quiet spell can still share a step with a bulk message's prefills.
-    ``limit`` 0 turns pacing off.
+    While realtime traffic is active (a realtime request in the last ``WINDOW_S``):
+
+    - **prefills**: once the engine is busy (``busy_at`` bulk requests in it), at most
+      ``limit`` bulk requests are in prefill (submitted, no first token yet) at once, and none
+      enters while a realtime request awaits its first token. A step that prefills a bulk
+      message's 32 new sequences lasts several decode steps, and a realtime request scheduled
+      in it, or arriving during it, waits for all of it.
+    - **step budget**: with ``step_budget_ms`` set, no bulk request enters while the engine's
+      recent steps (``step_ms()``, the median of the last few) take longer than the budget,
+      so the running bulk sequences thin out as they finish until a step fits it; those that
+      enter are prefill-limited as above (at least one at a time) however few are running. A
+      realtime request waits for the step under way and then for its own, so both shrink; the
+      price is bulk throughput while realtime traffic lasts (docs/benchmarks.md, "mixed").
+      One bulk request always may run, so bulk never stops.
+
+    Without realtime traffic bulk is not paced: pacing costs bulk throughput (measured:
+    0.925 -> 0.789 of the engine's on vLLM CPU), which only buys something when there is
+    realtime work to protect. The first realtime request after a quiet spell can still share
+    a step with a bulk message's prefills. ``limit`` 0 and ``step_budget_ms`` 0 turn each off.
     """
 
     WINDOW_S = 5.0
+    RECHECK_S = 0.02  # while bulk waits: how often time alone (the window, the steps) is checked
 
-    def __init__(self, limit: int, busy_at: int = 0) -> None:
+    def __init__(
+        self,
+        limit: int,
+        busy_at: int = 0,
+        step_budget_ms: float = 0.0,
+        step_ms: Callable[[], float | None] = lambda: None,
+    ) -> None:
         self.limit = limit
         self.busy_at = busy_at
+        self.step_budget_ms = step_budget_ms
+        self.step_ms = step_ms
         self.bulk_in_engine = 0
         self.bulk_prefilling = 0
         self.realtime_waiting = 0
         self.last_realtime = float("-inf")
-        self._changed = asyncio.Event()
+        # Bulk requests waiting to enter, first come first served: each change wakes at most
+        # the ones it lets in (hundreds of waiters re-checking on every change cost the engine
+        # loop's thread more than the steps they wait for).
+        self._waiting: deque[asyncio.Future[None]] = deque()
+        self._recheck: asyncio.TimerHandle | None = None
 
     def realtime_in(self) -> None:
         self.realtime_waiting += 1
@@ -172,30 +195,67 @@ class BulkPacer:
 
     def realtime_out(self) -> None:
         self.realtime_waiting -= 1
-        self._changed.set()
+        self._admit_waiting()
 
     async def bulk_in(self) -> None:
-        while not self._may_admit():
-            self._changed.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), 0.05)
-        self.bulk_prefilling += 1
-        self.bulk_in_engine += 1
+        if not self._waiting and self._may_admit():
+            self._enter()
+            return
+        entered: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiting.append(entered)
+        self._schedule_recheck()
+        try:
+            await entered
+        except asyncio.CancelledError:
+            if entered.done() and not entered.cancelled():
+                self.bulk_done()  # let in, then cancelled before it could run
+                self.bulk_first_token()
+            else:
+                self._waiting.remove(entered)
+            raise
 
     def bulk_first_token(self) -> None:
         self.bulk_prefilling -= 1
-        self._changed.set()
+        self._admit_waiting()
 
     def bulk_done(self) -> None:
         self.bulk_in_engine -= 1
-        self._changed.set()
+        self._admit_waiting()
+
+    def _enter(self) -> None:
+        self.bulk_prefilling += 1
+        self.bulk_in_engine += 1
+
+    def _admit_waiting(self) -> None:
+        while self._waiting and self._may_admit():
+            entered = self._waiting.popleft()
+            self._enter()
+            entered.set_result(None)
+
+    def _schedule_recheck(self) -> None:
+        if self._recheck is None:
+            self._recheck = asyncio.get_running_loop().call_later(self.RECHECK_S, self._on_recheck)
+
+    def _on_recheck(self) -> None:
+        self._recheck = None
+        self._admit_waiting()
+        if self._waiting:
+            self._schedule_recheck()
 
     def _may_admit(self) -> bool:
-        if self.limit <= 0 or self.bulk_in_engine < self.busy_at:
-            return True
         if time.monotonic() - self.last_realtime > self.WINDOW_S:
             return True
-        return self.realtime_waiting == 0 and self.bulk_prefilling < self.limit
+        limit = self.limit
+        if self.step_budget_ms > 0:
+            step = self.step_ms()
+            if self.bulk_in_engine > 0 and step is not None and step > self.step_budget_ms:
+                return False
+            # The engine is kept below its busy point here: without the prefill limit, the
+            # bulk held back would all enter together, in steps far over the budget.
+            limit = max(1, limit)
+        elif limit <= 0 or self.bulk_in_engine < self.busy_at:
+            return True
+        return self.realtime_waiting == 0 and self.bulk_prefilling < limit
 
 
 def yield_cpu_to_engine(increment: int) -> None:
@@ -227,6 +287,8 @@ class Runner:
         micro_max_wait_ms: float = 100.0,
         bulk_prefill_limit: int = 0,
         bulk_busy_at: int = 0,
+        step_budget_ms: float = 0.0,
+        step_ms: Callable[[], float | None] = lambda: None,
         yield_cpu: int = 0,
     ) -> None:
         self.engine = engine
@@ -240,8 +302,12 @@ class Runner:
         self._tasks: dict[str, asyncio.Task[GenResult]] = {}
         self._abort_reasons: dict[str, str] = {}
         # Static micro-batches run as a unit: there is no engine step to keep short.
-        pace = bulk_prefill_limit if self.batching == "continuous" else 0
-        self.pacer = BulkPacer(pace, bulk_busy_at)
+        self.pacer = BulkPacer(
+            bulk_prefill_limit if continuous else 0,
+            bulk_busy_at,
+            step_budget_ms if continuous else 0.0,
+            step_ms,
+        )
 
     @classmethod
     def from_settings(cls, engine: Engine, settings: Settings, *, pacing: bool = True) -> Runner:
@@ -253,6 +319,8 @@ class Runner:
             micro_max_wait_ms=settings.micro_batch_max_wait_ms,
             bulk_prefill_limit=settings.bulk_prefill_limit if pacing else 0,
             bulk_busy_at=settings.worker_concurrency // 2,
+            step_budget_ms=settings.realtime_step_ms if pacing else 0.0,
+            step_ms=metrics.steps.latest_ms,
             yield_cpu=settings.worker_nice,
         )
 

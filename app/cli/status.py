@@ -91,7 +91,8 @@ def _workers_table(snap: snapshot.Snapshot) -> Table:
     # The worker id is hostname:pid. Long names (a model's repository) wrap rather than hide.
     for name in ("worker", "engine", "model", "lanes"):
         table.add_column(name, overflow="fold")
-    for name in ("in flight", "running", "waiting", "KV cache", "tokens/s", "last seen"):
+    # "step ms": how long the engine's steps take (what INFERQ_REALTIME_STEP_MS is set against).
+    for name in ("in flight", "running", "waiting", "KV cache", "tokens/s", "step ms", "last seen"):
         table.add_column(name, justify="right")
     if not snap.workers:
         table.add_row("no worker is announced (start one: inferq worker)")
@@ -107,6 +108,7 @@ def _workers_table(snap: snapshot.Snapshot) -> Table:
             _number(record.get("waiting")),
             "-" if kv is None else f"{float(kv) * 100:.0f}%",
             _number(record.get("tokens_per_s"), "{:.1f}"),
+            _number(record.get("step_ms"), "{:.1f}"),
             _seen(snap, record),
         )
     return table

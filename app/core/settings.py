@@ -102,6 +102,13 @@ class Settings(BaseSettings):
     bulk_prefill_limit: int = Field(
         2, ge=0, description="While realtime traffic is active, most bulk jobs in prefill; 0: off."
     )
+    realtime_step_ms: float = Field(
+        0.0,
+        ge=0,
+        description="While realtime traffic is active, no bulk job enters the engine while its "
+        "steps take longer than this (ms): shorter realtime first tokens for less bulk "
+        "throughput; 0: off.",
+    )
 
     vllm_gpu_memory_utilization: float = Field(0.9, description="vLLM GPU memory fraction.")
     vllm_max_num_seqs: int = Field(256, description="vLLM max_num_seqs (running sequences).")

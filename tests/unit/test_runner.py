@@ -121,3 +121,36 @@ def test_bulk_pacing_keeps_bulk_prefills_out_of_a_realtime_first_token() -> None
         assert runner.pacer.bulk_prefilling == 0 and runner.pacer.bulk_in_engine == 0
     finally:
         runner.shutdown()
+
+
+def test_a_step_budget_holds_bulk_out_while_steps_are_too_long() -> None:
+    step = [50.0]  # the engine's recent step time (ms), as the worker's metrics report it
+    engine = SimulatedEngine(CostModel.from_settings(Settings(), base_ms=2.0))
+    # busy_at is far above what runs here: with a budget, bulk is paced anyway.
+    runner = Runner(
+        engine, bulk_prefill_limit=1, bulk_busy_at=128, step_budget_ms=20, step_ms=lambda: step[0]
+    )
+    runner.start()
+    try:
+        # Realtime traffic is active: the budget applies (without it bulk enters freely).
+        runner.submit(GenRequest("warm", prompt="hi", max_tokens=1, priority=0)).result(30)
+        first = runner.submit(GenRequest("b0", prompt="x", max_tokens=600, priority=2))
+        deadline = time.monotonic() + 10
+        while runner.pacer.bulk_in_engine == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        rest = [
+            runner.submit(GenRequest(f"b{i}", prompt="x", max_tokens=4, priority=2))
+            for i in range(1, 6)
+        ]
+        time.sleep(0.2)  # several rechecks of the budget
+        # One bulk request always runs; the others wait while the steps are over budget.
+        stats = runner.engine.stats()
+        assert stats.running + stats.waiting == 1
+        assert runner.pacer.bulk_in_engine == 1 and not any(f.done() for f in rest)
+        step[0] = 5.0  # the steps fit the budget again: the others enter, one prefill at a time
+        done = [f.result(30) for f in rest]
+        assert all(r.completion_tokens == 4 for r in done)
+        assert first.result(30).completion_tokens == 600
+        assert runner.pacer.bulk_in_engine == 0 and runner.pacer.bulk_prefilling == 0
+    finally:
+        runner.shutdown()
