@@ -110,17 +110,16 @@ TRANSPORT_ALIASES["redis"] = f"{__name__}:RedisTransport"
 
 def broker_transport_options(settings: Settings) -> dict[str, Any]:
     return {
-        "visibility_timeout": settings.visibility_timeout_s,
         # BRPOP the queues in strict lane order instead of kombu's default round robin.
         "queue_order_strategy": f"{__name__}:LaneOrder",
         "priority_steps": [0],
         # No redelivery bookkeeping in Redis (an unacked hash and index written for every
-        # message received and cleared at its ack, a sixth of a worker's CPU on the realtime
-        # path: docs/benchmarks.md, "overhead"). The job row is what gets a job run again: a
+        # message received and cleared at its ack: 8 % of a worker's CPU per realtime call,
+        # docs/benchmarks.md, "overhead"). The job row is what gets a job run again: a
         # dead worker's claimed jobs come back when their lease expires, a fetched message
         # that was never claimed is re-sent by the reaper, and a worker that stops hands its
-        # jobs back (README, "Reliability"). The bookkeeping's own redelivery came after the
-        # visibility timeout, two days, long after the reaper.
+        # jobs back (README, "Reliability"). The bookkeeping's own redelivery came after a
+        # visibility timeout of two days, long after the reaper.
         "ack_emulation": False,
         # A broker poll (BRPOP) that is already waiting does not see a lane the intake has
         # just re-opened; a short poll bounds that delay (at the cost of ~20 polls/s idle).

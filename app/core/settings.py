@@ -156,11 +156,6 @@ class Settings(BaseSettings):
         description="How often a worker renews its leases; workers and ops workers re-announce "
         "themselves in Redis as often.",
     )
-    visibility_timeout_s: int = Field(
-        172_800,
-        description="Redis redelivers a message unacknowledged this long; longer than any job "
-        "may run (the reaper, not this, recovers the jobs of dead workers).",
-    )
     reaper_interval_s: float = Field(
         15.0, gt=0, description="How often the ops worker's reaper sweeps (workers/reaper.py)."
     )
@@ -268,31 +263,14 @@ class Settings(BaseSettings):
         return self
 
     def _check_timing(self) -> None:
-        """Refuse timings under which a live job could be taken for a lost one.
-
-        A lease must outlive several heartbeats, and Redis must not redeliver a message while
-        its job may still be running: every deadline a job can have ends before that.
-        """
-        if not self.heartbeat_s < self.lease_ttl_s < self.visibility_timeout_s:
+        """Refuse timings under which a live job could be taken for a lost one: a lease must
+        outlive several heartbeats. (Redis never hands a message out twice: the transport keeps
+        no redelivery of its own, app/core/dispatch.py.)"""
+        if not self.heartbeat_s < self.lease_ttl_s:
             raise ValueError(
-                "timing settings must satisfy heartbeat_s < lease_ttl_s < visibility_timeout_s "
-                f"(got {self.heartbeat_s} < {self.lease_ttl_s} < {self.visibility_timeout_s})"
+                "timing settings must satisfy heartbeat_s < lease_ttl_s "
+                f"(got {self.heartbeat_s} < {self.lease_ttl_s})"
             )
-        longest = {
-            "INFERQ_MAX_TIMEOUT_S": self.max_timeout_s,
-            "INFERQ_BATCH_MAX_WINDOW_S": self.batch_max_window_s,
-            **{
-                f"INFERQ_LANE_DEFAULT_TIMEOUT_S[{lane}]": value
-                for lane, value in self.lane_default_timeout_s.items()
-            },
-        }
-        for name, value in longest.items():
-            if value >= self.visibility_timeout_s:
-                raise ValueError(
-                    f"{name} ({value:g} s) must be shorter than INFERQ_VISIBILITY_TIMEOUT_S "
-                    f"({self.visibility_timeout_s} s): Redis would hand a job's message to a "
-                    "second worker while the first may still run it"
-                )
 
     @property
     def sqlalchemy_url(self) -> str:
