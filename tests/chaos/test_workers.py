@@ -11,6 +11,8 @@ with its reaper every second) against PostgreSQL and a Redis database of their o
 - SIGTERM under load: the jobs it holds finish, it exits 0, nothing runs twice;
 - SIGTERM with jobs longer than the grace period: they are handed back and finished elsewhere;
 - a crash between a job's commit and its enqueue: the reaper sends it;
+- a message taken off its lane by a worker that dies before claiming it (Redis keeps no
+  redelivery of its own): the reaper sends it again;
 - the same message delivered twice: the job runs once.
 
 Each prints a ``RECOVERY <scenario> <seconds>`` line (``pytest -s``) for the README.
@@ -28,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 from sqlalchemy import text
 
 from tests.conftest import PostgresDatabases, fresh_redis_url
@@ -234,3 +237,18 @@ def test_duplicate_delivery_runs_once(stack: Stack) -> None:
     # The second message found the job taken: it claimed nothing (one claim, one token).
     wait_until(lambda: "'skipped': 1" in worker.log.read_text(), 30, "the duplicate's skip")
     assert stack.scalar("SELECT lease_token FROM jobs WHERE id = :i", i=job_id) == 1
+
+
+def test_a_message_fetched_and_never_claimed_is_sent_again(stack: Stack) -> None:
+    # No inference worker yet: the job's message waits on its lane's list.
+    job_id = stack.submit({"prompt": "hello", "lane": "standard"})["id"]
+    lane = redis.Redis.from_url(stack.redis_url)
+    wait_until(lambda: lane.llen("standard") == 1, 10, "the job's message on its lane")
+    # A consumer takes it and dies before its claim: nothing of the message is left in Redis.
+    assert lane.rpop("standard") is not None
+    assert lane.llen("standard") == 0
+    stack.start_worker()
+    began = time.time()
+    done = stack.wait_job(job_id, timeout=60)
+    report("fetched-never-claimed (worker up -> succeeded)", time.time() - began)
+    assert done["status"] == "succeeded" and done["attempts"] == 1
