@@ -207,11 +207,12 @@ class BulkPacer:
         try:
             await entered
         except asyncio.CancelledError:
-            if entered.done() and not entered.cancelled():
-                self.bulk_done()  # let in, then cancelled before it could run
+            if entered.cancelled():  # cancelled while waiting (a deadline, an abort)
+                with contextlib.suppress(ValueError):  # _admit_waiting may have dropped it
+                    self._waiting.remove(entered)
+            else:  # let in, then cancelled before it could run
+                self.bulk_done()
                 self.bulk_first_token()
-            else:
-                self._waiting.remove(entered)
             raise
 
     def bulk_first_token(self) -> None:
@@ -229,6 +230,8 @@ class BulkPacer:
     def _admit_waiting(self) -> None:
         while self._waiting and self._may_admit():
             entered = self._waiting.popleft()
+            if entered.done():  # cancelled while waiting: it takes no place
+                continue
             self._enter()
             entered.set_result(None)
 

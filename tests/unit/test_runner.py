@@ -147,8 +147,12 @@ def test_a_step_budget_holds_bulk_out_while_steps_are_too_long() -> None:
         stats = runner.engine.stats()
         assert stats.running + stats.waiting == 1
         assert runner.pacer.bulk_in_engine == 1 and not any(f.done() for f in rest)
+        # One of those waiting is cancelled: it ends at once and takes no place.
+        runner.abort("b1", "cancelled")
+        cancelled = rest[0].result(30)
+        assert cancelled.abort_reason == "cancelled" and cancelled.completion_tokens == 0
         step[0] = 5.0  # the steps fit the budget again: the others enter, one prefill at a time
-        done = [f.result(30) for f in rest]
+        done = [f.result(30) for f in rest[1:]]
         assert all(r.completion_tokens == 4 for r in done)
         assert first.result(30).completion_tokens == 600
         assert runner.pacer.bulk_in_engine == 0 and runner.pacer.bulk_prefilling == 0
