@@ -75,13 +75,9 @@ def get_engine() -> Engine:
             if url.startswith("sqlite"):
                 _engine = _sqlite_engine(url)
             else:
-                # No ping before each use of a pooled connection (a round trip added to every
-                # transaction of the hot paths: about 5 % of the CPU of a realtime call,
-                # docs/benchmarks.md, "overhead"). A connection the server dropped fails its
-                # first statement instead, which invalidates the whole pool: a worker retries
-                # (with_db_retry), an API call answers 503 like any database outage.
                 _engine = create_engine(
                     url,
+                    pool_pre_ping=True,
                     pool_size=20,
                     max_overflow=40,
                     pool_timeout=settings.dependency_timeout_s * 5,
