@@ -2,7 +2,9 @@
 
 - Lanes are separate queues polled in strict priority order (realtime, standard, bulk).
 - ``acks_late``: a message is acknowledged only after the task returned, i.e. after the job's
-  final state was committed; a worker that dies holding messages leaves them in Redis.
+  final state was committed; a worker that stops puts the messages it holds back on their
+  lanes. One that dies loses them with its memory (Redis keeps no redelivery of its own,
+  app/core/dispatch.py): the job rows bring those jobs back (README, "Reliability").
 - Prefetch multiplier 1 with the threads pool: a worker reserves no more messages than it has
   threads, so the backlog stays in Redis where other workers and the API can see it.
 - Results live in the database, never in a Celery result backend.

@@ -250,8 +250,10 @@ class BulkPacer:
             return True
         limit = self.limit
         if self.step_budget_ms > 0:
+            if self.bulk_in_engine == 0:
+                return True  # one bulk request always may run: bulk never stops
             step = self.step_ms()
-            if self.bulk_in_engine > 0 and step is not None and step > self.step_budget_ms:
+            if step is not None and step > self.step_budget_ms:
                 return False
             # The engine is kept below its busy point here: without the prefill limit, the
             # bulk held back would all enter together, in steps far over the budget.

@@ -264,8 +264,9 @@ class Settings(BaseSettings):
 
     def _check_timing(self) -> None:
         """Refuse timings under which a live job could be taken for a lost one: a lease must
-        outlive several heartbeats. (Redis never hands a message out twice: the transport keeps
-        no redelivery of its own, app/core/dispatch.py.)"""
+        outlive several heartbeats. (No redelivery timer of Redis's is left to order against
+        the lease: app/core/dispatch.py. A message that does come twice, put back by a worker
+        that stopped or re-sent by the reaper, claims nothing the second time.)"""
         if not self.heartbeat_s < self.lease_ttl_s:
             raise ValueError(
                 "timing settings must satisfy heartbeat_s < lease_ttl_s "

@@ -320,8 +320,11 @@ def mixed(opts: Options) -> dict[str, Any]:
         "budget_realtime_ttft_p99_ms": budget["p99_ttft_ms"],
         "budget_ttft_p50_target_ms": idle["median_ttft_ms"] + budget_step,
         "budget_ttft_p99_target_ms": idle["p99_ttft_ms"] + budget_step + 30.0,
+        # None when no bulk job ended during the load (a small --scale can drain the backlog).
         "budget_bulk_throughput_ratio": budget["bulk_output_throughput"]
-        / loaded["bulk_output_throughput"],
+        / loaded["bulk_output_throughput"]
+        if loaded["bulk_output_throughput"]
+        else None,
         "idle_realtime_ttft_p99_ms": idle["p99_ttft_ms"],
         "realtime_ttft_p99_ms": loaded["p99_ttft_ms"],
         "idle_realtime_ttft_p50_ms": idle["median_ttft_ms"],
