@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Iterator
@@ -11,7 +12,7 @@ import pytest
 from app.core.settings import Settings
 from workers.engines.base import GenRequest
 from workers.engines.simulated import CostModel, SimulatedEngine
-from workers.runner import GenResult, Runner
+from workers.runner import BulkPacer, GenResult, Runner
 
 
 @pytest.fixture
@@ -158,3 +159,20 @@ def test_a_step_budget_holds_bulk_out_while_steps_are_too_long() -> None:
         assert runner.pacer.bulk_in_engine == 0 and runner.pacer.bulk_prefilling == 0
     finally:
         runner.shutdown()
+
+
+def test_with_a_step_budget_one_bulk_request_enters_even_while_realtime_waits() -> None:
+    async def scenario() -> None:
+        pacer = BulkPacer(2, busy_at=128, step_budget_ms=10, step_ms=lambda: 50.0)
+        pacer.realtime_in()  # a realtime request awaits its first token; steps are over budget
+        await asyncio.wait_for(pacer.bulk_in(), 1)  # the engine holds no bulk: this one enters
+        second = asyncio.ensure_future(pacer.bulk_in())
+        await asyncio.sleep(0.1)  # several rechecks
+        assert not second.done() and pacer.bulk_in_engine == 1
+        pacer.realtime_out()
+        pacer.bulk_first_token()
+        pacer.bulk_done()  # the first one left the engine: the second takes its place
+        await asyncio.wait_for(second, 1)
+        assert pacer.bulk_in_engine == 1 and pacer.bulk_prefilling == 1
+
+    asyncio.run(scenario())
