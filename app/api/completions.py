@@ -22,6 +22,7 @@ from typing import Any
 import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from sqlalchemy.exc import InterfaceError, OperationalError
 from starlette.concurrency import run_in_threadpool
 from starlette.types import Receive, Scope, Send
 
@@ -117,7 +118,13 @@ class _Call:
             # (Redis restarted, say); it costs a query every ROW_CHECK_S.
             if time.monotonic() - self._checked >= ROW_CHECK_S:
                 self._checked = time.monotonic()
-                row = await run_in_threadpool(_load, self.job.id)
+                try:
+                    row = await run_in_threadpool(_load, self.job.id)
+                except (OperationalError, InterfaceError) as exc:
+                    # The database is away: the job is not, and neither is its caller. Keep
+                    # waiting (the relay may still bring the end); the row is read again later.
+                    log.warning("could not read job %s while waiting: %s", self.job.id, exc)
+                    continue
                 if row.status in TERMINAL:
                     self.finished = True
                     return row

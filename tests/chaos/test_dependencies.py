@@ -26,6 +26,9 @@ so that stopping or wiping it touches nothing else. Leases are 10 s, renewed eve
   ``succeeded`` with one result; within the lease each was claimed once (``attempts`` = 1), past
   it a job may have been claimed again (``attempts`` > 1 allowed, and printed). The rows do not
   change afterwards and a job submitted after the restart runs.
+- ``test_a_waiting_caller_outlasts_a_database_outage``: an OpenAI call waits on its running job
+  while PostgreSQL is stopped past the call's periodic row check: the call keeps waiting (its
+  job is not cancelled) and answers 200 with the result once the outcome is committed.
 
 Every wait is bounded (``wait_until``); servers and the stack are torn down in ``finally``. Each
 test prints ``RECOVERY <scenario> <seconds>`` (``pytest -s``): the time from the fault's end
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -366,3 +370,46 @@ def test_postgres_restart_mid_load(
         print(f"CHAOS {scenario} 503s_after_restart={refused}", flush=True)
         assert_rows_settled(stack, ids, found)
         assert all(p.alive() for p in stack.procs), logs(stack)
+
+
+def test_a_waiting_caller_outlasts_a_database_outage(
+    tmp_path: Path, pg_server: PostgresServer, redis_server: RedisServer
+) -> None:
+    # One job of 16 tokens, a token every ~100 ms: it ends during the outage, and its outcome
+    # is committed once the database is back. The caller reads the job's row every 5 s while
+    # the relay is quiet; that read comes while the database is down.
+    stack = Stack(
+        tmp_path,
+        pg_server.create_database("inferq"),
+        redis_server.url(0),
+        sim_time_scale=16,
+        **SETTINGS,
+    )
+    with started(stack):
+        with stack.client() as c:
+            model = c.get("/v1/models").json()["data"][0]["id"]
+        answer: dict[str, Any] = {}
+
+        def call() -> None:
+            with stack.client() as c:
+                messages = [{"role": "user", "content": "hold on"}]
+                r = c.post(
+                    "/v1/chat/completions",
+                    json={"model": model, "messages": messages, "max_tokens": 16},
+                )
+                answer.update(status=r.status_code, body=r.json())
+
+        caller = threading.Thread(target=call, name="caller")
+        caller.start()
+        running = "SELECT count(*) FROM jobs WHERE status = 'running'"
+        wait_until(lambda: stack.scalar(running), 15, "the call's job to run")
+        pg_server.stop("fast")
+        try:
+            time.sleep(7.0)  # past the caller's row check and the job's last token
+        finally:
+            pg_server.start()
+        stack.db().dispose()  # the test's own pooled connections died with the server
+        caller.join(60)
+        assert answer.get("status") == 200, f"{answer}\n{logs(stack)}"
+        assert answer["body"]["choices"][0]["finish_reason"] == "length"
+        assert answer["body"]["usage"]["completion_tokens"] == 16
