@@ -79,15 +79,11 @@ class _Steps:
         if gap < STEP_GAP_MAX_S:  # an idle engine's next step is not a step's length
             self.recent.append(gap)
 
-    def median_ms(self) -> float | None:
-        return statistics.median(self.recent) * 1000 if self.recent else None
-
-    def latest_ms(self, n: int = 8) -> float | None:
-        """The median of the last ``n`` steps: what bulk pacing compares with its step budget
-        (the median of all recent ones would follow a change too slowly)."""
+    def median_ms(self, last: int | None = None) -> float | None:
+        """The median step of the recent ones, or of the ``last`` few."""
         if not self.recent:
             return None
-        return statistics.median(itertools.islice(reversed(self.recent), n)) * 1000
+        return statistics.median(itertools.islice(reversed(self.recent), last)) * 1000
 
 
 STEP_WINDOW = 256

@@ -35,6 +35,9 @@ from workers.engines.base import Engine, EngineStats, GenRequest
 log = logging.getLogger("inferq.runner")
 
 REALTIME_PRIORITY = LANE_PRIORITY["realtime"]
+# Steps whose median a step budget is held to: the median of all recent ones (the worker's
+# announced step time) would follow a change too slowly.
+BUDGET_STEPS = 8
 BULK_PRIORITY = LANE_PRIORITY["bulk"]
 
 
@@ -325,7 +328,7 @@ class Runner:
             bulk_prefill_limit=settings.bulk_prefill_limit if pacing else 0,
             bulk_busy_at=settings.worker_concurrency // 2,
             step_budget_ms=settings.realtime_step_ms if pacing else 0.0,
-            step_ms=metrics.steps.latest_ms,
+            step_ms=functools.partial(metrics.steps.median_ms, BUDGET_STEPS),
             yield_cpu=settings.worker_nice,
         )
 
