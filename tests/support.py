@@ -29,6 +29,12 @@ REPO = Path(__file__).resolve().parents[1]
 TERMINAL = {"succeeded", "failed", "cancelled", "expired"}
 # Written out rather than imported: a test must notice when the keys workers write change.
 PRESENCE_PREFIXES = {"inference": "inferq:worker:", "ops": "inferq:ops:"}
+DEMO_MODEL = "inferq-demo"  # the model a stack's workers serve unless a test names another
+
+
+def queue(lane: str, model: str = DEMO_MODEL) -> str:
+    """The Redis list of ``model``'s jobs in ``lane`` (app/core/dispatch.py, queue_of)."""
+    return f"{lane}:{model}"
 
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]

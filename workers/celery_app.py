@@ -39,7 +39,7 @@ def _create() -> Celery:
     app = Celery("inferq", broker=settings.redis_url, include=["workers.tasks"])
     app.conf.update(
         task_queues=task_queues(),
-        task_default_queue="standard",
+        task_default_queue=MAINTENANCE_QUEUE,
         broker_transport_options=broker_transport_options(settings),
         broker_connection_retry_on_startup=True,
         broker_connection_max_retries=None,

@@ -22,10 +22,12 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from app.core.dispatch import QUEUES
+from app.core import catalog
+from app.core.dispatch import OPS_QUEUES
 from app.core.settings import Settings, get_settings
 
-# The task list's columns: the lane (routing_key) and the job ids (args) next to Flower's own.
+# The task list's columns: the queue (routing_key: lane and model) and the job ids (args) next to
+# Flower's own.
 TASKS_COLUMNS = "name,uuid,state,routing_key,args,received,started,runtime,worker"
 
 log = logging.getLogger("inferq.flower")
@@ -78,11 +80,13 @@ def flower_argv(settings: Settings) -> list[str]:
 
 
 def list_every_queue() -> None:
-    """Make Flower's Broker tab (and /api/queues/length) list all of inferq's queues.
+    """Make Flower's Broker tab (and /api/queues/length) list all of inferq's queues: every
+    known model's lanes (app/core/catalog.py) and the ops worker's queues.
 
     Flower lists the queues the live workers consume and falls back to the configured ones
-    only when no worker answers. Inference workers close lanes at run time and the ops worker
-    may be down, and a queue with a backlog and no consumer is the one to see.
+    only when no worker answers. Inference workers close lanes at run time, a model may have
+    no worker (scaled to zero) and the ops worker may be down, and a queue with a backlog and
+    no consumer is the one to see.
     """
     from flower.views import BaseHandler
 
@@ -93,7 +97,8 @@ def list_every_queue() -> None:
 
     def queue_names(handler: Any) -> list[str]:
         # Ours in priority order, then any other queue a worker consumes.
-        return [*QUEUES, *sorted(set(own(handler)) - set(QUEUES))]
+        ours = [*catalog.queues(), *OPS_QUEUES]
+        return [*ours, *sorted(set(own(handler)) - set(ours))]
 
     BaseHandler.get_active_queue_names = queue_names
 

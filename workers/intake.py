@@ -30,6 +30,7 @@ import threading
 from types import TracebackType
 from typing import Any
 
+from app.core.dispatch import queue_of
 from app.core.settings import Settings
 
 log = logging.getLogger("inferq.intake")
@@ -42,8 +43,10 @@ class Intake:
         slots: int,
         reserved_share: dict[str, float],
         bulk_chunk: int,
+        model: str,
     ) -> None:
         self.lanes = list(lanes)
+        self.model = model  # the lanes are this model's queues (app/core/dispatch.py)
         self.slots = slots
         self.reserved = {lane: int(slots * reserved_share.get(lane, 0.0)) for lane in self.lanes}
         self.used = dict.fromkeys(self.lanes, 0)
@@ -63,6 +66,7 @@ class Intake:
             settings.worker_concurrency,
             settings.lane_reserved_share,
             settings.bulk_chunk_size,
+            settings.model_name,
         )
 
     def bind(self, consumer: Any) -> None:
@@ -155,7 +159,7 @@ class Intake:
                 else:
                     continue
                 try:
-                    change(lane)
+                    change(queue_of(lane, self.model))
                 except Exception as exc:
                     log.warning(
                         "%s(%s) failed: %r; the consumer Celery rebuilds when the broker is "

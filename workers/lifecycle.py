@@ -65,6 +65,8 @@ class InferenceWorker:
             "batching": self.runner.batching,
             "lanes": settings.lanes,
             "concurrency": settings.worker_concurrency,
+            # The GPUs this worker sees (`inferq worker --gpus` pins one per worker).
+            "devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         }
         self.heartbeat = Heartbeat(self.executor, settings, info)
         self.control = ControlListener(self.executor)

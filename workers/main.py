@@ -1,12 +1,14 @@
 """Entry point of an inference worker process (`inferq worker` runs `python -m workers.main`).
 
 The Celery worker runs with the threads pool (workers/celery_app.py: run_worker); the engine,
-heartbeat and listener start and stop on Celery's signals (workers/lifecycle.py). Lanes are
-consumed in strict priority order whatever order they were given in.
+heartbeat and listener start and stop on Celery's signals (workers/lifecycle.py). The worker
+consumes its model's queues only (app/core/dispatch.py, ``queue_of``), its lanes in strict
+priority order whatever order they were given in.
 """
 
 from __future__ import annotations
 
+from app.core.dispatch import queue_of
 from app.core.settings import LANES, get_settings
 
 SPARE_THREADS = 8
@@ -24,7 +26,7 @@ def main() -> None:
     # spare threads absorb the message or two fetched while a lane closes.
     run_worker(
         "worker",
-        [lane for lane in LANES if lane in settings.lanes],
+        [queue_of(lane, settings.model_name) for lane in LANES if lane in settings.lanes],
         settings.worker_concurrency + SPARE_THREADS,
     )
 

@@ -12,8 +12,9 @@ Redis message only a hint, so the sweep repairs what a crash or a lost message l
    could not send its message, or crashed in between) is sent once it is ``REAPER_GRACE_S`` old.
 3. **Lost with Redis**: Redis restarted empty or was wiped. The reaper keeps a marker key in
    Redis; when it is gone, every queued job is sent again. Messages lost some other way (the
-   last second before a crash with ``appendfsync everysec``) are found when a lane's list is
-   empty while jobs of that lane have been queued for longer than ``REAPER_GRACE_S``.
+   last second before a crash with ``appendfsync everysec``) are found when a queue's list (a
+   lane of one model) is empty while jobs of it have been queued for longer than
+   ``REAPER_GRACE_S``.
 4. **Deadlines**: a queued job past its deadline ends ``expired`` without waiting for a worker.
 
 Sending a job twice is harmless: a claim is a compare-and-set, so a second message for the same
@@ -29,11 +30,11 @@ import secrets
 from typing import Any
 
 import redis
-from sqlalchemy import select, update
+from sqlalchemy import and_, or_, select, update
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import InterfaceError, OperationalError
 
-from app.core import dispatch, snapshot, transitions
+from app.core import catalog, dispatch, snapshot, transitions
 from app.core.db import session_scope
 from app.core.models import Job, JobStatus, now
 from app.core.settings import LANES, get_settings
@@ -73,12 +74,13 @@ def _sweep() -> dict[str, int]:
         log.warning("reaper: %d job(s) lost their worker; queued again", len(after.send))
     if _redis_was_emptied():
         log.warning("Redis lost its data (restart or wipe): sending every queued job again")
-        _forget_enqueued(stamp, lanes=LANES)
+        _forget_enqueued(stamp)
     else:
-        lost = _empty_lanes_with_waiting_jobs(stamp)
+        lost = _empty_queues_with_waiting_jobs(stamp)
         if lost:
-            log.warning("lane(s) %s are empty but hold queued jobs: sending them again", lost)
-            _forget_enqueued(stamp, lanes=lost)
+            names = [dispatch.queue_of(lane, model) for lane, model in lost]
+            log.warning("queue(s) %s are empty but hold queued jobs: sending them again", names)
+            _forget_enqueued(stamp, lost)
     counts = {
         "requeued": after.count(JobStatus.QUEUED, source=JobStatus.RUNNING),
         "failed": after.count(JobStatus.FAILED),
@@ -96,7 +98,7 @@ def _sweep() -> dict[str, int]:
 def _take(connection: Connection, *conditions: Any) -> list[Any]:
     """Rows to repair, locked against other sweepers (PostgreSQL) and bounded per sweep."""
     query = (
-        select(Job.id, Job.lane, Job.attempts, Job.deadline_at)
+        select(Job.id, Job.lane, Job.model, Job.attempts, Job.deadline_at)
         .where(*conditions)
         .limit(SWEEP_LIMIT)
         .with_for_update(skip_locked=True)
@@ -112,37 +114,47 @@ def _redis_was_emptied() -> bool:
         return False
 
 
-def _empty_lanes_with_waiting_jobs(stamp: float) -> list[str]:
+def _empty_queues_with_waiting_jobs(stamp: float) -> list[tuple[str, str]]:
+    """(lane, model) of the known models' queues whose list is empty while jobs of theirs,
+    sent more than ``REAPER_GRACE_S`` ago, are still queued. (A model nobody serves or
+    accepts has no worker to lose messages to; its jobs are sent when one announces it.)"""
+    routes = [(lane, model) for model in catalog.names() for lane in LANES]
     try:
-        sizes = snapshot.lane_messages(dispatch.redis_client())
-        empty = [lane for lane, size in sizes.items() if not size]
+        sizes = snapshot.queue_messages(dispatch.redis_client(), routes)
     except redis.RedisError:
         return []
+    empty = [route for route in routes if not sizes[route]]
     if not empty:
         return []
     with session_scope() as session:
-        rows = session.execute(
-            select(Job.lane)
+        waiting = session.execute(
+            select(Job.lane, Job.model)
             .where(
                 Job.status == JobStatus.QUEUED,
-                Job.lane.in_(empty),
+                _routes(empty),
                 Job.enqueued_at < stamp - REAPER_GRACE_S,
             )
-            .group_by(Job.lane)
-        ).scalars()
-        return sorted(rows, key=LANES.index)
+            .group_by(Job.lane, Job.model)
+        ).all()
+    found = {(row.lane, row.model) for row in waiting}
+    return [route for route in empty if route in found]
 
 
-def _forget_enqueued(stamp: float, lanes: list[str] | tuple[str, ...]) -> None:
-    """Mark the lanes' queued jobs as not sent, so that the next step sends them."""
+def _routes(routes: list[tuple[str, str]]) -> Any:
+    """Rows of the (lane, model) pairs ``routes``."""
+    return or_(*(and_(Job.lane == lane, Job.model == model) for lane, model in routes))
+
+
+def _forget_enqueued(stamp: float, routes: list[tuple[str, str]] | None = None) -> None:
+    """Mark the queued jobs of ``routes`` ((lane, model) pairs; None: all) as not sent, so
+    that the next step sends them."""
+    which = [Job.status == JobStatus.QUEUED, Job.enqueued_at < stamp]
+    if routes is not None:
+        which.append(_routes(routes))
     with session_scope() as session:
         unlocked = (
             select(Job.id)
-            .where(
-                Job.status == JobStatus.QUEUED,
-                Job.lane.in_(list(lanes)),
-                Job.enqueued_at < stamp,
-            )
+            .where(*which)
             .with_for_update(skip_locked=True)  # rows a claim holds are not lost
             .scalar_subquery()
         )
@@ -158,7 +170,7 @@ def _send_unsent(stamp: float) -> int:
     """Send queued jobs that have no message, oldest first (lane order within a message)."""
     with session_scope() as session:
         rows = session.execute(
-            select(Job.id, Job.lane)
+            select(Job.id, Job.lane, Job.model)
             .where(
                 Job.status == JobStatus.QUEUED,
                 Job.enqueued_at.is_(None),
@@ -170,5 +182,6 @@ def _send_unsent(stamp: float) -> int:
         ).all()
         if not rows:
             return 0
-        dispatch.send([(row.id, row.lane) for row in rows], session.connection())
+        sends = [(row.id, dispatch.queue_of(row.lane, row.model)) for row in rows]
+        dispatch.send(sends, session.connection())
         return len(rows)

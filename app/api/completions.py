@@ -7,7 +7,9 @@ committed (the relay's end message carries it; the row is the backstop). With
 engine produces them, ending with ``data: [DONE]``. The response headers wait for the first
 piece of output, so a job that fails before producing any (a prompt longer than the context)
 is a plain HTTP error, as with OpenAI. A caller that goes away cancels its job, which aborts
-it in the engine.
+it in the engine. A call for a model that no live worker serves (scaled to zero) waits
+``INFERQ_MODEL_WAIT_S`` for one and then answers 503 with nothing written: the caller waits on
+the line, and a job that might start minutes later would answer nobody (app/core/catalog.py).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from starlette.types import Receive, Scope, Send
 
 from app.api.auth import caller_limits
 from app.api.errors import body_of, error_body
-from app.core import jobs, limits, relay
+from app.core import catalog, jobs, limits, relay
 from app.core.db import session_scope
 from app.core.errors import DomainError, Kind
 from app.core.limits import Limits
@@ -45,10 +47,12 @@ from app.core.openai_format import (
     job_error,
     response_body,
 )
+from app.core.settings import get_settings
 
 log = logging.getLogger("inferq.api")
 JOB_HEADER = "inferq-job-id"
 ROW_CHECK_S = 5.0  # while the relay is quiet, the job's row is read this often
+MODEL_RETRY_S = 10  # Retry-After of a call whose model has no worker: a worker's start
 
 
 def _submit(
@@ -155,9 +159,28 @@ class _EventStream(StreamingResponse):
                 await self.call.close()
 
 
+async def _served(requested: str | None) -> None:
+    """Refuse a call for an unknown model (404), or for one with no live worker once
+    ``INFERQ_MODEL_WAIT_S`` has passed without one announcing itself (503)."""
+    model = catalog.resolve(requested)
+    if catalog.live().get(model):
+        return
+    wait_s = get_settings().model_wait_s
+    if not await run_in_threadpool(catalog.wait_ready, model, wait_s):
+        raise DomainError(
+            Kind.UNAVAILABLE,
+            "model_not_ready",
+            f"no worker serves {model!r} right now (waited {wait_s:g} s); retry later, or "
+            "submit it to /v1/jobs, where it waits for a worker",
+            param="model",
+            retry_after_s=MODEL_RETRY_S,
+        )
+
+
 async def complete(
     body: ChatCompletionRequest | CompletionRequest, request: Request, tenant: str
 ) -> Response:
+    await _served(body.model)
     waiter = await relay.replies().register()
     try:
         job = await run_in_threadpool(

@@ -28,9 +28,8 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from app.core import dispatch, snapshot
+from app.core import catalog, dispatch, snapshot
 from app.core.db import session_scope
-from app.core.settings import LANES
 
 log = logging.getLogger("inferq.metrics")
 
@@ -38,45 +37,46 @@ MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
 class LaneCollector(Collector):
-    """Lane depth and age, read from Redis and the database at each scrape.
+    """Depth and age of every known model's lanes, read from Redis and the database at each
+    scrape.
 
     A dependency that is down leaves its metrics out of that scrape (the API's /readyz says
     which); the rest of the page is still served.
     """
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
+        models = catalog.names()
         try:
-            messages = snapshot.lane_messages(dispatch.redis_client())
+            messages = snapshot.queue_messages(dispatch.redis_client(), snapshot.routes(models))
         except Exception as exc:
             log.warning("metrics: Redis unavailable: %s", exc)
         else:
             family = GaugeMetricFamily(
                 "inferq_queue_messages",
-                "Messages waiting in the lane's Redis queue.",
-                labels=["lane"],
+                "Messages waiting in the Redis queue of a model's lane.",
+                labels=["lane", "model"],
             )
-            for lane in LANES:
-                family.add_metric([lane], messages.get(lane, 0))
+            for (lane, model), size in messages.items():
+                family.add_metric([lane, model], size)
             yield family
         try:
             with session_scope() as session:
-                lanes = snapshot.lane_jobs(session, time.time())
+                lanes = snapshot.lane_jobs(session, time.time(), models)
         except Exception as exc:
             log.warning("metrics: database unavailable: %s", exc)
             return
-        queued = GaugeMetricFamily("inferq_jobs_queued", "Jobs in status queued.", labels=["lane"])
-        running = GaugeMetricFamily(
-            "inferq_jobs_running", "Jobs in status running.", labels=["lane"]
-        )
+        labels = ["lane", "model"]
+        queued = GaugeMetricFamily("inferq_jobs_queued", "Jobs in status queued.", labels=labels)
+        running = GaugeMetricFamily("inferq_jobs_running", "Jobs in status running.", labels=labels)
         oldest = GaugeMetricFamily(
             "inferq_queue_oldest_age_seconds",
-            "Age of the lane's oldest queued job (0 when none).",
-            labels=["lane"],
+            "Age of the oldest queued job of a model's lane (0 when none).",
+            labels=labels,
         )
-        for lane, jobs in lanes.items():
-            queued.add_metric([lane], jobs.queued)
-            running.add_metric([lane], jobs.running)
-            oldest.add_metric([lane], jobs.oldest_queued_age_s)
+        for (lane, model), jobs in lanes.items():
+            queued.add_metric([lane, model], jobs.queued)
+            running.add_metric([lane, model], jobs.running)
+            oldest.add_metric([lane, model], jobs.oldest_queued_age_s)
         yield from (queued, running, oldest)
 
 

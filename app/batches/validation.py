@@ -22,7 +22,7 @@ from sqlalchemy import update
 from sqlalchemy.engine import Connection
 
 from app.batches import lease
-from app.core import dispatch, jobs, outbox, storage, tokens, transitions
+from app.core import catalog, dispatch, jobs, outbox, storage, tokens, transitions
 from app.core.db import session_scope
 from app.core.errors import DomainError, Kind, named, pydantic_error
 from app.core.models import Batch, BatchStatus, Lane, now
@@ -99,7 +99,7 @@ def parse(raw: bytes | None, endpoint: str, limit: int) -> tuple[str, JobCreate]
         raise _bad("invalid_body", "stream is not supported in a batch", "body.stream")
     try:
         job = REQUEST_TYPES[endpoint].model_validate(body).job()
-        jobs.check_model(job.model)
+        catalog.resolve(job.model)
     except ValidationError as exc:
         code, param, message = pydantic_error(exc.errors()[0])
         param = f"body.{param}" if param else "body"
@@ -159,7 +159,7 @@ def validate(batch: Batch) -> tuple[list[dict[str, Any]], int]:
 def _check_context(job: JobCreate) -> None:
     """The prompt within the model's context (the second pass need not tokenize it again)."""
     try:
-        tokens.check(dispatch.redis_client(), get_settings().model_name, [job])
+        tokens.check(dispatch.redis_client(), [catalog.resolve(job.model)], [job])
     except DomainError as exc:
         raise _in_body(exc) from None
 

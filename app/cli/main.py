@@ -95,13 +95,28 @@ def api(host: str | None, port: int | None, workers: int) -> None:
 @click.option("--lanes", default=None, help=f"Comma-separated lanes (default: {','.join(LANES)}).")
 @click.option("--concurrency", type=int, default=None, help="Jobs held at once (threads).")
 @click.option("--batching", type=click.Choice(["continuous", "micro"]), default=None)
+@click.option(
+    "--gpus", default=None, help="Comma-separated GPU ids: one worker per GPU (INFERQ_WORKER_GPUS)."
+)
 def worker(
-    engine: str | None, lanes: str | None, concurrency: int | None, batching: str | None
+    engine: str | None,
+    lanes: str | None,
+    concurrency: int | None,
+    batching: str | None,
+    gpus: str | None,
 ) -> None:
-    """Run an inference worker: one engine, fed by every Celery thread."""
-    _set_env(engine=engine, worker_lanes=lanes, worker_concurrency=concurrency, batching=batching)
-    get_settings()  # fail here, with a clear message, on a bad setting
-    os.execv(sys.executable, [sys.executable, "-m", "workers.main"])  # noqa: S606
+    """Run an inference worker: one engine, fed by every Celery thread (one per GPU with
+    --gpus)."""
+    _set_env(
+        engine=engine,
+        worker_lanes=lanes,
+        worker_concurrency=concurrency,
+        batching=batching,
+        worker_gpus=gpus,
+    )
+    # Fail here, with a clear message, on a bad setting.
+    module = "workers.gpus" if get_settings().gpus else "workers.main"
+    os.execv(sys.executable, [sys.executable, "-m", module])  # noqa: S606
 
 
 @main.command()

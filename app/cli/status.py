@@ -19,9 +19,8 @@ from rich.table import Table
 from rich.text import Text
 from sqlalchemy.exc import SQLAlchemyError
 
-from app.core import dispatch, snapshot
+from app.core import catalog, dispatch, snapshot
 from app.core.db import session_scope
-from app.core.settings import LANES
 
 THROUGHPUT_WINDOW_S = 60.0
 
@@ -34,14 +33,15 @@ def collect() -> snapshot.Snapshot:
     now = time.time()
     try:
         client = dispatch.redis_client()
-        messages = snapshot.lane_messages(client)
-        workers = snapshot.workers(client)
+        workers = snapshot.workers(client)  # first: a Redis that is away is said once, here
+        models = catalog.names()
+        messages = snapshot.queue_messages(client, snapshot.routes(models))
         ops = snapshot.ops_workers(client)
     except redis.RedisError as exc:
         raise Unavailable(f"cannot read Redis (INFERQ_REDIS_URL): {exc}") from None
     try:
         with session_scope() as session:
-            lanes = snapshot.lane_jobs(session, now)
+            lanes = snapshot.lane_jobs(session, now, models)
             throughput = snapshot.throughput(session, now, THROUGHPUT_WINDOW_S)
     except SQLAlchemyError as exc:
         # The driver's own message is the useful line; SQLAlchemy's adds the SQL and a link.
@@ -65,15 +65,16 @@ def _number(value: object, fmt: str = "{}") -> str:
 def _lanes_table(snap: snapshot.Snapshot) -> Table:
     table = Table(title="Lanes", title_justify="left")
     table.add_column("lane")
+    table.add_column("model", overflow="fold")
     table.add_column("messages in Redis", justify="right")
     table.add_column("queued jobs", justify="right")
     table.add_column("running jobs", justify="right")
     table.add_column("oldest queued", justify="right")
-    for lane in LANES:
-        jobs = snap.lanes[lane]
+    for (lane, model), jobs in snap.lanes.items():
         table.add_row(
             lane,
-            str(snap.messages.get(lane, 0)),
+            model,
+            str(snap.messages.get((lane, model), 0)),
             str(jobs.queued),
             str(jobs.running),
             _age(jobs.oldest_queued_age_s) if jobs.queued else "-",

@@ -2,9 +2,14 @@
 
 Messages carry job ids, never payloads: the row is the truth. A realtime or standard message
 carries one job; bulk messages carry up to ``bulk_chunk_size`` jobs, so a backlog of a million
-bulk jobs is ~30k messages and a worker claims a chunk in one transaction. Queue declarations
-and broker options are defined here once and reused by ``workers/celery_app.py`` so that
-producer and consumers cannot disagree about them.
+bulk jobs is ~30k messages and a worker claims a chunk in one transaction. Queue names and
+broker options are defined here once and reused by ``workers/celery_app.py`` so that producer
+and consumers cannot disagree about them.
+
+A job's queue is its lane *of its model* (:func:`queue_of`: ``<lane>:<model>``): a worker
+holds one model and consumes only that model's three lanes, still in strict lane order, so
+a backlog of one model never stands in front of another model's jobs (docs/architecture.md,
+"Many models").
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ REAP_TASK = "inferq.reap"
 # Queues of the ops worker (`inferq ops`): deliveries, and the periodic sweeps beat sends.
 WEBHOOK_QUEUE = "webhooks"
 MAINTENANCE_QUEUE = "maintenance"
-QUEUES: tuple[str, ...] = (*LANES, WEBHOOK_QUEUE, MAINTENANCE_QUEUE)
+OPS_QUEUES: tuple[str, ...] = (WEBHOOK_QUEUE, MAINTENANCE_QUEUE)
 CONTROL_CHANNEL = "inferq:control"
 # Presence records (workers/presence.py), one prefix per role: readers of inference workers
 # (`inferq up`, `inferq status`, the benchmarks) never see an ops worker as one of them.
@@ -56,7 +61,17 @@ _producer: Celery | None = None
 _redis: redis.Redis | None = None
 
 
-def task_queues(names: Iterable[str] = QUEUES) -> list[Queue]:
+def queue_of(lane: str, model: str) -> str:
+    """The Celery queue (and Redis list) of ``model``'s jobs in ``lane``."""
+    return f"{lane}:{model}"
+
+
+def lane_of(queue: str) -> str:
+    """The lane of a queue :func:`queue_of` named (an ops queue is its own name)."""
+    return queue.split(":", 1)[0]
+
+
+def task_queues(names: Iterable[str] = OPS_QUEUES) -> list[Queue]:
     """Queues in strict priority order: a worker polls them in exactly this order."""
     return [Queue(name, Exchange(name, type="direct"), routing_key=name) for name in names]
 
@@ -71,7 +86,7 @@ class LaneOrder(priority_cycle):  # type: ignore[misc]
 
     def update(self, it: Iterable[str]) -> None:
         rank = {lane: i for i, lane in enumerate(LANES)}
-        self.items[:] = sorted(it, key=lambda q: rank.get(q, len(rank)))
+        self.items[:] = sorted(it, key=lambda q: rank.get(lane_of(q), len(rank)))
 
 
 class _RedisChannel(kombu_redis.Channel):  # type: ignore[misc]
@@ -183,24 +198,24 @@ def redis_ok() -> bool:
 
 
 def messages(jobs: Iterable[tuple[str, str]], chunk: int) -> list[tuple[str, list[str]]]:
-    """Group (job id, lane) pairs into (lane, job ids) messages: bulk in chunks, others alone."""
+    """Group (job id, queue) pairs into (queue, job ids) messages: bulk in chunks (one open
+    chunk per model), other lanes one job a message."""
     out: list[tuple[str, list[str]]] = []
-    bulk: list[str] = []
-    for job_id, lane in jobs:
-        if lane != "bulk":
-            out.append((lane, [job_id]))
+    bulk: dict[str, list[str]] = {}
+    for job_id, name in jobs:
+        if lane_of(name) != "bulk":
+            out.append((name, [job_id]))
             continue
-        bulk.append(job_id)
-        if len(bulk) == chunk:
-            out.append((lane, bulk))
-            bulk = []
-    if bulk:
-        out.append(("bulk", bulk))
+        ids = bulk.setdefault(name, [])
+        ids.append(job_id)
+        if len(ids) == chunk:
+            out.append((name, bulk.pop(name)))
+    out.extend(bulk.items())
     return out
 
 
 def enqueue(jobs: Iterable[tuple[str, str]]) -> list[str]:
-    """Send ``run_jobs`` messages for (job id, lane) pairs. Returns the ids that were not sent.
+    """Send ``run_jobs`` messages for (job id, queue) pairs. Returns the ids that were not sent.
 
     A failure here never loses a job: the row is committed first and the reaper re-enqueues
     queued rows whose message went missing.
@@ -208,14 +223,15 @@ def enqueue(jobs: Iterable[tuple[str, str]]) -> list[str]:
     app = _celery()
     failed: list[str] = []
     with app.producer_or_acquire() as producer:
-        for lane, ids in messages(jobs, get_settings().bulk_chunk_size):
+        for name, ids in messages(jobs, get_settings().bulk_chunk_size):
+            lane = lane_of(name)
             try:
                 # A direct queue is published through the anonymous exchange (LPUSH onto the
-                # lane's list), so delivery does not depend on kombu's binding keys in Redis.
+                # queue's list), so delivery does not depend on kombu's binding keys in Redis.
                 app.send_task(
                     RUN_JOBS_TASK,
                     args=[ids, lane],
-                    queue=lane,
+                    queue=name,
                     producer=producer,
                     # What Flower shows as args; Celery's own safe repr of them cost more
                     # than the rest of the message.
@@ -223,13 +239,13 @@ def enqueue(jobs: Iterable[tuple[str, str]]) -> list[str]:
                     kwargsrepr="{}",
                 )
             except Exception:  # kombu raises several connection error types
-                log.exception("could not enqueue %d job(s) on %s", len(ids), lane)
+                log.exception("could not enqueue %d job(s) on %s", len(ids), name)
                 failed.extend(ids)
     return failed
 
 
 def send(jobs: list[tuple[str, str]], connection: Connection | None = None) -> None:
-    """Enqueue committed (job id, lane) pairs and stamp ``enqueued_at`` of the ones that went
+    """Enqueue committed (job id, queue) pairs and stamp ``enqueued_at`` of the ones that went
     out: in the caller's transaction when it passes ``connection`` (the reaper, which holds
     the rows locked), else soon after from a thread of its own, batched (every send that
     follows a commit: a transaction per call was a tenth of the realtime path).

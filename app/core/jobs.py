@@ -16,7 +16,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from app.core import queries, transitions, webhooks
+from app.core import catalog, queries, transitions, webhooks
 from app.core.errors import DomainError, Kind, unavailable
 from app.core.models import TERMINAL, IdempotencyKey, Job, JobStatus, new_id, now
 from app.core.schemas import JobCreate, storable
@@ -28,18 +28,6 @@ MAX_IDEMPOTENCY_KEY = 255
 def _fingerprint(body: JobCreate) -> str:
     canonical = json.dumps(body.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
-
-
-def check_model(requested: str | None) -> str:
-    served = get_settings().model_name
-    if requested is not None and requested != served:
-        raise DomainError(
-            Kind.INVALID,
-            "model_not_found",
-            f"model {requested!r} is not served here; use {served!r}",
-            param="model",
-        )
-    return served
 
 
 def check_webhook_url(url: str | None, checked: set[str] | None = None) -> None:
@@ -80,7 +68,7 @@ def job_values(
         id=new_id("job"),
         tenant=tenant,
         lane=body.lane.value,
-        model=check_model(body.model),
+        model=catalog.resolve(body.model),
         prompt=body.prompt,
         messages=[m.model_dump(exclude_none=True) for m in body.messages]
         if body.messages is not None

@@ -23,12 +23,12 @@ window; a request that would pass the limit is refunded and refused). Defaults c
 settings; an API key may override each one (``inferq keys create --rpm/--tpm/--max-queued``),
 and counters are per tenant.
 
-**Backpressure** (unavailable: 503 with ``Retry-After``): a lane refuses new jobs while the jobs
-queued at or above its priority — the work a new job would wait behind — reach
-``INFERQ_LANE_MAX_QUEUED`` for that lane: realtime counts realtime, standard counts realtime
-and standard, bulk counts everything, so under a general backlog bulk is shed first and
-realtime last. Depths are read from the database at most once per ``BACKLOG_CACHE_S`` per API
-process.
+**Backpressure** (unavailable: 503 with ``Retry-After``): a lane refuses new jobs while the
+jobs queued at or above its priority for the same model — the work a new job would wait behind
+— reach ``INFERQ_LANE_MAX_QUEUED`` for that lane: realtime counts realtime, standard counts
+realtime and standard, bulk counts everything, so under a general backlog bulk is shed first
+and realtime last, and a backlog of one model never refuses another model's jobs. Depths are
+read from the database at most once per ``BACKLOG_CACHE_S`` per API process.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import redis
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from app.core import dispatch, snapshot, tokens
+from app.core import catalog, dispatch, snapshot, tokens
 from app.core.errors import BROKER_DOWN, DomainError, Kind, unavailable
 from app.core.models import LANE_PRIORITY, Job, JobStatus
 from app.core.schemas import JobCreate
@@ -89,14 +89,15 @@ def admit(
 
     ``field``: the list the bodies came in, for naming one in an error (``jobs``).
     """
-    prompt_tokens = _prompt_tokens(bodies, field)
-    lanes = {body.lane.value for body in bodies}
-    for lane in sorted(lanes, key=lambda name: LANE_PRIORITY[name]):
-        _backpressure(session, lane)
+    models = [catalog.resolve(body.model) for body in bodies]
+    prompt_tokens = tokens.check(dispatch.redis_client(), models, bodies, field) if bodies else []
+    routes = {(body.lane.value, model) for body, model in zip(bodies, models, strict=True)}
+    for lane, model in sorted(routes, key=lambda route: (LANE_PRIORITY[route[0]], route[1])):
+        _backpressure(session, lane, model)
     if limits.max_queued and bodies:
         _check_queued(session, tenant, limits.max_queued, len(bodies))
-    tokens = sum(prompt_tokens) + sum(body.params.most_output_tokens() for body in bodies)
-    _take(tenant, limits, tokens)
+    cost = sum(prompt_tokens) + sum(body.params.most_output_tokens() for body in bodies)
+    _take(tenant, limits, cost)
 
 
 _queued_lock = threading.Lock()
@@ -128,12 +129,6 @@ def _check_queued(session: Session, tenant: str, limit: int, n: int) -> None:
             )
     with _queued_lock:
         _queued[tenant] = (at, queued + n)
-
-
-def _prompt_tokens(bodies: Sequence[JobCreate], field: str | None) -> list[int]:
-    if not bodies:
-        return []
-    return tokens.check(dispatch.redis_client(), get_settings().model_name, bodies, field)
 
 
 def _take(tenant: str, limits: Limits, tokens: int) -> None:
@@ -193,11 +188,11 @@ def _over(limit: str, message: str, retry_after: int) -> DomainError:
 
 
 _backlog_lock = threading.Lock()
-_backlog: tuple[float, dict[str, int]] = (0.0, {})
+_backlog: tuple[float, dict[tuple[str, str], int]] = (0.0, {})
 
 
-def _depths(session: Session) -> dict[str, int]:
-    """Queued jobs per lane, cached for ``BACKLOG_CACHE_S``."""
+def _depths(session: Session) -> dict[tuple[str, str], int]:
+    """Queued jobs per (lane, model), cached for ``BACKLOG_CACHE_S``."""
     global _backlog
     with _backlog_lock:
         at, depths = _backlog
@@ -210,17 +205,21 @@ def _depths(session: Session) -> dict[str, int]:
     return depths
 
 
-def _backpressure(session: Session, lane: str) -> None:
+def _backpressure(session: Session, lane: str, model: str) -> None:
     top = get_settings().lane_max_queued.get(lane, 0)
     if not top:
         return
     depths = _depths(session)
-    ahead = sum(n for other, n in depths.items() if LANE_PRIORITY[other] <= LANE_PRIORITY[lane])
+    ahead = sum(
+        n
+        for (other, of), n in depths.items()
+        if of == model and LANE_PRIORITY[other] <= LANE_PRIORITY[lane]
+    )
     if ahead >= top:
         raise DomainError(
             Kind.UNAVAILABLE,
             "lane_overloaded",
-            f"the {lane} lane is full: {ahead} jobs are queued ahead of a new one "
+            f"the {lane} lane of {model} is full: {ahead} jobs are queued ahead of a new one "
             f"(at most {top}); retry later",
             param="lane",
             retry_after_s=BACKPRESSURE_RETRY_S,

@@ -92,6 +92,17 @@ class Settings(BaseSettings):
     )
     model: str = Field("", description="HF model id or local path; empty: the demo model.")
     served_model_name: str = Field("", description="Name jobs and /v1/models use for the model.")
+    accepted_models: str = Field(
+        "",
+        description="Comma-separated names of models jobs may name while no worker serves them "
+        "(scaled to zero), besides this one; a model a live worker serves is always accepted.",
+    )
+    model_wait_s: float = Field(
+        5.0,
+        ge=0,
+        description="How long an OpenAI call for a model with no live worker waits for one "
+        "before answering 503 with Retry-After.",
+    )
     max_model_len: int = Field(0, description="Context length; 0: the model's own.")
     seed: int = Field(0, description="Engine-level random seed.")
     batching: Literal["continuous", "micro"] = Field(
@@ -134,6 +145,11 @@ class Settings(BaseSettings):
 
     # --- workers and reliability ----------------------------------------------------------
     worker_lanes: str = Field("realtime,standard,bulk", description="Lanes a worker consumes.")
+    worker_gpus: str = Field(
+        "",
+        description="Comma-separated GPU ids: `inferq worker` runs one worker process per GPU, "
+        "each seeing only its own (CUDA_VISIBLE_DEVICES); empty: one worker, every GPU visible.",
+    )
     worker_concurrency: int = Field(
         256, description="Job slots per worker; set it to the engine's max_num_seqs."
     )
@@ -283,6 +299,20 @@ class Settings(BaseSettings):
     def model_name(self) -> str:
         """The name clients use for the served model."""
         return self.served_model_name or self.model or DEMO_MODEL_NAME
+
+    @property
+    def accepted(self) -> list[str]:
+        """Models accepted without a live worker: this one first, then ``accepted_models``."""
+        names = [self.model_name]
+        for name in self.accepted_models.split(","):
+            if name.strip() and name.strip() not in names:
+                names.append(name.strip())
+        return names
+
+    @property
+    def gpus(self) -> list[str]:
+        """GPU ids of ``worker_gpus``: one worker process each (workers/gpus.py)."""
+        return [gpu.strip() for gpu in self.worker_gpus.split(",") if gpu.strip()]
 
     @property
     def lanes(self) -> list[str]:

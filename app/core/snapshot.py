@@ -9,6 +9,7 @@ process (the CLI, any API process) gives the same answer at the same moment.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -17,9 +18,18 @@ import redis
 from sqlalchemy import Connection, case, func, select
 from sqlalchemy.orm import Session
 
-from app.core.dispatch import PRESENCE_KEY_PREFIXES, Role
+from app.core.dispatch import PRESENCE_KEY_PREFIXES, Role, queue_of
 from app.core.models import Job, JobStatus
 from app.core.settings import LANES
+
+Route = tuple[str, str]  # (lane, model): one Celery queue (app/core/dispatch.py, queue_of)
+
+
+def routes(models: Iterable[str], found: Iterable[Route] = ()) -> list[Route]:
+    """Every lane of ``models``, and the ``found`` routes of other models, in display order:
+    model by model (``models`` first), each model's lanes in priority order."""
+    order = list(dict.fromkeys([*models, *sorted({model for _, model in found})]))
+    return [(lane, model) for model in order for lane in LANES]
 
 
 @dataclass(frozen=True)
@@ -47,61 +57,63 @@ class Throughput:
 @dataclass(frozen=True)
 class Snapshot:
     taken_at: float
-    messages: dict[str, int]
-    lanes: dict[str, LaneJobs]
+    messages: dict[Route, int]
+    lanes: dict[Route, LaneJobs]
     workers: list[dict[str, Any]]
     throughput: Throughput
     ops: list[dict[str, Any]] = field(default_factory=list)
 
 
-def lane_messages(client: redis.Redis) -> dict[str, int]:
-    """Messages waiting in each lane's Redis list.
+def queue_messages(client: redis.Redis, routes: Sequence[Route]) -> dict[Route, int]:
+    """Messages waiting in the Redis list of each route's queue.
 
     With ``priority_steps=[0]`` (app/core/dispatch.py) kombu keeps a queue's messages in one list
     named after the queue. Messages a worker has fetched but not acknowledged are not counted.
     """
     with client.pipeline(transaction=False) as pipe:
-        for lane in LANES:
-            pipe.llen(lane)
+        for lane, model in routes:
+            pipe.llen(queue_of(lane, model))
         sizes = pipe.execute()
-    return {lane: int(size) for lane, size in zip(LANES, sizes, strict=True)}
+    return {route: int(size) for route, size in zip(routes, sizes, strict=True)}
 
 
-def queued_jobs(db: Session | Connection) -> dict[str, int]:
-    """Queued jobs per lane, for admission's backpressure.
+def queued_jobs(db: Session | Connection) -> dict[Route, int]:
+    """Queued jobs per (lane, model), for admission's backpressure.
 
     Apart from :func:`lane_jobs` because it runs every second while a backlog is deepest:
-    this count is answered from the ``(status, lane)`` index alone, where the oldest job's age
-    reads every queued row.
+    this count is answered from the ``(status, lane)`` index and the rows' models, where the
+    oldest job's age reads every queued row's creation time too.
     """
     rows = db.execute(
-        select(Job.lane, func.count()).where(Job.status == JobStatus.QUEUED).group_by(Job.lane)
+        select(Job.lane, Job.model, func.count())
+        .where(Job.status == JobStatus.QUEUED)
+        .group_by(Job.lane, Job.model)
     ).all()
-    counts = {lane: int(count) for lane, count in rows}
-    return {lane: counts.get(lane, 0) for lane in LANES}
+    return {(lane, model): int(count) for lane, model, count in rows}
 
 
-def lane_jobs(db: Session | Connection, now: float) -> dict[str, LaneJobs]:
-    """Queued and running jobs per lane and the age of each lane's oldest queued job."""
+def lane_jobs(db: Session | Connection, now: float, models: Sequence[str]) -> dict[Route, LaneJobs]:
+    """Queued and running jobs per lane of each model and the age of each one's oldest queued
+    job: every lane of ``models``, and of any other model that has such jobs."""
     rows = db.execute(
-        select(Job.lane, Job.status, func.count(), func.min(Job.created_at))
+        select(Job.lane, Job.model, Job.status, func.count(), func.min(Job.created_at))
         .where(Job.status.in_([JobStatus.QUEUED, JobStatus.RUNNING]))
-        .group_by(Job.lane, Job.status)
+        .group_by(Job.lane, Job.model, Job.status)
     ).all()
-    counts: dict[tuple[str, str], int] = {}
-    oldest: dict[str, float] = {}
-    for lane, status, count, first_created in rows:
-        counts[(lane, status)] = int(count)
+    counts: dict[tuple[str, str, str], int] = {}
+    oldest: dict[Route, float] = {}
+    for lane, model, status, count, first_created in rows:
+        counts[(lane, model, status)] = int(count)
         if status == JobStatus.QUEUED and first_created is not None:
             # Clocks of the API hosts and this one may disagree a little; an age is never < 0.
-            oldest[lane] = max(0.0, now - float(first_created))
+            oldest[(lane, model)] = max(0.0, now - float(first_created))
     return {
-        lane: LaneJobs(
-            queued=counts.get((lane, JobStatus.QUEUED), 0),
-            running=counts.get((lane, JobStatus.RUNNING), 0),
-            oldest_queued_age_s=oldest.get(lane, 0.0),
+        (lane, model): LaneJobs(
+            queued=counts.get((lane, model, JobStatus.QUEUED), 0),
+            running=counts.get((lane, model, JobStatus.RUNNING), 0),
+            oldest_queued_age_s=oldest.get((lane, model), 0.0),
         )
-        for lane in LANES
+        for lane, model in routes(models, ((lane, model) for lane, model, *_ in rows))
     }
 
 

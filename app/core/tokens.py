@@ -43,6 +43,7 @@ CARD_KEY = "inferq:model:"
 TOKENIZER_KEY = "inferq:tokenizer:"
 WORDS = "words"  # the simulated engine's tokenizer: words and punctuation marks
 CARD_CACHE_S = 10.0
+MAX_TOKENIZERS = 16  # tokenizers kept built, one per model card in use
 
 _WORD_RE = re.compile(r"\w+|[^\w\s]")
 
@@ -136,7 +137,8 @@ def _load(client: redis.Redis, model: str) -> Counter | None:
                 return None
             tokenizer = Tokenizer.from_str(source.decode() if isinstance(source, bytes) else source)
             with _lock:
-                _tokenizers.clear()  # one model per deployment: keep the newest only
+                if len(_tokenizers) >= MAX_TOKENIZERS:  # models come and go: keep a few
+                    _tokenizers.pop(next(iter(_tokenizers)))
                 _tokenizers[digest] = tokenizer
         return Counter(card, tokenizer)
     except redis.RedisError:
@@ -149,18 +151,24 @@ def _load(client: redis.Redis, model: str) -> Counter | None:
 
 
 def check(
-    client: redis.Redis, model: str, bodies: Sequence[JobCreate], field: str | None = None
+    client: redis.Redis,
+    models: Sequence[str],
+    bodies: Sequence[JobCreate],
+    field: str | None = None,
 ) -> list[int]:
-    """Prompt tokens of each body; refuses the first that leaves no room in the context.
+    """Prompt tokens of each body, counted for its model (``models[i]`` runs ``bodies[i]``);
+    refuses the first that leaves no room in its model's context.
 
     ``field`` names the list the bodies came in (``jobs``: the error names ``jobs.3.prompt``).
     Without a card the counts are estimates (four characters a token) and nothing is refused.
     """
-    found = counter(client, model)
-    if found is None:
-        return [estimate(body) for body in bodies]
+    counters = {model: counter(client, model) for model in set(models)}
     counts = []
-    for index, body in enumerate(bodies):
+    for index, (model, body) in enumerate(zip(models, bodies, strict=True)):
+        found = counters[model]
+        if found is None:
+            counts.append(estimate(body))
+            continue
         if body.chosen() == "auto" and found.card.tool_parser is None:
             param = _param(field, index, "tool_choice")
             raise DomainError(

@@ -104,7 +104,7 @@ class After:
     by: By
     moved: list[Transition] = field(default_factory=list)
     events: list[str] = field(default_factory=list)  # webhook events to announce
-    send: list[tuple[str, str]] = field(default_factory=list)  # (job id, lane) to enqueue
+    send: list[tuple[str, str]] = field(default_factory=list)  # (job id, queue) to enqueue
     abort: list[str] = field(default_factory=list)  # running jobs their workers must stop
     worker: str | None = None
     fields: dict[str, Any] = field(default_factory=dict)  # added to every log line
@@ -237,7 +237,7 @@ def create(
     return After(
         by,
         moved=[Transition(r["id"], r["lane"], r["tenant"], JobStatus.QUEUED) for r in rows],
-        send=[(r["id"], r["lane"]) for r in rows],
+        send=[(r["id"], dispatch.queue_of(r["lane"], r["model"])) for r in rows],
         fields=fields,
     )
 
@@ -590,14 +590,14 @@ def hand_back(connection: Connection, lease: Lease, stamp: float, *, worker: str
             lease_expires_at=None,
             enqueued_at=None,
             updated_at=stamp,
-        ).returning(Job.lane)
-    ).scalar()
+        ).returning(Job.lane, Job.model)
+    ).first()
     if back is None:
         return After("worker", worker=worker)
     return After(
         "worker",
         moved=[lease.moved(JobStatus.QUEUED, JobStatus.RUNNING)],
-        send=[(lease.job_id, back)],
+        send=[(lease.job_id, dispatch.queue_of(back.lane, back.model))],
         worker=worker,
         fields={"reason": "handed_back"},
     )
@@ -649,12 +649,12 @@ def reclaim(
                 **ends[to],
             )
             .where(Job.lease_expires_at < stamp)
-            .returning(Job.id, Job.lane, Job.tenant, Job.attempts)
+            .returning(Job.id, Job.lane, Job.model, Job.tenant, Job.attempts)
         ).all()
         code = ends[to].get("error_code", "lease_expired")
         after.moved += _moved(changed, to, JobStatus.RUNNING, code)
         if to == JobStatus.QUEUED:
-            after.send += [(row.id, row.lane) for row in changed]
+            after.send += [(row.id, dispatch.queue_of(row.lane, row.model)) for row in changed]
         else:
             after.events += outbox.record_job_events(connection, [r.id for r in changed], stamp)
     return after

@@ -52,7 +52,7 @@ from sqlalchemy import bindparam, text
 
 from tests.chaos.servers import PostgresServer, RedisServer
 from tests.conftest import PostgresDatabases
-from tests.support import TERMINAL, Stack, wait_until
+from tests.support import TERMINAL, Stack, queue, wait_until
 from workers.reaper import EPOCH_KEY
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(180)]
@@ -251,7 +251,7 @@ def test_redis_restart_mid_load(
         finally:
             redis_server.start()
         back_at = time.monotonic()
-        waiting = probe.llen("standard")
+        waiting = probe.llen(queue("standard"))
         # The premise: the append-only file kept Redis's data (the reaper's marker survived).
         assert probe.get(EPOCH_KEY) == marker
         found = wait_all_terminal(stack, ids, 45)
@@ -284,7 +284,7 @@ def test_redis_flushall_mid_load(
         # marker whose absence later tells it that Redis was wiped.
         wait_until(lambda: client.exists(EPOCH_KEY), 10, "the reaper's marker")
         pipe = client.pipeline(transaction=True)
-        pipe.llen("standard")
+        pipe.llen(queue("standard"))
         pipe.exists(EPOCH_KEY)
         pipe.flushall()
         lost, had_epoch, _ = pipe.execute()

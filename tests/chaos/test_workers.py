@@ -34,7 +34,7 @@ import redis
 from sqlalchemy import text
 
 from tests.conftest import PostgresDatabases, fresh_redis_url
-from tests.support import REPO, TERMINAL, Receiver, Stack, wait_until
+from tests.support import REPO, TERMINAL, Receiver, Stack, queue, wait_until
 
 pytestmark = pytest.mark.chaos
 
@@ -243,10 +243,10 @@ def test_a_message_fetched_and_never_claimed_is_sent_again(stack: Stack) -> None
     # No inference worker yet: the job's message waits on its lane's list.
     job_id = stack.submit({"prompt": "hello", "lane": "standard"})["id"]
     lane = redis.Redis.from_url(stack.redis_url)
-    wait_until(lambda: lane.llen("standard") == 1, 10, "the job's message on its lane")
+    wait_until(lambda: lane.llen(queue("standard")) == 1, 10, "the job's message on its lane")
     # A consumer takes it and dies before its claim: nothing of the message is left in Redis.
-    assert lane.rpop("standard") is not None
-    assert lane.llen("standard") == 0
+    assert lane.rpop(queue("standard")) is not None
+    assert lane.llen(queue("standard")) == 0
     stack.start_worker()
     began = time.time()
     done = stack.wait_job(job_id, timeout=60)

@@ -21,7 +21,7 @@ import redis
 
 from tests.conftest import PostgresDatabases, fresh_redis_url
 from tests.integration.test_api import assert_error
-from tests.support import Stack, wait_until
+from tests.support import Stack, queue, wait_until
 
 WINDOW_S = 4  # long enough that a loaded machine fits its requests in one window
 CONTEXT = 64  # tokens; the simulated tokenizer counts words and punctuation marks
@@ -72,7 +72,7 @@ def rows(stack: Stack, tenant: str) -> int:
 
 def queued_messages(stack: Stack) -> int:
     client = redis.Redis.from_url(stack.redis_url)
-    return sum(int(client.llen(lane)) for lane in ("realtime", "standard", "bulk"))
+    return sum(int(client.llen(queue(lane))) for lane in ("realtime", "standard", "bulk"))
 
 
 def refused(response: httpx.Response, status: int, code: str) -> int:

@@ -14,7 +14,17 @@ from typing import Any
 
 import httpx
 
-from tests.support import Proc, Stack, free_port, run_cli, running_stack, wait_until
+from app.core.settings import LANES
+from tests.support import (
+    DEMO_MODEL,
+    Proc,
+    Stack,
+    free_port,
+    queue,
+    run_cli,
+    running_stack,
+    wait_until,
+)
 
 AUTH = ("user", "pw")
 
@@ -29,7 +39,9 @@ def test_flower_sees_the_worker_and_every_task_with_its_lane(
     tmp_path: Path, redis_url: str
 ) -> None:
     db = f"sqlite:///{tmp_path / 'inferq.db'}"
-    with running_stack(tmp_path, db, redis_url, sim_time_scale=0.2) as stack:
+    with running_stack(
+        tmp_path, db, redis_url, sim_time_scale=0.2, accepted_models="later"
+    ) as stack:
         port = free_port()
         flower = start_flower(stack, port)
         base = f"http://127.0.0.1:{port}"
@@ -86,14 +98,16 @@ def test_flower_sees_the_worker_and_every_task_with_its_lane(
             ran = waited(finished, 30, "Flower to list every task as succeeded")
             for job_id, task in ran.items():
                 lane = jobs[job_id]
-                assert task["routing_key"] == lane, task
+                assert task["routing_key"] == queue(lane), task  # lane and model
                 assert repr(lane) in task["args"], task
                 assert task["worker"] == workers[0], task
 
-            # The Broker tab's source lists every inferq queue, consumed or not.
+            # The Broker tab's source lists every inferq queue, consumed or not: the lanes of
+            # every known model (here the served one and one accepted with no worker).
             queues = {q["name"]: q["messages"] for q in get("/api/queues/length")["active_queues"]}
-            assert {"realtime", "standard", "bulk", "webhooks", "maintenance"} <= set(queues)
-            assert queues["realtime"] == queues["bulk"] == 0
+            lanes = {queue(lane, model) for lane in LANES for model in (DEMO_MODEL, "later")}
+            assert lanes | {"webhooks", "maintenance"} <= set(queues)
+            assert queues[queue("realtime")] == queues[queue("bulk")] == 0
 
             assert httpx.get(f"{base}/api/workers", timeout=10).status_code == 401
             assert (

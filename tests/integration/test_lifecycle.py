@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import PostgresDatabases, database_url_for
-from tests.support import REPO, Stack, running_stack, wait_until
+from tests.support import REPO, Stack, queue, running_stack, wait_until
 
 LANES = ["realtime", "standard", "bulk"]
 
@@ -100,7 +100,7 @@ def test_cancelled_while_queued_never_runs(
 
         # The cancelled job's message is consumed too (the list empties) ...
         lane = redis.Redis.from_url(redis_url)
-        wait_until(lambda: lane.llen("standard") == 0, 10, "the lane to be empty")
+        wait_until(lambda: lane.llen(queue("standard")) == 0, 10, "the lane to be empty")
         time.sleep(0.5)
         # ... and the job never ran.
         with stack.client() as c:

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from tests.conftest import fresh_redis_url
-from tests.support import Proc, Receiver, Samples, Stack, scrape, value, wait_until
+from tests.support import DEMO_MODEL, Proc, Receiver, Samples, Stack, scrape, value, wait_until
 
 
 def ops_metrics_url(stack: Stack, proc: Proc) -> str:
@@ -142,13 +142,14 @@ def test_lane_gauges_follow_the_queue(stack: Stack) -> None:
 
     def page() -> Samples | None:
         found = scrape(f"{stack.url}/metrics")
-        return found if value(found, "inferq_queue_oldest_age_seconds", lane="bulk") > 0 else None
+        age = value(found, "inferq_queue_oldest_age_seconds", lane="bulk", model=DEMO_MODEL)
+        return found if age > 0 else None
 
     samples = wait_until(page, 10, "the oldest bulk job to age")
-    assert value(samples, "inferq_jobs_queued", lane="bulk") == queued >= 5
-    assert value(samples, "inferq_queue_messages", lane="bulk") >= 1
-    assert value(samples, "inferq_jobs_queued", lane="realtime") == 0
-    assert value(samples, "inferq_jobs_running", lane="bulk") == 0
+    assert value(samples, "inferq_jobs_queued", lane="bulk", model=DEMO_MODEL) == queued >= 5
+    assert value(samples, "inferq_queue_messages", lane="bulk", model=DEMO_MODEL) >= 1
+    assert value(samples, "inferq_jobs_queued", lane="realtime", model=DEMO_MODEL) == 0
+    assert value(samples, "inferq_jobs_running", lane="bulk", model=DEMO_MODEL) == 0
 
     before = value(samples, "inferq_jobs_finished_total", lane="bulk", status="cancelled")
     with stack.client() as c:
@@ -156,7 +157,7 @@ def test_lane_gauges_follow_the_queue(stack: Stack) -> None:
             assert c.post(f"/v1/jobs/{job_id}/cancel").json()["status"] == "cancelled"
     after = scrape(f"{stack.url}/metrics")
     assert value(after, "inferq_jobs_finished_total", lane="bulk", status="cancelled") == before + 5
-    assert value(after, "inferq_jobs_queued", lane="bulk") == queued - 5
+    assert value(after, "inferq_jobs_queued", lane="bulk", model=DEMO_MODEL) == queued - 5
 
 
 def test_ops_metrics_count_deliveries_and_reaper_actions(stack: Stack, receiver: Receiver) -> None:

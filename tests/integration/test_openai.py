@@ -19,7 +19,7 @@ from standardwebhooks import Webhook
 from app.core.settings import DEMO_MODEL_NAME
 from tests.conftest import PostgresDatabases, backend_stack_for
 from tests.integration.test_api import assert_error
-from tests.support import Receiver, Stack, wait_until
+from tests.support import Receiver, Stack, queue, wait_until
 
 SECRET = "whsec_" + "MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
 MODEL = DEMO_MODEL_NAME
@@ -180,9 +180,9 @@ def test_caller_that_gives_up_before_the_answer_cancels_the_job(stack: Stack) ->
 
 def test_unsupported_and_bad_requests_are_refused(client: OpenAI, stack: Stack) -> None:
     messages = [{"role": "user", "content": "hi"}]
-    with pytest.raises(openai.UnprocessableEntityError) as refused:
+    with pytest.raises(openai.NotFoundError) as unknown:  # OpenAI's answer to an unknown model
         client.chat.completions.create(model="gpt-4o", messages=messages)  # type: ignore[arg-type]
-    assert refused.value.body["code"] == "model_not_found"  # type: ignore[index]
+    assert unknown.value.body["code"] == "model_not_found"  # type: ignore[index]
     with pytest.raises(openai.UnprocessableEntityError) as refused:
         client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10**6)  # type: ignore[arg-type]
     assert refused.value.body["param"] == "max_tokens"  # type: ignore[index]
@@ -447,7 +447,7 @@ def test_malformed_file_fails_the_batch_and_enqueues_nothing(client: OpenAI, sta
     assert failed.errors.data[3].param == "body.messages"
     assert failed.errors.data[4].param == "body.messages"
     assert stack.scalar("SELECT count(*) FROM jobs WHERE batch_id = :b", b=batch.id) == 0
-    assert redis.Redis.from_url(stack.redis_url).llen("bulk") == 0
+    assert redis.Redis.from_url(stack.redis_url).llen(queue("bulk")) == 0
 
 
 def test_batch_request_errors(client: OpenAI) -> None:

@@ -28,8 +28,9 @@ from sqlalchemy.orm import Session
 
 from app.core import snapshot
 from app.core.models import Job, new_id
+from app.core.settings import LANES
 from tests.conftest import fresh_redis_url
-from tests.support import REPO, Stack, running_stack, wait_until
+from tests.support import DEMO_MODEL, REPO, Stack, queue, running_stack, wait_until
 
 SLOTS = 8
 BULK_JOBS = 20
@@ -98,13 +99,14 @@ def test_status_shows_lanes_workers_and_throughput(busy_stack: Stack) -> None:
 
     queued = busy_stack.scalar("SELECT count(*) FROM jobs WHERE status = 'queued'")
     assert queued == BULK_JOBS - SLOTS
-    ((_, messages, bulk_queued, bulk_running, oldest),) = rows(out, "bulk")
+    ((_, model, messages, bulk_queued, bulk_running, oldest),) = rows(out, "bulk")
+    assert model == DEMO_MODEL
     assert int(bulk_queued) == queued
     assert int(bulk_running) == SLOTS
-    assert int(messages) == client.llen("bulk") == queued // 2  # two job ids per message
+    assert int(messages) == client.llen(queue("bulk")) == queued // 2  # two job ids per message
     assert oldest.endswith(" s") and float(oldest.split()[0]) > 0
     for lane in ("realtime", "standard"):
-        assert rows(out, lane) == [[lane, "0", "0", "0", "-"]], out
+        assert rows(out, lane) == [[lane, DEMO_MODEL, "0", "0", "0", "-"]], out
 
     worker = next(p for p in busy_stack.procs if p.name == "worker0")
     announced = busy_stack.worker_record(worker.pid)
@@ -183,12 +185,12 @@ def test_unreachable_redis_or_database_is_one_line_and_exit_1(
 # --- app/core/snapshot.py, with rows whose times are known ---------------------------------------
 
 
-def _job(lane: str, status: str, created_at: float, **values: Any) -> Job:
+def _job(lane: str, status: str, created_at: float, model: str = "simulated", **values: Any) -> Job:
     return Job(
         id=new_id("job"),
         tenant="t",
         lane=lane,
-        model="simulated",
+        model=model,
         prompt="p",
         params={},
         meta={},
@@ -219,6 +221,7 @@ def test_snapshot_reads_lanes_workers_and_throughput(idle_stack: Stack) -> None:
                 _job("bulk", "queued", now - 30),
                 _job("bulk", "running", now - 40),
                 _job("bulk", "running", now - 50),
+                _job("bulk", "queued", now - 8, model="other"),  # a model nobody named
                 # Finished in the last minute: only succeeded jobs' tokens count.
                 _job("standard", "succeeded", now - 20, finished_at=now - 10, completion_tokens=10),
                 _job("bulk", "succeeded", now - 20, finished_at=now - 5, completion_tokens=20),
@@ -230,12 +233,20 @@ def test_snapshot_reads_lanes_workers_and_throughput(idle_stack: Stack) -> None:
         )
 
     with idle_stack.db().connect() as connection:
-        lanes = snapshot.lane_jobs(connection, now)
+        lanes = snapshot.lane_jobs(connection, now, ["simulated", "idle"])
         queued = snapshot.queued_jobs(connection)
-    assert lanes["realtime"] == snapshot.LaneJobs(queued=2, running=0, oldest_queued_age_s=5.0)
-    assert lanes["standard"] == snapshot.LaneJobs(queued=0, running=0, oldest_queued_age_s=0.0)
-    assert lanes["bulk"] == snapshot.LaneJobs(queued=1, running=2, oldest_queued_age_s=30.0)
-    assert queued == {"realtime": 2, "standard": 0, "bulk": 1}  # admission's count
+    # Every lane of the models named, in that order, then those of models found in the rows.
+    assert list(lanes) == [
+        (lane, model) for model in ("simulated", "idle", "other") for lane in LANES
+    ]
+    sim = "simulated"
+    assert lanes["realtime", sim] == snapshot.LaneJobs(queued=2, running=0, oldest_queued_age_s=5.0)
+    assert lanes["standard", sim] == snapshot.LaneJobs(queued=0, running=0, oldest_queued_age_s=0.0)
+    assert lanes["bulk", sim] == snapshot.LaneJobs(queued=1, running=2, oldest_queued_age_s=30.0)
+    assert lanes["bulk", "other"] == snapshot.LaneJobs(queued=1, oldest_queued_age_s=8.0)
+    assert lanes["bulk", "idle"] == snapshot.LaneJobs()
+    # Admission's count, per lane of each model.
+    assert queued == {("realtime", sim): 2, ("bulk", sim): 1, ("bulk", "other"): 1}
 
     with Session(idle_stack.db()) as session:
         done = snapshot.throughput(session, now)
@@ -245,9 +256,17 @@ def test_snapshot_reads_lanes_workers_and_throughput(idle_stack: Stack) -> None:
     assert done.tokens_per_s == pytest.approx(30 / 60)
 
     client = redis.Redis.from_url(idle_stack.redis_url)
-    client.lpush("bulk", "m1", "m2", "m3")
-    client.lpush("realtime", "m4")
-    assert snapshot.lane_messages(client) == {"realtime": 1, "standard": 0, "bulk": 3}
+    client.lpush(queue("bulk", "a"), "m1", "m2", "m3")
+    client.lpush(queue("realtime", "a"), "m4")
+    client.lpush(queue("bulk", "b"), "m5")
+    assert snapshot.queue_messages(client, snapshot.routes(["a", "b"])) == {
+        ("realtime", "a"): 1,
+        ("standard", "a"): 0,
+        ("bulk", "a"): 3,
+        ("realtime", "b"): 0,
+        ("standard", "b"): 0,
+        ("bulk", "b"): 1,
+    }
 
     client.set("inferq:worker:host:2", json.dumps({"worker_id": "host:2", "engine": "vllm"}))
     client.set("inferq:worker:host:1", json.dumps({"worker_id": "host:1", "engine": "hf"}))
@@ -317,7 +336,7 @@ def test_status_of_an_idle_system_says_no_worker(idle_stack: Stack) -> None:
     done = status(idle_stack)
     assert done.returncode == 0, done.stderr
     for lane in ("realtime", "standard", "bulk"):
-        assert rows(done.stdout, lane) == [[lane, "0", "0", "0", "-"]]
+        assert rows(done.stdout, lane) == [[lane, DEMO_MODEL, "0", "0", "0", "-"]]
     assert "no worker is announced" in done.stdout
     assert "no ops worker is announced" in done.stdout
     assert rows(done.stdout, "none") == [["none", "0.00", "0.0"]]

@@ -86,6 +86,7 @@ def test_services_and_their_guarantees() -> None:
         "ops",
         "worker",
         "worker-gpu",
+        "worker-gpu-b",
         "flower",
         "prometheus",
         "grafana",
@@ -101,10 +102,19 @@ def test_services_and_their_guarantees() -> None:
     # the `gpu` profile's.
     assert services["worker"]["command"] == ["inferq", "worker", "--engine", "auto"]
     assert services["worker"]["build"]["args"]["EXTRAS"] == "vllm-cpu,hf"
-    gpu = services["worker-gpu"]["deploy"]["resources"]["reservations"]["devices"][0]
-    assert gpu["driver"] == "nvidia" and "gpu" in gpu["capabilities"]
-    assert services["worker-gpu"]["command"] == ["inferq", "worker", "--engine", "vllm"]
-    assert services["worker-gpu"]["profiles"] == ["gpu"]
+    # Two GPU workers of two models, each pinned to its own GPU (README, "Many models").
+    pinned = []
+    for name, profile in (("worker-gpu", "gpu"), ("worker-gpu-b", "two-models")):
+        gpu = services[name]["deploy"]["resources"]["reservations"]["devices"][0]
+        assert gpu["driver"] == "nvidia" and "gpu" in gpu["capabilities"]
+        pinned += gpu["device_ids"]
+        assert services[name]["command"] == ["inferq", "worker", "--engine", "vllm"]
+        assert services[name]["profiles"] == [profile]
+    assert pinned == ["${INFERQ_GPU:-0}", "${INFERQ_GPU_B:-1}"]
+    second = setting_in_compose(services["worker-gpu-b"], "model")
+    assert second.startswith("${INFERQ_MODEL_B:-") and second != setting_in_compose(
+        services["worker-gpu"], "model"
+    )
     assert default_services_reserving_devices(load()) == []
     assert services["ops"]["command"] == ["inferq", "ops"]
     assert any(v.endswith(":/data") for v in services["ops"]["volumes"])
@@ -160,7 +170,7 @@ def test_prometheus_scrapes_every_inferq_process() -> None:
     assert all(job.get("metrics_path", "/metrics") == "/metrics" for job in jobs.values())
     # The workers and the ops worker serve /metrics on INFERQ_METRICS_HOST, on ports the system
     # picks: reachable inside the compose network, any number of them, and no ports published.
-    for name in ("worker", "worker-gpu", "ops"):
+    for name in ("worker", "worker-gpu", "worker-gpu-b", "ops"):
         assert setting_in_compose(services[name], "metrics_host") == "0.0.0.0"
         assert setting_in_compose(services[name], "worker_metrics_port") == "0"
         assert setting_in_compose(services[name], "ops_metrics_port") == "0"
@@ -255,7 +265,7 @@ def test_compose_cli_accepts_the_file() -> None:
         cmd = ["docker", "compose"]
     else:
         pytest.skip("no Compose CLI here (.ci/run installs Debian's docker-compose)")
-    for profile in ([], ["--profile", "gpu"]):
+    for profile in ([], ["--profile", "gpu", "--profile", "two-models"]):
         done = subprocess.run(
             [*cmd, "-f", str(COMPOSE), *profile, "config"],
             capture_output=True,
@@ -270,7 +280,7 @@ def test_compose_cli_accepts_the_file() -> None:
             assert "worker" in started and "worker-gpu" not in started
             assert default_services_reserving_devices(config) == []
         else:
-            assert "worker-gpu" in config["services"]
+            assert {"worker-gpu", "worker-gpu-b"} <= set(config["services"])
 
 
 def test_the_image_installs_dependencies_before_the_code() -> None:

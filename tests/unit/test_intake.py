@@ -12,6 +12,15 @@ import threading
 
 from workers.intake import Intake
 
+MODEL = "m"
+
+
+def lane_of_model(queue: str) -> str:
+    """The lane of one of MODEL's queues: the intake never touches another model's."""
+    lane, model = queue.split(":")
+    assert model == MODEL
+    return lane
+
 
 class Consumer:
     def __init__(self, lanes: list[str]) -> None:
@@ -20,17 +29,19 @@ class Consumer:
         self.connected = True
 
     def add_task_queue(self, queue: str) -> None:
-        self.selected.add(queue)
+        lane = lane_of_model(queue)
+        self.selected.add(lane)
         if not self.connected:
             # What kombu raised from a channel whose connection was closed.
             raise AttributeError("'NoneType' object has no attribute 'hostname'")
-        self.live.add(queue)
+        self.live.add(lane)
 
     def cancel_task_queue(self, queue: str) -> None:
-        self.selected.discard(queue)
+        lane = lane_of_model(queue)
+        self.selected.discard(lane)
         if not self.connected:
             raise AttributeError("'NoneType' object has no attribute 'hostname'")
-        self.live.discard(queue)
+        self.live.discard(lane)
 
     def reconnect(self) -> None:
         """Celery rebuilds the task consumer from the selection."""
@@ -46,7 +57,7 @@ SHARE = {"realtime": 0.25, "standard": 0.25, "bulk": 0.25}
 
 
 def bound(slots: int = 8, chunk: int = 2) -> tuple[Intake, Consumer]:
-    intake = Intake(LANES, slots, SHARE, chunk)
+    intake = Intake(LANES, slots, SHARE, chunk, MODEL)
     consumer = Consumer(LANES)
     intake.bind(consumer)
     return intake, consumer
@@ -85,7 +96,7 @@ def test_changes_made_while_the_broker_is_down_hold_after_it_is_back() -> None:
 
 
 def test_changes_from_other_threads_go_through_the_consumer_loop() -> None:
-    intake = Intake(LANES, 8, SHARE, 2)
+    intake = Intake(LANES, 8, SHARE, 2, MODEL)
     calls: list[object] = []
 
     class Loop(Consumer):

@@ -48,11 +48,11 @@ def test_counts_a_prompt_as_the_published_tokenizer_does(
     assert store.get(f"inferq:tokenizer:{digest}") == source.encode()
 
     fits = "the queue holds every job"
-    assert tokens.check(store, name, [body(prompt=fits)]) == [len(tokenizer.encode(fits).ids)]
+    assert tokens.check(store, [name], [body(prompt=fits)]) == [len(tokenizer.encode(fits).ids)]
     over = "zebra quokka " * 4  # unseen words: many byte-level tokens
     assert len(tokenizer.encode(over).ids) >= 12
     with pytest.raises(DomainError) as refused:
-        tokens.check(store, name, [body(prompt=fits), body(prompt=over)], "jobs")
+        tokens.check(store, [name, name], [body(prompt=fits), body(prompt=over)], "jobs")
     assert (refused.value.kind, refused.value.code) == (Kind.INVALID, "context_length_exceeded")
     assert refused.value.param == "jobs.1.prompt"
 
@@ -65,16 +65,16 @@ def test_messages_count_their_contents(redis_url: str, tokenizer: Tokenizer) -> 
         messages=[{"role": "system", "content": "a worker"}, {"role": "user", "content": "the job"}]
     )
     expected = len(tokenizer.encode("a worker").ids) + len(tokenizer.encode("the job").ids)
-    assert tokens.check(store, name, [chat]) == [expected]
+    assert tokens.check(store, [name], [chat]) == [expected]
 
 
 def test_the_simulated_word_counter(redis_url: str) -> None:
     store = redis.Redis.from_url(redis_url)
     name = model_name()
     tokens.publish(store, name, 4, tokens.WORDS)
-    assert tokens.check(store, name, [body(prompt="one, two")]) == [3]
+    assert tokens.check(store, [name], [body(prompt="one, two")]) == [3]
     with pytest.raises(DomainError) as refused:
-        tokens.check(store, name, [body(messages=[{"role": "user", "content": "a b c d"}])])
+        tokens.check(store, [name], [body(messages=[{"role": "user", "content": "a b c d"}])])
     assert refused.value.param == "messages"
 
 
@@ -82,11 +82,11 @@ def test_without_a_usable_card_nothing_is_refused(redis_url: str) -> None:
     """No card, or one this API cannot read: estimates only; the engine stays the judge."""
     store = redis.Redis.from_url(redis_url)
     long = body(prompt="x" * 4000)
-    assert tokens.check(store, model_name(), [long]) == [1000]
+    assert tokens.check(store, [model_name()], [long]) == [1000]
     broken = model_name()
     tokens.publish(store, broken, 10, '{"not": "a tokenizer"}')
-    assert tokens.check(store, broken, [long]) == [1000]
+    assert tokens.check(store, [broken], [long]) == [1000]
     gone = model_name()
     card = tokens.publish(store, gone, 10, "{}")
     store.delete(tokens.TOKENIZER_KEY + card.tokenizer.removeprefix("sha256:"))
-    assert tokens.check(store, gone, [long]) == [1000]
+    assert tokens.check(store, [gone], [long]) == [1000]

@@ -1,6 +1,6 @@
 """OpenAI-compatible realtime endpoints: /v1/chat/completions, /v1/completions, /v1/models.
 
-Each call is a job, served by app/api/completions.py.
+Each call is a job, served by app/api/completions.py; the models are app/core/catalog.py's.
 """
 
 from __future__ import annotations
@@ -13,27 +13,35 @@ from fastapi.responses import Response
 from app.api import completions
 from app.api.auth import Tenant
 from app.api.schemas import ErrorBody
-from app.core import jobs
+from app.core import catalog
 from app.core.openai_format import ChatCompletionRequest, CompletionRequest
-from app.core.settings import get_settings
 
 router = APIRouter(prefix="/v1", tags=["openai"], responses={"default": {"model": ErrorBody}})
 
 
-def _model_card() -> dict[str, Any]:
-    return {"id": get_settings().model_name, "object": "model", "created": 0, "owned_by": "inferq"}
+def _model(model: catalog.Model) -> dict[str, Any]:
+    """OpenAI's model object, with what a caller of a job platform also needs to know."""
+    return {
+        "id": model.name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "inferq",
+        "ready": model.ready,  # a live worker serves it; if not, jobs wait (calls get 503)
+        "workers": model.workers,
+        "max_model_len": model.max_model_len,  # None until a worker of it has run
+    }
 
 
 @router.get("/models")
 def list_models(_tenant: Tenant) -> dict[str, Any]:
-    """The served model (one per deployment)."""
-    return {"object": "list", "data": [_model_card()]}
+    """Every model a live worker serves, and the ones accepted with none (scaled to zero)."""
+    return {"object": "list", "data": [_model(model) for model in catalog.models()]}
 
 
 @router.get("/models/{model_id:path}")
 def get_model(model_id: str, _tenant: Tenant) -> dict[str, Any]:
-    jobs.check_model(model_id)
-    return _model_card()
+    name = catalog.resolve(model_id)
+    return next(_model(model) for model in catalog.models() if model.name == name)
 
 
 @router.post("/chat/completions", response_model=None)

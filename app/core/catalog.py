@@ -1,0 +1,136 @@
+"""Which models this deployment serves: the models of live workers, and the models accepted
+with no worker running (scaled to zero).
+
+A worker holds one engine of one model and announces it in its presence record
+(workers/presence.py) once the engine is up, so the live models are read from those records.
+The accepted ones are the settings' (``INFERQ_MODEL``/``INFERQ_SERVED_MODEL_NAME`` and
+``INFERQ_ACCEPTED_MODELS``). A model is::
+
+    known(m) = m in accepted or workers(m) > 0          ready(m) = workers(m) > 0
+
+A job for an unknown model is refused (404 ``model_not_found``, OpenAI's semantics) before
+anything is written; a job for a known model with no worker is accepted and waits in its
+queue, except an OpenAI call, which waits ``INFERQ_MODEL_WAIT_S`` for a worker and then
+answers 503 (docs/architecture.md, "Many models"). The presence records are read at most once
+per ``CATALOG_CACHE_S`` per process: the realtime path looks a model up on every call.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from app.core import dispatch, snapshot
+from app.core.errors import DomainError, Kind
+from app.core.settings import LANES, get_settings
+from app.core.tokens import CARD_KEY, ModelCard
+
+log = logging.getLogger("inferq.catalog")
+
+CATALOG_CACHE_S = 2.0
+
+
+@dataclass(frozen=True)
+class Model:
+    """One model as /v1/models shows it."""
+
+    name: str
+    workers: int  # live workers whose engine serves it
+    max_model_len: int | None  # from its model card (app/core/tokens.py), once a worker ran
+
+    @property
+    def ready(self) -> bool:
+        return self.workers > 0
+
+
+_lock = threading.Lock()
+_live: tuple[float, dict[str, int]] | None = None
+
+
+def live(fresh: bool = False) -> dict[str, int]:
+    """Live workers per model; ``fresh`` reads Redis now instead of a recent reading. Redis
+    away: no live worker is known (what cannot be seen cannot be waited for)."""
+    global _live
+    with _lock:
+        cached = _live
+    if not fresh and cached is not None and time.monotonic() - cached[0] < CATALOG_CACHE_S:
+        return cached[1]
+    counts: dict[str, int] = {}
+    try:
+        for record in snapshot.workers(dispatch.redis_client()):
+            model = record.get("model")
+            if isinstance(model, str) and model:
+                counts[model] = counts.get(model, 0) + 1
+    except redis.RedisError as exc:
+        log.warning("could not read the workers' presence records: %s", exc)
+    with _lock:
+        _live = (time.monotonic(), counts)
+    return counts
+
+
+def names() -> list[str]:
+    """Every known model: the accepted ones in the settings' order, then live ones by name."""
+    accepted = get_settings().accepted
+    return [*accepted, *sorted(set(live()) - set(accepted))]
+
+
+def resolve(requested: str | None) -> str:
+    """The model a job runs on: ``requested``, or the default model when it names none;
+    refuses a model nobody serves or accepts (404, nothing written)."""
+    if requested is None:
+        return get_settings().model_name
+    if requested in get_settings().accepted or requested in live():
+        return requested
+    raise DomainError(
+        Kind.NOT_FOUND,
+        "model_not_found",
+        f"The model {requested!r} does not exist; GET /v1/models lists the served ones",
+        param="model",
+    )
+
+
+def wait_ready(model: str, timeout_s: float) -> bool:
+    """Whether ``model`` has a live worker within ``timeout_s`` (checked every half second)."""
+    end = time.monotonic() + timeout_s
+    if live().get(model):
+        return True
+    while True:
+        if live(fresh=True).get(model):
+            return True
+        left = end - time.monotonic()
+        if left <= 0:
+            return False
+        time.sleep(min(0.5, left))
+
+
+def models() -> list[Model]:
+    """Every known model with its workers and context length (GET /v1/models)."""
+    counts = live()
+    known = names()
+    cards: list[Any] = []
+    try:
+        cards = dispatch.redis_client().mget([CARD_KEY + name for name in known])
+    except redis.RedisError as exc:
+        log.warning("could not read the model cards: %s", exc)
+    found: list[Model] = []
+    for i, name in enumerate(known):
+        length = None
+        raw = cards[i] if i < len(cards) else None
+        if raw is not None:
+            try:
+                length = ModelCard(**json.loads(raw)).max_model_len or None
+            except (TypeError, ValueError):
+                length = None
+        found.append(Model(name, counts.get(name, 0), length))
+    return found
+
+
+def queues() -> list[str]:
+    """The Celery queues of every known model, each model's lanes in priority order."""
+    return [dispatch.queue_of(lane, model) for model in names() for lane in LANES]
