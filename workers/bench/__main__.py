@@ -26,6 +26,7 @@ ALL = (
     "ceiling",
     "scaleout",
     "batchfile",
+    "models",
     "overhead",
     "peer",
 )

@@ -200,10 +200,13 @@ class BenchStack:
         raise RuntimeError(f"only part of {total} jobs finished within {timeout_s:.0f}s")
 
     def rows(self, ids: list[str] | None = None, **equal: str) -> list[dict[str, Any]]:
-        """Timing columns of the jobs (of ``ids``; ``lane=``/``status=`` filter)."""
+        """Timing columns of the jobs and who ran them (of ``ids``; ``lane=``/``status=``
+        filter)."""
         query = select(
             Job.id,
             Job.lane,
+            Job.model,
+            Job.lease_owner,
             Job.status,
             Job.created_at,
             Job.enqueued_at,

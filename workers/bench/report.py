@@ -40,6 +40,11 @@ TARGETS: dict[str, list[tuple[str, str, float | str, str]]] = {
     ],
     "ceiling": [("jobs_per_s", ">=", 2000.0, "jobs/s end to end, instant engine, PostgreSQL")],
     "scaleout": [("two_over_one", ">=", 1.8, "two workers / one worker throughput")],
+    "models": [
+        ("ttft_p50_ratio", "<=", 1.10, "model B's realtime TTFT p50, A's backlog / B alone"),
+        ("ttft_p99_over_alone_ms", "<=", 25.0, "B's TTFT p99, A's backlog - B alone (ms)"),
+        ("misrouted", "<=", 0.0, "jobs that ran on a worker of another model"),
+    ],
     "peer": [
         ("inferq_over_vllm_serve", ">=", 0.9, "output tok/s, inferq / vllm serve"),
         ("ttft_p50_over_vllm_serve_ms", "<=", 30.0, "TTFT p50, inferq - vllm serve (ms)"),
@@ -65,6 +70,7 @@ VARIANTS = {
     "mixed": ("idle", "loaded", "budget"),
     "ceiling": ("platform",),
     "scaleout": ("one", "two"),
+    "models": ("alone", "loaded"),
     "peer": ("vllm_serve", "inferq"),
 }
 

@@ -63,9 +63,11 @@ class Spec:
     prompt: str
     max_tokens: int
     lane: str
+    model: str | None = None  # None: the deployment's default model
 
     def body(self) -> dict[str, Any]:
-        return {"prompt": self.prompt, "lane": self.lane, "params": {"max_tokens": self.max_tokens}}
+        body = {"prompt": self.prompt, "lane": self.lane, "params": {"max_tokens": self.max_tokens}}
+        return body if self.model is None else {**body, "model": self.model}
 
     def request(self, i: int) -> GenRequest:
         return GenRequest(
@@ -213,13 +215,22 @@ def _realtime_load(
 
 
 def _realtime_run(
-    opts: Options, rt: list[Spec], bulk: list[Spec], what: str, **settings: Any
+    opts: Options,
+    rt: list[Spec],
+    bulk: list[Spec],
+    what: str,
+    workers: tuple[dict[str, str], ...] = ({},),
+    **settings: Any,
 ) -> dict[str, Any]:
+    """Realtime jobs at 10/s, alone or once a bulk backlog fills its lane; ``workers``: the
+    extra environment of each worker (one model each in ``models``)."""
     # Heartbeats each second: the worker's record in Redis (its intake, its engine's step time)
     # stays fresh enough to tell when bulk has reached its cap and how long a step takes.
     env = opts.stack_env(heartbeat_s=1, **settings)
     with BenchStack(opts.database, env, opts.workdir) as stack:
-        stack.start()
+        stack.start(workers=0)
+        for i, worker_env in enumerate(workers):
+            stack.add_worker(i, worker_env)
         if bulk:
             stack.submit([s.body() for s in bulk])
 
@@ -248,7 +259,12 @@ def _realtime_run(
         rows = stack.rows(ids)
         bulk_running = stack.rows(lane="bulk", status="running")
         bulk_done = stack.rows(lane="bulk", status="succeeded") if bulk else []
+        model_of = {r["worker_id"]: r["model"] for r in stack.worker_records()}
+        ran = [r for r in stack.rows() if r["lease_owner"] is not None]
     metrics = summarize(rows)
+    # Jobs that ran on a worker of another model than their own (the job rows say who ran them).
+    metrics["misrouted"] = sum(1 for r in ran if model_of.get(r["lease_owner"]) != r["model"])
+    metrics["jobs_run"] = len(ran)
     metrics["bulk_running_at_end"] = len(bulk_running)
     if bulk:
         # Bulk's output rate while the realtime load lasted: what protecting realtime costs.
@@ -337,6 +353,36 @@ def mixed(opts: Options) -> dict[str, Any]:
         "realtime_e2el_p99_ms": loaded["p99_e2el_ms"],
         "ttft_p50_target_ms": p50_target,
         "ttft_p99_target_ms": p99_target,
+    }
+
+
+MODEL_A, MODEL_B = "model-a", "model-b"
+
+
+def models(opts: Options) -> dict[str, Any]:
+    """Two models on two workers: model B's realtime traffic alone, then while model A has a
+    bulk backlog (docs/benchmarks.md, "models")."""
+    rt = [
+        Spec(s.prompt, s.max_tokens, s.lane, MODEL_B)
+        for s in workload(opts.n(MIXED_REALTIME), seed=3, lane="realtime", tokens=(8, 64), mean=24)
+    ]
+    bulk = [
+        Spec(s.prompt, s.max_tokens, s.lane, MODEL_A)
+        for s in workload(opts.n(4000), seed=4, lane="bulk", tokens=(16, 256), mean=96)
+    ]
+    workers = tuple({"INFERQ_SERVED_MODEL_NAME": m} for m in (MODEL_A, MODEL_B))
+    alone = _realtime_run(opts, rt, [], "models: B's realtime, A idle", workers)
+    loaded = _realtime_run(opts, rt, bulk, "models: B's realtime, A's bulk backlog", workers)
+    return {
+        "engine": opts.engine,
+        "realtime_jobs": len(rt),
+        "bulk_backlog": len(bulk),
+        "alone": alone,
+        "loaded": loaded,
+        "misrouted": alone["misrouted"] + loaded["misrouted"],
+        "jobs_checked": alone["jobs_run"] + loaded["jobs_run"],
+        "ttft_p50_ratio": loaded["median_ttft_ms"] / alone["median_ttft_ms"],
+        "ttft_p99_over_alone_ms": loaded["p99_ttft_ms"] - alone["p99_ttft_ms"],
     }
 
 
@@ -466,4 +512,5 @@ SCENARIOS: dict[str, Callable[[Options], dict[str, Any]]] = {
     "ceiling": ceiling,
     "scaleout": scaleout,
     "batchfile": batchfile,
+    "models": models,
 }
