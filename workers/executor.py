@@ -94,10 +94,17 @@ def echo_of(job: Any) -> str:
     return str(last.get("content") or "") if last.get("role") == "assistant" else ""
 
 
-def request_for(job: Any, token: int) -> GenRequest:
-    """The engine request for a claimed row (``transitions.CLAIMED``) or an ORM ``Job``."""
+def request_for(job: Any, token: int, settings: Settings) -> GenRequest:
+    """The engine request for a claimed row (``transitions.CLAIMED``) or an ORM ``Job``, on a
+    worker of ``settings.model_name``: a job naming another model names one of its adapters."""
     params: dict[str, Any] = job.params
+    adapter = None if job.model == settings.model_name else job.model
+    registered = settings.adapters.get(adapter or "")
     return GenRequest(
+        adapter=adapter,
+        adapter_path=registered.path
+        if registered is not None and registered.base == settings.model_name
+        else None,
         request_id=request_id(job.id, token),
         prompt=job.prompt,
         messages=job.messages,
@@ -319,7 +326,7 @@ class Executor:
         claims = [
             Claim(
                 lease=transitions.lease_of(row),
-                request=request_for(row, row.lease_token),
+                request=request_for(row, row.lease_token, self.settings),
                 deadline=row.deadline_at,
                 relay=row.relay,
                 reply_to=row.reply_to,

@@ -80,7 +80,9 @@ def _sweep() -> dict[str, int]:
         if lost:
             names = [dispatch.queue_of(lane, model) for lane, model in lost]
             log.warning("queue(s) %s are empty but hold queued jobs: sending them again", names)
-            _forget_enqueued(stamp, lost)
+            _forget_enqueued(
+                stamp, [(lane, name) for lane, base in lost for name in catalog.served_names(base)]
+            )
     counts = {
         "requeued": after.count(JobStatus.QUEUED, source=JobStatus.RUNNING),
         "failed": after.count(JobStatus.FAILED),
@@ -126,17 +128,19 @@ def _empty_queues_with_waiting_jobs(stamp: float) -> list[tuple[str, str]]:
     empty = [route for route in routes if not sizes[route]]
     if not empty:
         return []
+    # A base model's queue also carries its LoRA adapters' jobs.
+    jobs_of = [(lane, name) for lane, base in empty for name in catalog.served_names(base)]
     with session_scope() as session:
         waiting = session.execute(
             select(Job.lane, Job.model)
             .where(
                 Job.status == JobStatus.QUEUED,
-                _routes(empty),
+                _routes(jobs_of),
                 Job.enqueued_at < stamp - REAPER_GRACE_S,
             )
             .group_by(Job.lane, Job.model)
         ).all()
-    found = {(row.lane, row.model) for row in waiting}
+    found = {(row.lane, catalog.base_of(row.model)) for row in waiting}
     return [route for route in empty if route in found]
 
 

@@ -163,7 +163,7 @@ async def _served(requested: str | None) -> None:
     """Refuse a call for an unknown model (404), or for one with no live worker once
     ``INFERQ_MODEL_WAIT_S`` has passed without one announcing itself (503)."""
     model = catalog.resolve(requested)
-    if catalog.live().get(model):
+    if catalog.ready(model):
         return
     wait_s = get_settings().model_wait_s
     if not await run_in_threadpool(catalog.wait_ready, model, wait_s):

@@ -18,7 +18,7 @@ import click
 import httpx
 from pydantic import ValidationError
 
-from app.core.settings import LANES, get_settings
+from app.core.settings import DEMO_ADAPTER_NAME, LANES, get_settings
 
 ENGINES = click.Choice(["auto", "vllm", "hf", "simulated"])
 
@@ -58,6 +58,12 @@ def up(engine: str | None, concurrency: int | None) -> None:
     from app.cli.stack import Stack
 
     settings = get_settings()
+    if not settings.model and not settings.adapters:
+        # Two models on the demo: the demo model and a LoRA adapter of it (README, "Many
+        # models"); every child (API, worker, ops) reads the same registration.
+        adapters = {DEMO_ADAPTER_NAME: settings.demo_adapter.model_dump()}
+        _set_env(adapters=json.dumps(adapters))
+        settings = get_settings()
     sys.exit(Stack(settings, engine or settings.engine, concurrency).run())
 
 

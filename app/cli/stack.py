@@ -291,6 +291,11 @@ class Stack:
         finally:
             self.stop()
 
+    def _models(self, model: str) -> str:
+        """The worker's model and the LoRA adapters of it (README, "Many models")."""
+        adapters = [n for n, a in sorted(self.settings.adapters.items()) if a.base == model]
+        return ", ".join([model, *(f"{name} (LoRA adapter of {model})" for name in adapters)])
+
     def _banner(
         self,
         api: str,
@@ -307,8 +312,8 @@ class Stack:
             f"  API       {api}   (OpenAPI docs: {api}/docs)\n"
             f"  OpenAI    base_url={api}/v1   (chat/completions, files, batches)\n"
             f"  API key   {key}\n"
-            f"  engine    {engine}{label}, model {worker.get('model')}, "
-            f"{worker.get('batching')} batching\n"
+            f"  engine    {engine}{label}, {worker.get('batching')} batching\n"
+            f"  models    {self._models(str(worker.get('model')))}\n"
             f"  database  {self.settings.sqlalchemy_url}\n"
             f"  redis     {redis_line}\n"
             f"  webhooks  signed with the secret in {secret}\n"

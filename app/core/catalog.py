@@ -4,9 +4,11 @@ with no worker running (scaled to zero).
 A worker holds one engine of one model and announces it in its presence record
 (workers/presence.py) once the engine is up, so the live models are read from those records.
 The accepted ones are the settings' (``INFERQ_MODEL``/``INFERQ_SERVED_MODEL_NAME`` and
-``INFERQ_ACCEPTED_MODELS``). A model is::
+``INFERQ_ACCEPTED_MODELS``); a LoRA adapter (``INFERQ_ADAPTERS``) runs on the workers of its
+base model. A model is::
 
-    known(m) = m in accepted or workers(m) > 0          ready(m) = workers(m) > 0
+    known(m) = m in accepted or workers(m) > 0 or m is an adapter
+    ready(m) = workers(base(m)) > 0          base(m) = the adapter's base, or m itself
 
 A job for an unknown model is refused (404 ``model_not_found``, OpenAI's semantics) before
 anything is written; a job for a known model with no worker is accepted and waits in its
@@ -41,8 +43,9 @@ class Model:
     """One model as /v1/models shows it."""
 
     name: str
-    workers: int  # live workers whose engine serves it
+    workers: int  # live workers whose engine serves it (an adapter's: its base's)
     max_model_len: int | None  # from its model card (app/core/tokens.py), once a worker ran
+    parent: str | None = None  # an adapter's base model, as vLLM's /v1/models shows it
 
     @property
     def ready(self) -> bool:
@@ -75,17 +78,30 @@ def live(fresh: bool = False) -> dict[str, int]:
 
 
 def names() -> list[str]:
-    """Every known model: the accepted ones in the settings' order, then live ones by name."""
+    """Every known base model (the ones with queues of their own): the accepted ones in the
+    settings' order, then live ones by name."""
     accepted = get_settings().accepted
     return [*accepted, *sorted(set(live()) - set(accepted))]
 
 
+def base_of(model: str) -> str:
+    """The model whose workers run ``model``'s jobs: an adapter's base, else itself."""
+    adapter = get_settings().adapters.get(model)
+    return adapter.base if adapter else model
+
+
+def served_names(base: str) -> list[str]:
+    """What jobs on ``base``'s workers may name: the base and its adapters."""
+    return [base, *(n for n, a in sorted(get_settings().adapters.items()) if a.base == base)]
+
+
 def resolve(requested: str | None) -> str:
-    """The model a job runs on: ``requested``, or the default model when it names none;
-    refuses a model nobody serves or accepts (404, nothing written)."""
+    """The model a job names: ``requested``, or the default model when it names none;
+    refuses a model (or adapter) nobody serves or accepts (404, nothing written)."""
+    settings = get_settings()
     if requested is None:
-        return get_settings().model_name
-    if requested in get_settings().accepted or requested in live():
+        return settings.model_name
+    if requested in settings.accepted or requested in settings.adapters or requested in live():
         return requested
     raise DomainError(
         Kind.NOT_FOUND,
@@ -95,13 +111,18 @@ def resolve(requested: str | None) -> str:
     )
 
 
+def ready(model: str) -> bool:
+    """Whether a live worker runs ``model``'s jobs (an adapter's: one of its base)."""
+    return bool(live().get(base_of(model)))
+
+
 def wait_ready(model: str, timeout_s: float) -> bool:
     """Whether ``model`` has a live worker within ``timeout_s`` (checked every half second)."""
     end = time.monotonic() + timeout_s
-    if live().get(model):
+    if ready(model):
         return True
     while True:
-        if live(fresh=True).get(model):
+        if live(fresh=True).get(base_of(model)):
             return True
         left = end - time.monotonic()
         if left <= 0:
@@ -110,7 +131,8 @@ def wait_ready(model: str, timeout_s: float) -> bool:
 
 
 def models() -> list[Model]:
-    """Every known model with its workers and context length (GET /v1/models)."""
+    """Every known model with its workers and context length, then the adapters
+    (GET /v1/models)."""
     counts = live()
     known = names()
     cards: list[Any] = []
@@ -128,6 +150,10 @@ def models() -> list[Model]:
             except (TypeError, ValueError):
                 length = None
         found.append(Model(name, counts.get(name, 0), length))
+    lengths = {model.name: model.max_model_len for model in found}
+    for name, adapter in sorted(get_settings().adapters.items()):
+        base = adapter.base
+        found.append(Model(name, counts.get(base, 0), lengths.get(base), parent=base))
     return found
 
 

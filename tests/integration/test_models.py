@@ -22,6 +22,7 @@ from tests.integration.test_api import assert_error
 from tests.support import Stack, queue, wait_until
 
 ALPHA, BETA, GAMMA, DELTA = "alpha", "beta", "gamma", "delta"
+SQL, LATER = "alpha-sql", "gamma-later"  # LoRA adapters of alpha and of gamma (no worker)
 CONTEXT = 3000
 BULK_ROOM = 12  # INFERQ_LANE_MAX_QUEUED for bulk here
 
@@ -40,6 +41,12 @@ def stack(tmp_path_factory: pytest.TempPathFactory, postgres: PostgresDatabases)
         sim_time_scale=0.2,
         worker_concurrency=4,
         lane_max_queued=json.dumps({"bulk": BULK_ROOM}),
+        adapters=json.dumps(
+            {
+                SQL: {"base": ALPHA, "path": str(tmp / "adapters" / "sql")},
+                LATER: {"base": GAMMA, "path": str(tmp / "adapters" / "later")},
+            }
+        ),
     )
     try:
         stack.migrate()
@@ -70,8 +77,13 @@ def test_models_lists_live_and_scaled_to_zero_models(stack: Stack) -> None:
     with stack.client() as client:
         wait_until(lambda: BETA in models(client), 10, "beta in the list")
         listed = models(client)
-        # The accepted ones in the settings' order (the default first), then the live ones.
-        assert list(listed) == [ALPHA, GAMMA, DELTA, BETA]
+        # The accepted ones in the settings' order (the default first), then the live ones, then
+        # the adapters, each with its base as parent and its base's readiness.
+        assert list(listed) == [ALPHA, GAMMA, DELTA, BETA, SQL, LATER]
+        assert (listed[SQL]["parent"], listed[SQL]["ready"]) == (ALPHA, True)
+        assert (listed[LATER]["parent"], listed[LATER]["ready"]) == (GAMMA, False)
+        assert listed[SQL]["max_model_len"] == CONTEXT
+        assert listed[ALPHA]["parent"] is None
         for name in (ALPHA, BETA):
             assert listed[name]["ready"] is True
             assert listed[name]["workers"] == 1
@@ -107,6 +119,29 @@ def test_every_job_runs_on_a_worker_of_its_model(stack: Stack) -> None:
         assert stack.wait_job(job_id)["status"] == "succeeded"
         owner = stack.scalar("SELECT lease_owner FROM jobs WHERE id = :id", id=job_id)
         assert owner == workers[model], (job_id, model)
+
+
+def test_a_lora_adapter_runs_on_its_base_models_workers(stack: Stack) -> None:
+    """alpha-sql is an adapter of alpha: its jobs go to alpha's queue and worker, and its text
+    is not the base model's; gamma-later's base has no worker: a job waits, a call is 503."""
+    body = {"prompt": "same prompt", "params": {"max_tokens": 12, "seed": 7}}
+    with stack.client() as client:
+        base = stack.submit(body, client)
+        adapted = stack.submit({**body, "model": SQL}, client)
+        done = {j["id"]: stack.wait_job(j["id"]) for j in (base, adapted)}
+        assert [d["status"] for d in done.values()] == ["succeeded", "succeeded"]
+        assert done[adapted["id"]]["model"] == SQL
+        assert done[adapted["id"]]["result"]["text"] != done[base["id"]]["result"]["text"]
+        owner = stack.scalar("SELECT lease_owner FROM jobs WHERE id = :id", id=adapted["id"])
+        assert owner == worker_of(stack, ALPHA)
+
+        waiting = stack.submit({"prompt": "x", "model": LATER}, client)
+        broker = redis.Redis.from_url(stack.redis_url)
+        wait_until(lambda: broker.llen(queue("standard", GAMMA)) >= 1, 10, "gamma's queue")
+        response = client.post("/v1/completions", json={"model": LATER, "prompt": "x"})
+        assert_error(response, 503, "model_not_ready", "model")
+        assert client.get(f"/v1/jobs/{waiting['id']}").json()["status"] == "queued"
+        client.post(f"/v1/jobs/{waiting['id']}/cancel")
 
 
 def test_an_unknown_model_is_404_and_writes_nothing(stack: Stack) -> None:
@@ -161,8 +196,9 @@ def test_a_model_with_no_worker_takes_jobs_and_refuses_calls(stack: Stack) -> No
     gamma starts, the waiting job runs on it."""
     broker = redis.Redis.from_url(stack.redis_url)
     with stack.client() as client:
+        sent = broker.llen(queue("standard", GAMMA))
         job = stack.submit({"prompt": "later", "model": GAMMA}, client)
-        wait_until(lambda: broker.llen(queue("standard", GAMMA)) == 1, 10, "gamma's message")
+        wait_until(lambda: broker.llen(queue("standard", GAMMA)) == sent + 1, 10, "its message")
         before = stack.scalar("SELECT count(*) FROM jobs")
         started = time.monotonic()
         response = client.post(

@@ -105,6 +105,16 @@ def test_up_runs_the_whole_stack_and_stops_every_child(tmp_path: Path) -> None:
                 ).json()["id"]
                 for lane in ("realtime", "standard", "bulk")
             ]
+            # Two models: the demo model and its LoRA adapter, on the one worker.
+            listed = {m["id"]: m for m in c.get("/v1/models").json()["data"]}
+            assert listed["inferq-demo-lora"]["parent"] == "inferq-demo"
+            assert listed["inferq-demo-lora"]["ready"] and listed["inferq-demo"]["ready"]
+            ids.append(
+                c.post("/v1/jobs", json={"prompt": "hello", "model": "inferq-demo-lora"}).json()[
+                    "id"
+                ]
+            )
+            assert "models    inferq-demo, inferq-demo-lora (LoRA adapter" in output
             for job_id in ids:
                 job = wait_until(
                     lambda j=job_id: (

@@ -36,11 +36,14 @@ def pick_engine(requested: str) -> str:
 
 
 def resolve_model(settings: Settings) -> tuple[str | Path, str]:
-    """(path or HF id, served name); builds the demo model when none is configured."""
+    """(path or HF id, served name); builds the demo model when none is configured, and its
+    LoRA adapter when the settings register it (`inferq up` does)."""
     if settings.model:
         return settings.model, settings.model_name
-    from workers.engines.demo import ensure_demo_model
+    from workers.engines.demo import ensure_demo_adapter, ensure_demo_model
 
+    if settings.demo_adapter in settings.adapters.values():
+        ensure_demo_adapter(settings.cache_dir, Path(settings.demo_adapter.path))
     return ensure_demo_model(settings.cache_dir), settings.served_model_name or DEMO_MODEL_NAME
 
 

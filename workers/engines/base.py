@@ -32,6 +32,10 @@ class GenRequest:
     # A chat's tools, tool_choice and parallel_tool_calls (``jobs.tools``); the chat template
     # shows the tools to the model, and workers/tools.py finds the calls in the output.
     tools: Mapping[str, Any] | None = None
+    # A LoRA adapter of this engine's model the job names (README, "Many models"), and its
+    # directory; a name without a path is one this worker does not have.
+    adapter: str | None = None
+    adapter_path: str | None = None
 
     @property
     def tool_choice(self) -> str | dict[str, str]:
@@ -88,6 +92,17 @@ def refuse_options(req: GenRequest, honoured: frozenset[str], engine: str) -> No
         raise EngineRequestError(
             "invalid_request",
             f"{', '.join(missing)}: not supported by the {engine} engine (vLLM supports it)",
+        )
+
+
+def check_adapter(req: GenRequest, model_name: str) -> None:
+    """Refuse a request for an adapter this worker was not given for its model (a deployment
+    whose API and workers disagree on ``INFERQ_ADAPTERS``)."""
+    if req.adapter is not None and req.adapter_path is None:
+        raise EngineRequestError(
+            "model_not_found",
+            f"{req.adapter!r} is no LoRA adapter of {model_name!r} on this worker "
+            "(INFERQ_ADAPTERS)",
         )
 
 

@@ -110,3 +110,55 @@ def _build(out: Path) -> None:
     with torch.no_grad():
         model.lm_head.weight[: len(SPECIAL_TOKENS)].zero_()
     model.to(torch.bfloat16).save_pretrained(out)
+
+
+def ensure_demo_adapter(cache_dir: Path, target: Path) -> Path:
+    """Build the demo model's LoRA adapter into ``target`` if it is not there (random weights,
+    strong enough that the adapter's greedy text differs from the base model's)."""
+    if (target / ".complete").exists():
+        return target
+    model = ensure_demo_model(cache_dir)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target) + ".lock"):
+        if not (target / ".complete").exists():
+            log.info("building the demo LoRA adapter in %s (first use only)", target)
+            write_lora_adapter(model, target)
+            (target / ".complete").write_text(DEMO_VERSION)
+    return target
+
+
+def write_lora_adapter(model_dir: Path, out: Path, rank: int = 8, seed: int = 1) -> None:
+    """A random LoRA adapter of a Llama model in PEFT's format, on q_proj and v_proj of every
+    layer (vLLM loads this format)."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    config = json.loads((model_dir / "config.json").read_text())
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    kv_width = config.get("num_key_value_heads", heads) * (hidden // heads)
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config["num_hidden_layers"]):
+        for name, width in (("q_proj", hidden), ("v_proj", kv_width)):
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{name}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, hidden, generator=generator) / 2
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(width, rank, generator=generator) / 2
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(
+        json.dumps(
+            {
+                "peft_type": "LORA",
+                "task_type": "CAUSAL_LM",
+                "r": rank,
+                "lora_alpha": 2 * rank,
+                "lora_dropout": 0.0,
+                "target_modules": ["q_proj", "v_proj"],
+                "bias": "none",
+                "fan_in_fan_out": False,
+                "base_model_name_or_path": str(model_dir),
+            }
+        )
+    )

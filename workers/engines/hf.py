@@ -126,6 +126,11 @@ class HFEngine:
     async def generate(self, req: GenRequest) -> AsyncIterator[GenChunk]:
         assert self._wake is not None, "start() first"
         refuse_options(req, HONOURED, self.name)
+        if req.adapter is not None:
+            raise EngineRequestError(
+                "adapter_not_supported",
+                f"{req.adapter!r} is a LoRA adapter: the hf engine runs none (vllm does)",
+            )
         item = _Pending(req, prompt_text(req, self._tokenizer))
         self._pending.append(item)
         self._wake.set()

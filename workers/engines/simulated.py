@@ -45,6 +45,7 @@ from workers.engines.base import (
     GenRequest,
     StepObserver,
     apply_stop,
+    check_adapter,
     ignore_step,
     prompt_text,
     refuse_options,
@@ -155,8 +156,11 @@ class SimulatedEngine:
     async def generate(self, req: GenRequest) -> AsyncIterator[GenChunk]:
         assert self._wake is not None, "start() first"
         refuse_options(req, HONOURED, self.name)
+        check_adapter(req, self.model_name)
         text = prompt_text(req)
-        digest = hashlib.sha256(f"{req.seed or 0}\x00{text}".encode()).digest()
+        # An adapter changes the model's output, so it changes the simulated text too.
+        seed = f"{req.seed or 0}\x00{req.adapter or ''}\x00{text}"
+        digest = hashlib.sha256(seed.encode()).digest()
         tokens = count_words(text)
         if tokens >= self.max_model_len:  # vLLM's rule: room for one output token
             raise EngineRequestError(

@@ -27,6 +27,7 @@ from workers.engines.base import (
     GenChunk,
     GenRequest,
     StepObserver,
+    check_adapter,
     hf_tokenizer_json,
     ignore_step,
     prompt_text,
@@ -143,6 +144,9 @@ class VLLMEngine:
         }
         if s.max_model_len:
             args["max_model_len"] = s.max_model_len
+        if any(adapter.base == self.model_name for adapter in s.adapters.values()):
+            # vLLM's LoRA support: adapters are loaded on first use, max_loras at once.
+            args.update(enable_lora=True, max_loras=s.max_loras, max_lora_rank=s.max_lora_rank)
         args.update(s.vllm_engine_args)
         return args
 
@@ -230,7 +234,11 @@ class VLLMEngine:
             )
             top = params.logprobs or 0
             async for out in self._llm.generate(
-                prompt, params, req.request_id, priority=req.priority
+                prompt,
+                params,
+                req.request_id,
+                priority=req.priority,
+                lora_request=self._lora(req),
             ):
                 # With n > 1 an output carries the choices that moved in this step, each with
                 # its index and, once that choice is done, its finish_reason.
@@ -251,6 +259,18 @@ class VLLMEngine:
             # vLLM refuses bad input (a prompt that leaves no room in max_model_len) this way.
             code = "context_length_exceeded" if "length" in str(exc) else "invalid_request"
             raise EngineRequestError(code, str(exc)) from exc
+
+    def _lora(self, req: GenRequest) -> Any:
+        """vLLM's request for the job's adapter (None: the base model)."""
+        check_adapter(req, self.model_name)
+        if req.adapter is None:
+            return None
+        from vllm.lora.request import LoRARequest
+
+        # vLLM tells adapters apart by a positive integer id: one per name, stable for this
+        # worker's life (its settings' adapters, sorted).
+        ids = {name: i for i, name in enumerate(sorted(self.settings.adapters), start=1)}
+        return LoRARequest(req.adapter, ids[req.adapter], req.adapter_path)
 
     def _tool_request(self, tools: Sequence[dict[str, Any]], skip_special: bool = True) -> Any:
         """vLLM's chat request that its tool parsers read (the tools, tool_choice auto)."""

@@ -29,6 +29,7 @@ def _model(model: catalog.Model) -> dict[str, Any]:
         "ready": model.ready,  # a live worker serves it; if not, jobs wait (calls get 503)
         "workers": model.workers,
         "max_model_len": model.max_model_len,  # None until a worker of it has run
+        "parent": model.parent,  # a LoRA adapter's base model (vLLM's field), else None
     }
 
 
