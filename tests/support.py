@@ -336,7 +336,7 @@ class Receiver:
     ``/big`` (200 with a 1 MiB body).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, host: str = "127.0.0.1") -> None:
         self.requests: list[dict[str, Any]] = []
         self._lock = threading.Lock()
         receiver = self
@@ -374,7 +374,7 @@ class Receiver:
             def log_message(self, *_: Any) -> None:
                 pass
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = http.server.ThreadingHTTPServer((host, 0), Handler)
         self.server.daemon_threads = True
         self.port = self.server.server_address[1]
         self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)

@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import redis
@@ -31,30 +32,39 @@ class RedisServer:
     """A redis-server on 127.0.0.1 with its data in ``directory``; restartable on its port.
 
     Configured as `inferq up` configures its private one (``app.cli.stack.redis_server_argv``), so
-    the outage tests exercise the durability inferq relies on.
+    the outage tests exercise the durability inferq relies on. ``prefix`` runs it elsewhere (in
+    a network namespace: ``ip netns exec NS``), listening on every address of that namespace,
+    and ``host`` is the address this process reaches it at.
     """
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(
+        self, directory: Path, host: str = "127.0.0.1", prefix: Sequence[str] = ()
+    ) -> None:
         self.dir = directory
         self.dir.mkdir(parents=True, exist_ok=True)
+        self.host = host
+        self.prefix = list(prefix)
         self.port = free_port()
         self.log = self.dir / "redis.log"
         self.popen: subprocess.Popen[bytes] | None = None
 
-    def url(self, db: int = 0) -> str:
-        return f"redis://127.0.0.1:{self.port}/{db}"
+    def url(self, db: int = 0, host: str | None = None) -> str:
+        return f"redis://{host or self.host}:{self.port}/{db}"
 
     def client(self) -> redis.Redis:
         return redis.Redis(
-            host="127.0.0.1", port=self.port, socket_connect_timeout=1, socket_timeout=5
+            host=self.host, port=self.port, socket_connect_timeout=1, socket_timeout=5
         )
 
     def start(self, timeout: float = 15) -> None:
         assert self.popen is None or self.popen.poll() is not None, "already running"
+        elsewhere = ["--bind", "0.0.0.0"] if self.prefix else []
         argv = [
+            *self.prefix,
             *redis_server_argv(REDIS_SERVER, self.port, self.dir),
+            *elsewhere,
             "--protected-mode",
-            "yes",
+            "no" if self.prefix else "yes",
             "--daemonize",
             "no",
             "--logfile",
@@ -110,20 +120,33 @@ class PostgresServer:
     ``mkdtemp`` directory under /tmp (pytest's tmp dirs are not readable by other users).
     """
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        prefix: Sequence[str] = (),
+        trusted: str | None = None,
+    ) -> None:
+        """``prefix`` runs the server elsewhere (``ip netns exec NS``) on every address there;
+        ``host`` is where this process reaches it; ``trusted``, a network whose clients may
+        connect without a password (only loopback otherwise)."""
         self.root = Path(tempfile.mkdtemp(prefix="inferq-pg-", dir="/tmp"))
         self.data = self.root / "data"
         self.log = self.root / "server.log"
         self.port = free_port()
-        self.as_user: list[str] = []
+        self.host = host
+        self.listen = "*" if prefix else "127.0.0.1"
+        self.as_user: list[str] = list(prefix)
         if os.geteuid() == 0:
             owner = pwd.getpwnam("postgres")
             os.chown(self.root, owner.pw_uid, owner.pw_gid)
-            self.as_user = ["runuser", "-u", "postgres", "--"]
+            self.as_user += ["runuser", "-u", "postgres", "--"]
         self._run(
             str(PG_BIN / "initdb"), "-D", str(self.data), "-A", "trust", "-U", "postgres",
             "--no-sync", timeout=120,
         )  # fmt: skip
+        if trusted is not None:
+            with (self.data / "pg_hba.conf").open("a") as hba:
+                hba.write(f"host all all {trusted} trust\n")
 
     def _run(self, *argv: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
         done = subprocess.run(
@@ -143,7 +166,7 @@ class PostgresServer:
 
     def start(self) -> None:
         options = (
-            f"-p {self.port} -c listen_addresses=127.0.0.1 -k {self.root} "
+            f"-p {self.port} -c listen_addresses={self.listen} -k {self.root} "
             "-c fsync=off -c full_page_writes=off -c max_connections=300"
         )
         self._ctl("-o", options, "-l", str(self.log), "-w", "-t", "60", "start", timeout=90)
@@ -160,8 +183,8 @@ class PostgresServer:
         )
         return status.returncode == 0
 
-    def url(self, database: str = "postgres") -> str:
-        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/{database}"
+    def url(self, database: str = "postgres", host: str | None = None) -> str:
+        return f"postgresql+psycopg://postgres@{host or self.host}:{self.port}/{database}"
 
     def create_database(self, name: str) -> str:
         admin = create_engine(self.url(), isolation_level="AUTOCOMMIT")
