@@ -286,22 +286,29 @@ class Stack:
         self, job_id: str, timeout: float = 60, statuses: set[str] = TERMINAL
     ) -> dict[str, Any]:
         with self.client() as c:
-
-            def done() -> dict[str, Any] | None:
-                job = c.get(f"/v1/jobs/{job_id}").json()
-                return job if job["status"] in statuses else None
-
-            try:
-                return dict(wait_until(done, timeout, f"job {job_id} to reach {statuses}"))
-            except TimeoutError as exc:
-                logs = "\n".join(f"--- {p.name}\n{p.tail(30)}" for p in self.procs)
-                raise AssertionError(f"{exc}\n{logs}") from exc
+            return wait_for_job(c, job_id, timeout, statuses, self.procs)
 
     def stop(self) -> None:
         for proc in reversed(self.procs):
             proc.stop()
         if self._db is not None:
             self._db.dispose()
+
+
+def wait_for_job(
+    client: httpx.Client, job_id: str, timeout: float, statuses: set[str], procs: list[Proc]
+) -> dict[str, Any]:
+    """The job once its status is one of ``statuses``; on a timeout, the logs of ``procs``."""
+
+    def done() -> dict[str, Any] | None:
+        job = client.get(f"/v1/jobs/{job_id}").json()
+        return job if job["status"] in statuses else None
+
+    try:
+        return dict(wait_until(done, timeout, f"job {job_id} to reach {statuses}"))
+    except TimeoutError as exc:
+        logs = "\n".join(f"--- {p.name}\n{p.tail(30)}" for p in procs)
+        raise AssertionError(f"{exc}\n{logs}") from exc
 
 
 @contextlib.contextmanager

@@ -32,7 +32,7 @@ import httpx
 import pytest
 
 from tests.chaos.servers import PostgresServer, RedisServer
-from tests.support import TERMINAL, Proc, Receiver, wait_until
+from tests.support import TERMINAL, Proc, Receiver, wait_for_job, wait_until
 
 ALPHA, BETA = "alpha", "beta"
 SECRET = "whsec_" + "MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
@@ -184,16 +184,11 @@ class Deployment:
         with self.client() as c:
             return dict(c.get(f"/v1/jobs/{job_id}").json())
 
-    def wait(self, job_id: str, timeout: float = 60, statuses: set[str] = TERMINAL) -> dict:
-        def done() -> dict[str, Any] | None:
-            job = self.job(job_id)
-            return job if job["status"] in statuses else None
-
-        try:
-            return dict(wait_until(done, timeout, f"job {job_id} in {statuses}"))
-        except TimeoutError as exc:
-            logs = "\n".join(f"--- {p.name}\n{p.tail(20)}" for p in self.procs)
-            raise AssertionError(f"{exc}\n{logs}") from exc
+    def wait(
+        self, job_id: str, timeout: float = 60, statuses: set[str] = TERMINAL
+    ) -> dict[str, Any]:
+        with self.client() as c:
+            return wait_for_job(c, job_id, timeout, statuses, self.procs)
 
     def owner(self, job_id: str) -> str:
         from sqlalchemy import create_engine, text
