@@ -57,11 +57,13 @@ log = logging.getLogger("inferq.jobs")
 By = Literal["api", "worker", "reaper", "ops"]
 
 # Every kind of process counts what it changed; names and labels are the README's metrics table.
-JOBS_SUBMITTED = Counter("inferq_jobs_submitted", "Jobs accepted (committed), by lane.", ["lane"])
+JOBS_SUBMITTED = Counter(
+    "inferq_jobs_submitted", "Jobs accepted (committed), by lane and model.", ["lane", "model"]
+)
 JOBS_FINISHED = Counter(
     "inferq_jobs_finished",
     "Jobs that reached a terminal status, counted by the process that wrote it.",
-    ["lane", "status"],
+    ["lane", "model", "status"],
 )
 
 DEADLINE_EXCEEDED = "deadline_exceeded"
@@ -90,6 +92,7 @@ class Transition:
 
     job_id: str
     lane: str
+    model: str
     tenant: str
     to: str
     source: str | None = None
@@ -139,9 +142,9 @@ def _emit(transitions: Iterable[Transition], *, by: By, worker: str | None, **fi
     enabled = log.isEnabledFor(logging.INFO)
     for t in transitions:
         if t.source is None and t.to == JobStatus.QUEUED:
-            JOBS_SUBMITTED.labels(t.lane).inc()
+            JOBS_SUBMITTED.labels(t.lane, t.model).inc()
         elif t.to in TERMINAL:
-            JOBS_FINISHED.labels(t.lane, t.to).inc()
+            JOBS_FINISHED.labels(t.lane, t.model, t.to).inc()
         if not enabled:
             continue
         line: dict[str, Any] = {
@@ -149,6 +152,7 @@ def _emit(transitions: Iterable[Transition], *, by: By, worker: str | None, **fi
             "event": f"job.{t.to}",
             "job_id": t.job_id,
             "lane": t.lane,
+            "model": t.model,
             "tenant": t.tenant,
             "from": t.source,
             "to": t.to,
@@ -166,10 +170,12 @@ def _emit(transitions: Iterable[Transition], *, by: By, worker: str | None, **fi
 def _moved(
     rows: Iterable[Any], to: str, source: str, error_code: str | None = None
 ) -> list[Transition]:
-    """The transitions of rows an UPDATE returned: ``id``, ``lane``, ``tenant`` and, where it
-    was returned, ``attempts``."""
+    """The transitions of rows an UPDATE returned: ``id``, ``lane``, ``model``, ``tenant``
+    and, where it was returned, ``attempts``."""
     return [
-        Transition(r.id, r.lane, r.tenant, to, source, getattr(r, "attempts", None), error_code)
+        Transition(
+            r.id, r.lane, r.model, r.tenant, to, source, getattr(r, "attempts", None), error_code
+        )
         for r in rows
     ]
 
@@ -236,7 +242,9 @@ def create(
         connection.execute(insert(table), chunk[0] if len(chunk) == 1 else chunk)
     return After(
         by,
-        moved=[Transition(r["id"], r["lane"], r["tenant"], JobStatus.QUEUED) for r in rows],
+        moved=[
+            Transition(r["id"], r["lane"], r["model"], r["tenant"], JobStatus.QUEUED) for r in rows
+        ],
         send=[(r["id"], dispatch.queue_of(r["lane"], r["model"])) for r in rows],
         fields=fields,
     )
@@ -263,7 +271,7 @@ def expire_queued(connection: Connection, job_ids: Collection[str], stamp: float
             error_message="the job's timeout_s passed before it started",
         )
         .where(Job.deadline_at <= stamp)
-        .returning(Job.id, Job.lane, Job.tenant)
+        .returning(Job.id, Job.lane, Job.model, Job.tenant)
     ).all()
     if not ended:
         return After(by)
@@ -324,7 +332,7 @@ def _stop(
             error_code=error_code,
             error_message=error_message,
         )
-        .returning(Job.id, Job.lane, Job.tenant)
+        .returning(Job.id, Job.lane, Job.model, Job.tenant)
         .execution_options(synchronize_session=False)
     ).all()
     running = connection.execute(
@@ -353,12 +361,15 @@ class Lease:
     job_id: str
     token: int
     lane: str
+    model: str
     tenant: str
     attempt: int
     webhook: bool  # the job has a webhook_url: its end writes an event
 
     def moved(self, to: str, source: str, error_code: str | None = None) -> Transition:
-        return Transition(self.job_id, self.lane, self.tenant, to, source, self.attempt, error_code)
+        return Transition(
+            self.job_id, self.lane, self.model, self.tenant, to, source, self.attempt, error_code
+        )
 
 
 # What a claim returns of each job: its lease and what its engine request is made of.
@@ -387,6 +398,7 @@ def lease_of(row: Any) -> Lease:
         job_id=row.id,
         token=row.lease_token,
         lane=row.lane,
+        model=row.model,
         tenant=row.tenant,
         attempt=row.attempts,
         webhook=row.webhook_url is not None,

@@ -97,7 +97,7 @@ def test_counters_and_histograms_move_when_jobs_run(stack: Stack) -> None:
         # finished a moment before the worker's page counts it.
         page = scrape(worker_url)
         done = all(
-            grew(page, finished, lane=lane, status="succeeded") >= n
+            grew(page, finished, lane=lane, model=DEMO_MODEL, status="succeeded") >= n
             and all(grew(page, f"{h}_count", lane=lane) >= n for h in histograms)
             for lane, n in ran
         )
@@ -107,8 +107,9 @@ def test_counters_and_histograms_move_when_jobs_run(stack: Stack) -> None:
     api = scrape(api_url)
     for lane, n in ran:
         submitted = "inferq_jobs_submitted_total"
-        assert value(api, submitted, lane=lane) - value(api_before, submitted, lane=lane) == n
-        assert grew(worker, finished, lane=lane, status="succeeded") == n
+        labels = {"lane": lane, "model": DEMO_MODEL}
+        assert value(api, submitted, **labels) - value(api_before, submitted, **labels) == n
+        assert grew(worker, finished, lane=lane, model=DEMO_MODEL, status="succeeded") == n
         for histogram in histograms:
             count = f"{histogram}_count"
             assert grew(worker, count, lane=lane) == n
@@ -151,12 +152,13 @@ def test_lane_gauges_follow_the_queue(stack: Stack) -> None:
     assert value(samples, "inferq_jobs_queued", lane="realtime", model=DEMO_MODEL) == 0
     assert value(samples, "inferq_jobs_running", lane="bulk", model=DEMO_MODEL) == 0
 
-    before = value(samples, "inferq_jobs_finished_total", lane="bulk", status="cancelled")
+    cancelled = {"lane": "bulk", "model": DEMO_MODEL, "status": "cancelled"}
+    before = value(samples, "inferq_jobs_finished_total", **cancelled)
     with stack.client() as c:
         for job_id in ids:
             assert c.post(f"/v1/jobs/{job_id}/cancel").json()["status"] == "cancelled"
     after = scrape(f"{stack.url}/metrics")
-    assert value(after, "inferq_jobs_finished_total", lane="bulk", status="cancelled") == before + 5
+    assert value(after, "inferq_jobs_finished_total", **cancelled) == before + 5
     assert value(after, "inferq_jobs_queued", lane="bulk", model=DEMO_MODEL) == queued - 5
 
 
@@ -188,9 +190,8 @@ def test_ops_metrics_count_deliveries_and_reaper_actions(stack: Stack, receiver:
 
     after = wait_until(moved, 30, "webhook attempts and a reaper action to be counted")
     finished = "inferq_jobs_finished_total"
-    assert value(after, finished, lane="bulk", status="expired") > value(
-        before, finished, lane="bulk", status="expired"
-    )
+    expired = {"lane": "bulk", "model": DEMO_MODEL, "status": "expired"}
+    assert value(after, finished, **expired) > value(before, finished, **expired)
 
 
 def test_job_timings(stack: Stack) -> None:
@@ -268,7 +269,8 @@ def test_api_processes_share_their_counters(tmp_path: Path) -> None:
         assert len(pids()) == 2, proc.tail()
         for _ in range(4):
             page = scrape(f"{s.url}/metrics")
-            assert value(page, "inferq_jobs_submitted_total", lane="standard") == n
+            labels = {"lane": "standard", "model": DEMO_MODEL}
+            assert value(page, "inferq_jobs_submitted_total", **labels) == n
         assert (tmp_path / "data" / "prometheus" / f"api-{s.port}").is_dir()
     finally:
         s.stop()
