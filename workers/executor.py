@@ -99,12 +99,10 @@ def request_for(job: Any, token: int, settings: Settings) -> GenRequest:
     worker of ``settings.model_name``: a job naming another model names one of its adapters."""
     params: dict[str, Any] = job.params
     adapter = None if job.model == settings.model_name else job.model
-    registered = settings.adapters.get(adapter or "")
+    mine = adapter in settings.adapters_of(settings.model_name)
     return GenRequest(
         adapter=adapter,
-        adapter_path=registered.path
-        if registered is not None and registered.base == settings.model_name
-        else None,
+        adapter_path=settings.adapters[adapter].path if adapter and mine else None,
         request_id=request_id(job.id, token),
         prompt=job.prompt,
         messages=job.messages,

@@ -37,7 +37,7 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 from app.core import catalog, dispatch, snapshot, transitions
 from app.core.db import session_scope
 from app.core.models import Job, JobStatus, now
-from app.core.settings import LANES, get_settings
+from app.core.settings import get_settings
 from workers import metrics
 
 log = logging.getLogger("inferq.reaper")
@@ -80,9 +80,7 @@ def _sweep() -> dict[str, int]:
         if lost:
             names = [dispatch.queue_of(lane, model) for lane, model in lost]
             log.warning("queue(s) %s are empty but hold queued jobs: sending them again", names)
-            _forget_enqueued(
-                stamp, [(lane, name) for lane, base in lost for name in catalog.served_names(base)]
-            )
+            _forget_enqueued(stamp, lost)
     counts = {
         "requeued": after.count(JobStatus.QUEUED, source=JobStatus.RUNNING),
         "failed": after.count(JobStatus.FAILED),
@@ -120,7 +118,7 @@ def _empty_queues_with_waiting_jobs(stamp: float) -> list[tuple[str, str]]:
     """(lane, model) of the known models' queues whose list is empty while jobs of theirs,
     sent more than ``REAPER_GRACE_S`` ago, are still queued. (A model nobody serves or
     accepts has no worker to lose messages to; its jobs are sent when one announces it.)"""
-    routes = [(lane, model) for model in catalog.names() for lane in LANES]
+    routes = snapshot.routes(catalog.names())
     try:
         sizes = snapshot.queue_messages(dispatch.redis_client(), routes)
     except redis.RedisError:
@@ -128,30 +126,34 @@ def _empty_queues_with_waiting_jobs(stamp: float) -> list[tuple[str, str]]:
     empty = [route for route in routes if not sizes[route]]
     if not empty:
         return []
-    # A base model's queue also carries its LoRA adapters' jobs.
-    jobs_of = [(lane, name) for lane, base in empty for name in catalog.served_names(base)]
     with session_scope() as session:
         waiting = session.execute(
             select(Job.lane, Job.model)
             .where(
                 Job.status == JobStatus.QUEUED,
-                _routes(jobs_of),
+                _routes(empty),
                 Job.enqueued_at < stamp - REAPER_GRACE_S,
             )
             .group_by(Job.lane, Job.model)
         ).all()
-    found = {(row.lane, catalog.base_of(row.model)) for row in waiting}
+    found = {(row.lane, get_settings().base_of(row.model)) for row in waiting}
     return [route for route in empty if route in found]
 
 
 def _routes(routes: list[tuple[str, str]]) -> Any:
-    """Rows of the (lane, model) pairs ``routes``."""
-    return or_(*(and_(Job.lane == lane, Job.model == model) for lane, model in routes))
+    """Rows of the queues ``routes`` ((lane, base model) pairs): a base model's queue also
+    carries its LoRA adapters' jobs."""
+    return or_(
+        *(
+            and_(Job.lane == lane, Job.model.in_(catalog.served_names(base)))
+            for lane, base in routes
+        )
+    )
 
 
 def _forget_enqueued(stamp: float, routes: list[tuple[str, str]] | None = None) -> None:
-    """Mark the queued jobs of ``routes`` ((lane, model) pairs; None: all) as not sent, so
-    that the next step sends them."""
+    """Mark the queued jobs of ``routes`` (queues as (lane, base model) pairs; None: all) as
+    not sent, so that the next step sends them."""
     which = [Job.status == JobStatus.QUEUED, Job.enqueued_at < stamp]
     if routes is not None:
         which.append(_routes(routes))

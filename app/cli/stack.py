@@ -293,7 +293,7 @@ class Stack:
 
     def _models(self, model: str) -> str:
         """The worker's model and the LoRA adapters of it (README, "Many models")."""
-        adapters = [n for n, a in sorted(self.settings.adapters.items()) if a.base == model]
+        adapters = self.settings.adapters_of(model)
         return ", ".join([model, *(f"{name} (LoRA adapter of {model})" for name in adapters)])
 
     def _banner(

@@ -33,8 +33,8 @@ def collect() -> snapshot.Snapshot:
     now = time.time()
     try:
         client = dispatch.redis_client()
-        workers = snapshot.workers(client)  # first: a Redis that is away is said once, here
-        models = catalog.names()
+        workers = snapshot.workers(client)
+        models = catalog.names(catalog.counts(workers))
         messages = snapshot.queue_messages(client, snapshot.routes(models))
         ops = snapshot.ops_workers(client)
     except redis.RedisError as exc:

@@ -23,6 +23,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +31,7 @@ import redis
 
 from app.core import dispatch, snapshot
 from app.core.errors import DomainError, Kind
-from app.core.settings import LANES, get_settings
+from app.core.settings import get_settings
 from app.core.tokens import CARD_KEY, ModelCard
 
 log = logging.getLogger("inferq.catalog")
@@ -56,6 +57,16 @@ _lock = threading.Lock()
 _live: tuple[float, dict[str, int]] | None = None
 
 
+def counts(workers: Iterable[dict[str, Any]]) -> dict[str, int]:
+    """Workers per model in presence records (``snapshot.workers``)."""
+    found: dict[str, int] = {}
+    for record in workers:
+        model = record.get("model")
+        if isinstance(model, str) and model:
+            found[model] = found.get(model, 0) + 1
+    return found
+
+
 def live(fresh: bool = False) -> dict[str, int]:
     """Live workers per model; ``fresh`` reads Redis now instead of a recent reading. Redis
     away: no live worker is known (what cannot be seen cannot be waited for)."""
@@ -64,35 +75,27 @@ def live(fresh: bool = False) -> dict[str, int]:
         cached = _live
     if not fresh and cached is not None and time.monotonic() - cached[0] < CATALOG_CACHE_S:
         return cached[1]
-    counts: dict[str, int] = {}
+    found: dict[str, int] = {}
     try:
-        for record in snapshot.workers(dispatch.redis_client()):
-            model = record.get("model")
-            if isinstance(model, str) and model:
-                counts[model] = counts.get(model, 0) + 1
+        found = counts(snapshot.workers(dispatch.redis_client()))
     except redis.RedisError as exc:
         log.warning("could not read the workers' presence records: %s", exc)
     with _lock:
-        _live = (time.monotonic(), counts)
-    return counts
+        _live = (time.monotonic(), found)
+    return found
 
 
-def names() -> list[str]:
+def names(workers: dict[str, int] | None = None) -> list[str]:
     """Every known base model (the ones with queues of their own): the accepted ones in the
-    settings' order, then live ones by name."""
+    settings' order, then live ones by name (``workers``: live workers per model already read,
+    else :func:`live`'s)."""
     accepted = get_settings().accepted
-    return [*accepted, *sorted(set(live()) - set(accepted))]
-
-
-def base_of(model: str) -> str:
-    """The model whose workers run ``model``'s jobs: an adapter's base, else itself."""
-    adapter = get_settings().adapters.get(model)
-    return adapter.base if adapter else model
+    return [*accepted, *sorted(set(live() if workers is None else workers) - set(accepted))]
 
 
 def served_names(base: str) -> list[str]:
     """What jobs on ``base``'s workers may name: the base and its adapters."""
-    return [base, *(n for n, a in sorted(get_settings().adapters.items()) if a.base == base)]
+    return [base, *get_settings().adapters_of(base)]
 
 
 def resolve(requested: str | None) -> str:
@@ -111,9 +114,9 @@ def resolve(requested: str | None) -> str:
     )
 
 
-def ready(model: str) -> bool:
+def ready(model: str, fresh: bool = False) -> bool:
     """Whether a live worker runs ``model``'s jobs (an adapter's: one of its base)."""
-    return bool(live().get(base_of(model)))
+    return bool(live(fresh).get(get_settings().base_of(model)))
 
 
 def wait_ready(model: str, timeout_s: float) -> bool:
@@ -122,7 +125,7 @@ def wait_ready(model: str, timeout_s: float) -> bool:
     if ready(model):
         return True
     while True:
-        if live(fresh=True).get(base_of(model)):
+        if ready(model, fresh=True):
             return True
         left = end - time.monotonic()
         if left <= 0:
@@ -159,4 +162,4 @@ def models() -> list[Model]:
 
 def queues() -> list[str]:
     """The Celery queues of every known model, each model's lanes in priority order."""
-    return [dispatch.queue_of(lane, model) for model in names() for lane in LANES]
+    return [dispatch.queue_of(lane, model) for lane, model in snapshot.routes(names())]

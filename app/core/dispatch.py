@@ -64,8 +64,7 @@ _redis: redis.Redis | None = None
 def queue_of(lane: str, model: str) -> str:
     """The Celery queue (and Redis list) of ``model``'s jobs in ``lane``: a LoRA adapter's jobs
     are in its base model's queues, whose workers run them (README, "Many models")."""
-    adapter = get_settings().adapters.get(model)
-    return f"{lane}:{adapter.base if adapter else model}"
+    return f"{lane}:{get_settings().base_of(model)}"
 
 
 def lane_of(queue: str) -> str:

@@ -325,6 +325,15 @@ class Settings(BaseSettings):
         """The demo model's LoRA adapter (random weights), built by the worker on first use."""
         return Adapter(base=DEMO_MODEL_NAME, path=str(self.cache_dir / "demo-lora-v1"))
 
+    def base_of(self, model: str) -> str:
+        """The model whose workers run ``model``'s jobs: an adapter's base, else itself."""
+        adapter = self.adapters.get(model)
+        return adapter.base if adapter else model
+
+    def adapters_of(self, base: str) -> list[str]:
+        """The names of ``base``'s LoRA adapters, sorted."""
+        return sorted(name for name, adapter in self.adapters.items() if adapter.base == base)
+
     @property
     def accepted(self) -> list[str]:
         """Models accepted without a live worker: this one first, then ``accepted_models``."""

@@ -128,6 +128,11 @@ class VLLMEngine:
         self.on_step: StepObserver = ignore_step
         # vLLM's tool parser class for ``tool_choice: auto`` (INFERQ_TOOL_CALL_PARSER).
         self.tool_parser: str | None = settings.tool_call_parser
+        # vLLM tells adapters apart by a positive integer id: one per name, stable for this
+        # worker's life.
+        self._lora_ids = {
+            name: i for i, name in enumerate(settings.adapters_of(model_name), start=1)
+        }
         self._tool_parser_class: Any = None
 
     def engine_args(self) -> dict[str, Any]:
@@ -144,7 +149,7 @@ class VLLMEngine:
         }
         if s.max_model_len:
             args["max_model_len"] = s.max_model_len
-        if any(adapter.base == self.model_name for adapter in s.adapters.values()):
+        if s.adapters_of(self.model_name):
             # vLLM's LoRA support: adapters are loaded on first use, max_loras at once.
             args.update(enable_lora=True, max_loras=s.max_loras, max_lora_rank=s.max_lora_rank)
         args.update(s.vllm_engine_args)
@@ -267,10 +272,7 @@ class VLLMEngine:
             return None
         from vllm.lora.request import LoRARequest
 
-        # vLLM tells adapters apart by a positive integer id: one per name, stable for this
-        # worker's life (its settings' adapters, sorted).
-        ids = {name: i for i, name in enumerate(sorted(self.settings.adapters), start=1)}
-        return LoRARequest(req.adapter, ids[req.adapter], req.adapter_path)
+        return LoRARequest(req.adapter, self._lora_ids[req.adapter], req.adapter_path)
 
     def _tool_request(self, tools: Sequence[dict[str, Any]], skip_special: bool = True) -> Any:
         """vLLM's chat request that its tool parsers read (the tools, tool_choice auto)."""
