@@ -36,6 +36,7 @@ from tokenizers import Tokenizer
 
 from app.core.errors import DomainError, Kind
 from app.core.schemas import JobCreate
+from app.core.settings import get_settings
 
 log = logging.getLogger("inferq.tokens")
 
@@ -156,13 +157,16 @@ def check(
     bodies: Sequence[JobCreate],
     field: str | None = None,
 ) -> list[int]:
-    """Prompt tokens of each body, counted for its model (``models[i]`` runs ``bodies[i]``);
-    refuses the first that leaves no room in its model's context.
+    """Prompt tokens of each body, counted for its model (``models[i]`` runs ``bodies[i]``, as
+    the job names it: an adapter counts as its base); refuses the first that leaves no room in
+    its model's context.
 
     ``field`` names the list the bodies came in (``jobs``: the error names ``jobs.3.prompt``).
     Without a card the counts are estimates (four characters a token) and nothing is refused.
     """
-    counters = {model: counter(client, model) for model in set(models)}
+    # A LoRA adapter runs in its base model's context, with its tokenizer: the base's card.
+    settings = get_settings()
+    counters = {model: counter(client, settings.base_of(model)) for model in set(models)}
     counts = []
     for index, (model, body) in enumerate(zip(models, bodies, strict=True)):
         found = counters[model]

@@ -134,6 +134,11 @@ def test_a_lora_adapter_runs_on_its_base_models_workers(stack: Stack) -> None:
         assert done[adapted["id"]]["result"]["text"] != done[base["id"]]["result"]["text"]
         owner = stack.scalar("SELECT lease_owner FROM jobs WHERE id = :id", id=adapted["id"])
         assert owner == worker_of(stack, ALPHA)
+        # The adapter runs in its base's context: a prompt too long for alpha is too long for it.
+        before = stack.scalar("SELECT count(*) FROM jobs")
+        too_long = {"prompt": "word " * CONTEXT, "model": SQL}
+        assert_error(client.post("/v1/jobs", json=too_long), 422, "context_length_exceeded")
+        assert stack.scalar("SELECT count(*) FROM jobs") == before
 
         waiting = stack.submit({"prompt": "x", "model": LATER}, client)
         broker = redis.Redis.from_url(stack.redis_url)
