@@ -188,7 +188,11 @@ class Stack:
         done = self.cli("migrate")
         assert done.returncode == 0, done.stdout + done.stderr
 
-    def start_api(self) -> Proc:
+    def start_api(self, dispatcher: bool = True) -> Proc:
+        """The API, and the dispatcher that sends the jobs it leaves waiting (README, "Fair
+        share"): a stack without one runs only the jobs the API sends itself."""
+        if dispatcher:
+            self.start_dispatcher()
         proc = self.spawn("api", "api")
         wait_until(
             lambda: (
@@ -199,6 +203,11 @@ class Stack:
         )
         assert proc.alive(), proc.tail()
         return proc
+
+    def start_dispatcher(self, name: str = "dispatch", **settings: Any) -> Proc:
+        """A dispatcher (not waited for: jobs wait in the database until it runs)."""
+        env = {f"INFERQ_{k.upper()}": str(v) for k, v in settings.items()}
+        return self.spawn(name, "dispatch", env=env)
 
     def start_worker(
         self, *, engine: str = "simulated", timeout: float = 60, **settings: Any

@@ -4,18 +4,21 @@ Run by beat on the ops worker every ``INFERQ_REAPER_INTERVAL_S``. The database i
 Redis message only a hint, so the sweep repairs what a crash or a lost message left behind:
 
 1. **Expired leases**: a ``running`` job whose lease ran out (its worker was killed, paused or cut
-   off) goes back to ``queued`` and is re-sent; its ``attempts`` grows with the next claim. After
+   off) goes back to ``queued`` for the dispatcher to send again (app/dispatcher); its
+   ``attempts`` grows with the next claim. After
    ``INFERQ_MAX_ATTEMPTS`` claims it ends ``failed`` (``worker_lost``) instead, and one past its
    deadline ends ``expired``. The old worker's token no longer matches, so its late writes change
    nothing (the fence in app/core/transitions.py, which makes every status change here).
-2. **Never sent**: a ``queued`` job without ``enqueued_at`` (the API or a worker committed it and
-   could not send its message, or crashed in between) is sent once it is ``REAPER_GRACE_S`` old.
-3. **Lost with Redis**: Redis restarted empty or was wiped. The reaper keeps a marker key in
-   Redis; when it is gone, every queued job is sent again. Messages lost some other way (the
-   last second before a crash with ``appendfsync everysec``) are found when a queue's list (a
-   lane of one model) is empty while jobs of it have been queued for longer than
-   ``REAPER_GRACE_S``.
-4. **Deadlines**: a queued job past its deadline ends ``expired`` without waiting for a worker.
+2. **Lost with Redis**: Redis restarted empty or was wiped. The reaper keeps a marker key in
+   Redis; when it is gone, every queued job is marked unsent (``enqueued_at`` empty), and the
+   dispatcher sends it again. Messages lost some other way (the last second before a crash with
+   ``appendfsync everysec``, a process that stamped a job sent and died before sending it) are
+   found when a queue's list (a lane of one model) is empty while jobs of it have been queued
+   for longer than ``REAPER_GRACE_S`` since they were sent.
+3. **Deadlines**: a queued job past its deadline ends ``expired`` without waiting for a worker.
+
+Jobs that were never sent are not the reaper's: the dispatcher sends every queued job without
+``enqueued_at``, in its fair order (docs/architecture.md, "Fair share").
 
 Sending a job twice is harmless: a claim is a compare-and-set, so a second message for the same
 job claims nothing. Several ops workers may sweep at once: rows are taken with ``FOR UPDATE SKIP
@@ -69,23 +72,25 @@ def _sweep() -> dict[str, int]:
             stamp,
             max_attempts=get_settings().max_attempts,
         )
-    after.run()  # sends the jobs queued again now, without the grace that protects the API's
-    if after.send:
-        log.warning("reaper: %d job(s) lost their worker; queued again", len(after.send))
+    after.run()  # wakes the dispatcher for the jobs queued again
+    requeued = after.count(JobStatus.QUEUED, source=JobStatus.RUNNING)
+    if requeued:
+        log.warning("reaper: %d job(s) lost their worker; queued again", requeued)
+    forgotten = 0
     if _redis_was_emptied():
         log.warning("Redis lost its data (restart or wipe): sending every queued job again")
-        _forget_enqueued(stamp)
+        forgotten = _forget_enqueued(stamp)
     else:
         lost = _empty_queues_with_waiting_jobs(stamp)
         if lost:
             names = [dispatch.queue_of(lane, model) for lane, model in lost]
             log.warning("queue(s) %s are empty but hold queued jobs: sending them again", names)
-            _forget_enqueued(stamp, lost)
+            forgotten = _forget_enqueued(stamp, lost)
     counts = {
-        "requeued": after.count(JobStatus.QUEUED, source=JobStatus.RUNNING),
+        "requeued": requeued,
         "failed": after.count(JobStatus.FAILED),
         "expired": after.count(JobStatus.EXPIRED),
-        "sent": _send_unsent(stamp),
+        "resent": forgotten,
     }
     summary = {action: n for action, n in counts.items() if n}
     for action, n in summary.items():
@@ -151,9 +156,13 @@ def _routes(routes: list[tuple[str, str]]) -> Any:
     )
 
 
-def _forget_enqueued(stamp: float, routes: list[tuple[str, str]] | None = None) -> None:
+def _forget_enqueued(stamp: float, routes: list[tuple[str, str]] | None = None) -> int:
     """Mark the queued jobs of ``routes`` (queues as (lane, base model) pairs; None: all) as
-    not sent, so that the next step sends them."""
+    not sent, and wake the dispatcher to send them again; returns how many.
+
+    Their tenants are charged again when they are sent again, and not refunded now: after a
+    wipe the counters are gone anyway, and a lost message is rare enough that the share it
+    shifts does not matter (app/core/fairshare.py)."""
     which = [Job.status == JobStatus.QUEUED, Job.enqueued_at < stamp]
     if routes is not None:
         which.append(_routes(routes))
@@ -164,30 +173,13 @@ def _forget_enqueued(stamp: float, routes: list[tuple[str, str]] | None = None) 
             .with_for_update(skip_locked=True)  # rows a claim holds are not lost
             .scalar_subquery()
         )
-        session.execute(
+        result = session.execute(
             update(Job)
             .where(Job.id.in_(unlocked), Job.status == JobStatus.QUEUED)
             .values(enqueued_at=None)
             .execution_options(synchronize_session=False)
         )
-
-
-def _send_unsent(stamp: float) -> int:
-    """Send queued jobs that have no message, oldest first (lane order within a message)."""
-    with session_scope() as session:
-        rows = session.execute(
-            select(Job.id, Job.lane, Job.model)
-            .where(
-                Job.status == JobStatus.QUEUED,
-                Job.enqueued_at.is_(None),
-                Job.updated_at <= stamp - REAPER_GRACE_S,
-            )
-            .order_by(Job.id)
-            .limit(SWEEP_LIMIT)
-            .with_for_update(skip_locked=True)
-        ).all()
-        if not rows:
-            return 0
-        sends = [(row.id, dispatch.queue_of(row.lane, row.model)) for row in rows]
-        dispatch.send(sends, session.connection())
-        return len(rows)
+        forgotten = int(result.rowcount)  # type: ignore[attr-defined]
+    if forgotten and routes is not None:
+        dispatch.wake(dispatch.queue_of(lane, model) for lane, model in routes)
+    return forgotten

@@ -218,7 +218,7 @@ def _insert_jobs(batch: Batch, count: int, stamp: float, claim: float) -> transi
         with storage.open_file(batch.input_file_id) as source:
             for number, raw in lines(source, limit):
                 custom_id, body = parse(raw, batch.endpoint, limit)
-                row = jobs.job_values(batch.tenant, body)
+                row = jobs.job_values(batch.tenant, body, created=stamp)
                 row.update(
                     lane=Lane.BULK.value,
                     batch_id=batch.id,

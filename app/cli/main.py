@@ -138,6 +138,20 @@ def ops(concurrency: int | None, beat: bool | None) -> None:
 
 
 @main.command()
+@click.option(
+    "--policy",
+    type=click.Choice(["fair", "arrival"]),
+    default=None,
+    help="Order of waiting jobs (default INFERQ_DISPATCH_POLICY: fair).",
+)
+def dispatch(policy: str | None) -> None:
+    """Run the dispatcher: it sends waiting jobs to their queues in fair order."""
+    _set_env(dispatch_policy=policy)
+    get_settings()
+    os.execv(sys.executable, [sys.executable, "-m", "app.dispatcher"])  # noqa: S606
+
+
+@main.command()
 @click.option("--address", default=None, help="Bind address (default INFERQ_FLOWER_ADDRESS).")
 @click.option("--port", type=int, default=None, help="Port (default INFERQ_FLOWER_PORT).")
 def flower(address: str | None, port: int | None) -> None:
@@ -179,12 +193,24 @@ def keys() -> None:
 @click.option("--rpm", type=click.IntRange(min=0), help="Requests per window (0: no limit).")
 @click.option("--tpm", type=click.IntRange(min=0), help="Tokens per window (0: no limit).")
 @click.option("--max-queued", type=click.IntRange(min=0), help="Jobs queued at once.")
+@click.option(
+    "--weight",
+    type=click.FloatRange(min=0, min_open=True, max=1e6),
+    help="The tenant's weight in each lane's fair share (default 1).",
+)
 def keys_create(
-    tenant: str, name: str, rpm: int | None, tpm: int | None, max_queued: int | None
+    tenant: str,
+    name: str,
+    rpm: int | None,
+    tpm: int | None,
+    max_queued: int | None,
+    weight: float | None,
 ) -> None:
     """Create a key; it is printed once and only its hash is stored.
 
-    Limits not given are the settings' defaults (INFERQ_TENANT_*).
+    Limits not given are the settings' defaults (INFERQ_TENANT_*). A tenant weighs as its
+    heaviest live key: with weights 3 and 1, two tenants that both keep jobs waiting in a
+    lane get 3/4 and 1/4 of its tokens.
     """
     from app.core.db import session_scope
     from app.core.keys import create_key
@@ -197,6 +223,7 @@ def keys_create(
             requests_per_minute=rpm,
             tokens_per_minute=tpm,
             max_queued=max_queued,
+            weight=weight,
         )
     click.echo(plaintext)
     click.echo(
@@ -223,6 +250,7 @@ def keys_list(tenant: str | None) -> None:
                 "rpm": row.requests_per_minute,
                 "tpm": row.tokens_per_minute,
                 "max-queued": row.max_queued,
+                "weight": row.weight,
             }
             overrides = " ".join(f"{k}={v}" for k, v in own.items() if v is not None)
             click.echo(

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import queue
 import threading
 from collections.abc import Iterable, Iterator
 from typing import Any, Literal
@@ -28,10 +27,9 @@ from kombu import Exchange, Queue
 from kombu.transport import TRANSPORT_ALIASES
 from kombu.transport import redis as kombu_redis
 from kombu.utils.scheduling import priority_cycle
-from sqlalchemy import bindparam, update
-from sqlalchemy.engine import Connection
+from sqlalchemy import update
 
-from app.core.models import Job, now
+from app.core.models import Job, JobStatus
 from app.core.settings import LANES, Settings, get_settings
 
 log = logging.getLogger("inferq.dispatch")
@@ -51,10 +49,17 @@ CONTROL_CHANNEL = "inferq:control"
 # (`inferq up`, `inferq status`, the benchmarks) never see an ops worker as one of them.
 WORKERS_KEY_PREFIX = "inferq:worker:"
 OPS_KEY_PREFIX = "inferq:ops:"
-Role = Literal["inference", "ops"]
-PRESENCE_KEY_PREFIXES: dict[Role, str] = {"inference": WORKERS_KEY_PREFIX, "ops": OPS_KEY_PREFIX}
+DISPATCHER_KEY_PREFIX = "inferq:dispatcher:"
+Role = Literal["inference", "ops", "dispatcher"]
+PRESENCE_KEY_PREFIXES: dict[Role, str] = {
+    "inference": WORKERS_KEY_PREFIX,
+    "ops": OPS_KEY_PREFIX,
+    "dispatcher": DISPATCHER_KEY_PREFIX,
+}
 BROKER_POLL_S = 0.05
-STAMP_BATCH = 1000  # sent jobs stamped in one transaction
+# The dispatcher's wake-up list: queues with jobs to send (app/dispatcher), at most WAKE_MAX.
+WAKE_KEY = "inferq:dispatch:wake"
+WAKE_MAX = 1000
 
 _lock = threading.Lock()
 _producer: Celery | None = None
@@ -216,15 +221,22 @@ def messages(jobs: Iterable[tuple[str, str]], chunk: int) -> list[tuple[str, lis
 
 
 def enqueue(jobs: Iterable[tuple[str, str]]) -> list[str]:
-    """Send ``run_jobs`` messages for (job id, queue) pairs. Returns the ids that were not sent.
+    """Send ``run_jobs`` messages for (job id, queue) pairs (:func:`messages`). Returns the ids
+    that were not sent."""
+    return enqueue_messages(messages(jobs, get_settings().bulk_chunk_size))
 
-    A failure here never loses a job: the row is committed first and the reaper re-enqueues
-    queued rows whose message went missing.
+
+def enqueue_messages(batch: Iterable[tuple[str, list[str]]]) -> list[str]:
+    """Send one ``run_jobs`` message per (queue, job ids), in order. Returns the ids that were
+    not sent.
+
+    A failure here never loses a job: its row is committed, and a job without a message is
+    sent by the dispatcher (docs/architecture.md, "Fair share").
     """
     app = _celery()
     failed: list[str] = []
     with app.producer_or_acquire() as producer:
-        for name, ids in messages(jobs, get_settings().bulk_chunk_size):
+        for name, ids in batch:
             lane = lane_of(name)
             try:
                 # A direct queue is published through the anonymous exchange (LPUSH onto the
@@ -245,77 +257,50 @@ def enqueue(jobs: Iterable[tuple[str, str]]) -> list[str]:
     return failed
 
 
-def send(jobs: list[tuple[str, str]], connection: Connection | None = None) -> None:
-    """Enqueue committed (job id, queue) pairs and stamp ``enqueued_at`` of the ones that went
-    out: in the caller's transaction when it passes ``connection`` (the reaper, which holds
-    the rows locked), else soon after from a thread of its own, batched (every send that
-    follows a commit: a transaction per call was a tenth of the realtime path).
+def queue_is_empty(name: str) -> bool:
+    """Whether a queue's list holds no message (Redis away: False, so nothing is sent past
+    the dispatcher)."""
+    try:
+        return not redis_client().llen(name)
+    except redis.RedisError:
+        return False
 
-    A job whose message could not be sent, or whose stamp was lost with its process, keeps
-    ``enqueued_at`` empty and the reaper sends it (again: a second message claims nothing).
-    """
-    sent_at = now()
-    failed = set(enqueue(jobs))
-    sent = [job_id for job_id, _ in jobs if job_id not in failed]
-    if not sent:
+
+def send(jobs: list[tuple[str, str]]) -> None:
+    """Send committed jobs whose rows say they are sent already (the API's own sends,
+    ``transitions.create(direct=True)``); a job whose message could not go out is marked unsent
+    again, for the dispatcher. If that fails too, the reaper finds the job queued with no
+    message and marks it."""
+    failed = enqueue(jobs)
+    if not failed:
         return
-    if connection is not None:
-        connection.execute(update(Job).where(Job.id.in_(sent)).values(enqueued_at=sent_at))
-    else:
-        _stamper().put(sent, sent_at)
+    from app.core.db import transaction  # only on this rare path: the API's Redis is away
+
+    try:
+        with transaction() as connection:
+            connection.execute(
+                update(Job)
+                .where(Job.id.in_(failed), Job.status == JobStatus.QUEUED)
+                .values(enqueued_at=None)
+            )
+    except Exception as exc:
+        log.warning("could not mark %d unsent job(s); the reaper will: %s", len(failed), exc)
+    wake({name for _, name in jobs})
 
 
-class _Stamper:
-    """Stamps ``enqueued_at`` of sent jobs in batches, one transaction per wake-up: the jobs
-    of one send share a stamp and one ``UPDATE ... WHERE id IN``; the single jobs of many
-    sends (realtime calls) go in one executemany."""
-
-    ONE = (
-        update(Job)
-        .where(Job.id == bindparam("b_id"))
-        .values(enqueued_at=bindparam("b_at"))
-        .execution_options(synchronize_session=False)
-    )
-
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[list[str], float]] = queue.SimpleQueue()
-        threading.Thread(target=self._loop, name="enqueue-stamps", daemon=True).start()
-
-    def put(self, job_ids: list[str], at: float) -> None:
-        self._queue.put((job_ids, at))
-
-    def _loop(self) -> None:
-        from app.core.db import transaction  # the database is this thread's business only
-
-        while True:
-            sends = [self._queue.get()]
-            with contextlib.suppress(queue.Empty):
-                while sum(len(ids) for ids, _ in sends) < STAMP_BATCH:
-                    sends.append(self._queue.get_nowait())
-            singles = [{"b_id": ids[0], "b_at": at} for ids, at in sends if len(ids) == 1]
-            try:
-                with transaction() as connection:
-                    if singles:
-                        connection.execute(self.ONE, singles)
-                    for ids, at in sends:
-                        if len(ids) > 1:
-                            connection.execute(
-                                update(Job).where(Job.id.in_(ids)).values(enqueued_at=at)
-                            )
-            except Exception as exc:
-                count = sum(len(ids) for ids, _ in sends)
-                log.warning("could not stamp %d sent job(s); the reaper re-sends: %s", count, exc)
-
-
-_stamper_instance: _Stamper | None = None
-
-
-def _stamper() -> _Stamper:
-    global _stamper_instance
-    with _lock:
-        if _stamper_instance is None:
-            _stamper_instance = _Stamper()
-        return _stamper_instance
+def wake(queues: Iterable[str]) -> None:
+    """Tell the dispatcher that ``queues`` have jobs to send (it also looks by itself every
+    second, so a wake-up lost with Redis only delays them)."""
+    names = sorted(set(queues))
+    if not names:
+        return
+    try:
+        pipe = redis_client().pipeline(transaction=False)
+        pipe.lpush(WAKE_KEY, *names)
+        pipe.ltrim(WAKE_KEY, 0, WAKE_MAX - 1)
+        pipe.execute()
+    except redis.RedisError as exc:
+        log.warning("could not wake the dispatcher for %s: %s", names, exc)
 
 
 def deliver_webhooks(event_ids: Iterable[str]) -> list[str]:

@@ -16,7 +16,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from app.core import catalog, queries, transitions, webhooks
+from app.core import catalog, dispatch, fairshare, queries, transitions, webhooks
 from app.core.errors import DomainError, Kind, unavailable
 from app.core.models import TERMINAL, IdempotencyKey, Job, JobStatus, new_id, now
 from app.core.schemas import JobCreate, storable
@@ -53,11 +53,14 @@ def job_values(
     checked: set[str] | None = None,
     relay: str | None = None,
     reply_to: str | None = None,
+    created: float | None = None,
 ) -> dict[str, Any]:
-    """The row of a new queued job for ``body`` (``transitions.new_row``)."""
+    """The row of a new queued job for ``body`` (``transitions.new_row``); the jobs of one
+    request share ``created``, so that with one timeout they share a deadline too (and the
+    dispatcher sends those of one prompt prefix together)."""
     settings = get_settings()
     check_webhook_url(body.webhook_url, checked)
-    created = now()
+    created = now() if created is None else created
     timeout_s = body.timeout_s or settings.lane_default_timeout_s.get(body.lane.value)
     params = body.params.stored()
     params["max_tokens"] = body.params.max_tokens or settings.default_max_tokens
@@ -82,6 +85,8 @@ def job_values(
         reply_to=reply_to,
         timeout_s=timeout_s,
         deadline_at=created + timeout_s if timeout_s else None,
+        cost=fairshare.cost(body),
+        prefix=fairshare.prefix_of(body),
         created_at=created,
         updated_at=created,
     )
@@ -134,7 +139,10 @@ def submit(
         if existing is not None:
             session.commit()
             return existing, False
-    after = transitions.create(session.connection(), [row], by="api")
+    # One job whose queue is empty goes straight to it: nobody waits, so no order is at stake
+    # and the dispatcher's step is saved (docs/architecture.md, "Fair share").
+    direct = dispatch.queue_is_empty(dispatch.queue_of(row["lane"], row["model"]))
+    after = transitions.create(session.connection(), [row], by="api", direct=direct)
     if idempotency_key is not None:
         session.add(
             IdempotencyKey(
@@ -166,9 +174,10 @@ def submit_many(session: Session, tenant: str, bodies: list[JobCreate]) -> list[
     """Commit many queued jobs in one transaction (all of them or none), then enqueue them."""
     rows = []
     checked: set[str] = set()
+    created = now()
     for i, body in enumerate(bodies):
         try:
-            rows.append(job_values(tenant, body, checked=checked))
+            rows.append(job_values(tenant, body, checked=checked, created=created))
         except DomainError as exc:
             raise exc.within(f"jobs[{i}]") from None
     try:

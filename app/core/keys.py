@@ -31,10 +31,12 @@ def create_key(
     requests_per_minute: int | None = None,
     tokens_per_minute: int | None = None,
     max_queued: int | None = None,
+    weight: float | None = None,
 ) -> tuple[ApiKey, str]:
     """Create a key for ``tenant``; returns the row and the plaintext, which is never stored.
 
-    The three limits override the settings' defaults for calls made with this key.
+    The three limits override the settings' defaults for calls made with this key; ``weight``
+    is the tenant's in the fair share (app/core/fairshare.py; None: 1).
     """
     plaintext = KEY_PREFIX + secrets.token_urlsafe(32)
     row = ApiKey(
@@ -47,6 +49,7 @@ def create_key(
         requests_per_minute=requests_per_minute,
         tokens_per_minute=tokens_per_minute,
         max_queued=max_queued,
+        weight=weight,
     )
     session.add(row)
     session.flush()

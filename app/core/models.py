@@ -22,6 +22,7 @@ from sqlalchemy import (
     Integer,
     String,
     Text,
+    text,
 )
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -74,6 +75,10 @@ TRANSITIONS: dict[str, frozenset[str]] = {
 }
 
 
+# A job the dispatcher has still to send (app/dispatcher): queued, with no message out.
+UNSENT = text("status = 'queued' AND enqueued_at IS NULL")
+
+
 def can_transition(current: str, new: str) -> bool:
     return new in TRANSITIONS.get(current, frozenset())
 
@@ -112,6 +117,9 @@ class ApiKey(Base):
     requests_per_minute: Mapped[int | None] = mapped_column(Integer, nullable=True)
     tokens_per_minute: Mapped[int | None] = mapped_column(Integer, nullable=True)
     max_queued: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    # The tenant's weight in every lane's fair share (None: 1; docs/architecture.md, "Fair
+    # share"). A tenant with several keys weighs as its heaviest live key.
+    weight: Mapped[float | None] = mapped_column(Double, nullable=True)
 
 
 class Job(Base):
@@ -149,6 +157,13 @@ class Job(Base):
     cancel_requested_at: Mapped[float | None] = mapped_column(Double, nullable=True)
     timeout_s: Mapped[float | None] = mapped_column(Double, nullable=True)
     deadline_at: Mapped[float | None] = mapped_column(Double, nullable=True)
+    # Fair share (docs/architecture.md, "Fair share"): what the job is expected to cost in
+    # tokens (prompt + expected output), what the dispatcher charged its tenant when it sent
+    # it (0: sent straight from the API, charged at its end), and the hash of its prompt's
+    # shared prefix ('' : none), by which the dispatcher sends jobs of one prefix together.
+    cost: Mapped[int] = mapped_column(Integer, default=0)
+    charged: Mapped[int] = mapped_column(Integer, default=0)
+    prefix: Mapped[str] = mapped_column(String(16), default="")
 
     created_at: Mapped[float] = mapped_column(Double)
     enqueued_at: Mapped[float | None] = mapped_column(Double, nullable=True)
@@ -172,6 +187,20 @@ class Job(Base):
         Index("ix_jobs_status_lane", "status", "lane"),
         Index("ix_jobs_batch_line", "batch_id", "batch_line"),
         Index("ix_jobs_tenant_status", "tenant", "status"),
+        # The dispatcher's backlog: queued jobs not yet sent, in the order it picks them
+        # (a tenant's earliest deadline first, one prefix together). Partial: a job enters it
+        # at submission and leaves it when it is sent, so it stays the size of the backlog.
+        Index(
+            "ix_jobs_unsent",
+            "lane",
+            "model",
+            "tenant",
+            "deadline_at",
+            "prefix",
+            "id",
+            postgresql_where=UNSENT,
+            sqlite_where=UNSENT,
+        ),
     )
 
 

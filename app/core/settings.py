@@ -202,6 +202,26 @@ class Settings(BaseSettings):
         "rest back to the queue.",
     )
 
+    # --- who runs next (`inferq dispatch`, docs/architecture.md "Fair share") ---------------
+    dispatch_policy: Literal["fair", "arrival"] = Field(
+        "fair",
+        description="Order in which the dispatcher sends a lane's waiting jobs: fair (tenants "
+        "by weighted token share, then earliest deadline, one prompt prefix together) or "
+        "arrival (submission order, for comparison).",
+    )
+    dispatch_depth: float = Field(
+        0.5,
+        gt=0,
+        description="Jobs the dispatcher keeps in a lane's queue, as a share of the slots of "
+        "the model's live workers: deep enough to keep them full, shallow enough that a new "
+        "tenant is not behind much.",
+    )
+    dispatch_interval_ms: float = Field(
+        10.0,
+        gt=0,
+        description="How often the dispatcher looks at the queues it is filling while jobs wait.",
+    )
+
     # --- webhooks (delivered by `inferq ops`) ---------------------------------------------
     webhook_secret: SecretStr | None = Field(
         None,

@@ -12,7 +12,9 @@ Each function is a compare-and-set on the status (and, from ``running``, on the 
 in the *caller's* transaction, with the webhook outbox rows of the jobs it ends
 (app/core/outbox.py), and returns an :class:`After`: what must happen once that transaction
 has committed - one JSON log line and the job counters for every change, the webhook events to
-announce, the jobs to enqueue and the running jobs whose workers must abort them. The caller
+announce, the tenants' charges to settle (app/core/fairshare.py), the queues whose dispatcher
+must send jobs (or the one job the API sends itself) and the running jobs whose workers must
+abort them. The caller
 commits and then calls ``after.run()``, so a change that rolled back is never logged, counted,
 announced or sent. The log lines go to the ``inferq.jobs`` logger, one JSON object each
 whatever the format of the process's other logs::
@@ -49,12 +51,12 @@ from sqlalchemy import (
 )
 from sqlalchemy.engine import Connection
 
-from app.core import dispatch, outbox
+from app.core import dispatch, fairshare, outbox
 from app.core.models import TERMINAL, Job, JobStatus, can_transition
 
 log = logging.getLogger("inferq.jobs")
 
-By = Literal["api", "worker", "reaper", "ops"]
+By = Literal["api", "worker", "reaper", "ops", "dispatcher"]
 
 # Every kind of process counts what it changed; names and labels are the README's metrics table.
 JOBS_SUBMITTED = Counter(
@@ -107,7 +109,10 @@ class After:
     by: By
     moved: list[Transition] = field(default_factory=list)
     events: list[str] = field(default_factory=list)  # webhook events to announce
-    send: list[tuple[str, str]] = field(default_factory=list)  # (job id, queue) to enqueue
+    # (job id, queue) to enqueue now: a new job the API sends itself (its queue was empty)
+    send: list[tuple[str, str]] = field(default_factory=list)
+    wake: set[str] = field(default_factory=set)  # queues with jobs for the dispatcher to send
+    usage: list[fairshare.Usage] = field(default_factory=list)  # tenant charges to settle
     abort: list[str] = field(default_factory=list)  # running jobs their workers must stop
     worker: str | None = None
     fields: dict[str, Any] = field(default_factory=dict)  # added to every log line
@@ -116,6 +121,8 @@ class After:
         self.moved += other.moved
         self.events += other.events
         self.send += other.send
+        self.wake |= other.wake
+        self.usage += other.usage
         self.abort += other.abort
         return self
 
@@ -124,11 +131,16 @@ class After:
 
     def run(self, announce: Callable[[list[str]], None] | None = None) -> None:
         """Log and count the changes, announce the events (``announce``: the caller's own
-        announcer, e.g. a worker's thread), enqueue what was queued, and broadcast aborts."""
+        announcer, e.g. a worker's thread), settle tenants' charges, send what the API sends
+        itself and wake the dispatcher for the rest, and broadcast aborts."""
         _emit(self.moved, by=self.by, worker=self.worker, **self.fields)
         (announce or outbox.announce)(self.events)
+        if self.usage:
+            fairshare.settle(self.usage)
         for start in range(0, len(self.send), SEND_CHUNK):
             dispatch.send(self.send[start : start + SEND_CHUNK])
+        if self.wake:
+            dispatch.wake(self.wake)
         for job_id in self.abort:
             try:
                 dispatch.publish_control("cancel", job_id=job_id)
@@ -165,6 +177,12 @@ def _emit(transitions: Iterable[Transition], *, by: By, worker: str | None, **fi
             line["error_code"] = t.error_code
         line.update(fields)
         log.info(json.dumps(line, separators=(",", ":")))
+
+
+def _refunds(rows: Iterable[Any]) -> list[fairshare.Usage]:
+    """Give back what the dispatcher charged for jobs that will not run on that charge
+    (rows with ``lane``, ``model``, ``tenant`` and ``charged``)."""
+    return [fairshare.Usage(r.lane, r.model, r.tenant, r.charged, 0) for r in rows if r.charged]
 
 
 def _moved(
@@ -225,12 +243,23 @@ def _column_names() -> dict[str, str]:
 
 
 def create(
-    connection: Connection, rows: Sequence[dict[str, Any]], *, by: By, **fields: Any
+    connection: Connection,
+    rows: Sequence[dict[str, Any]],
+    *,
+    by: By,
+    direct: bool = False,
+    **fields: Any,
 ) -> After:
-    """Insert new jobs (rows from :func:`new_row`); they are enqueued after the commit.
-    ``fields`` go into their log lines (a batch's id)."""
+    """Insert new jobs (rows from :func:`new_row`). After the commit they are sent by the
+    dispatcher, in its order, or with ``direct`` by the caller itself: one job whose queue was
+    empty (nobody waits, so no order is at stake); its row says it is sent already, so the
+    dispatcher leaves it alone (docs/architecture.md, "Fair share"). ``fields`` go into their
+    log lines (a batch's id)."""
     if any(row["status"] != JobStatus.QUEUED for row in rows):
         raise ValueError("a new job starts queued (transitions.new_row)")
+    if direct:
+        for row in rows:
+            row["enqueued_at"] = row["created_at"]
     names = _column_names()
     table = cast(Table, Job.__table__)
     # Core executemany, not the ORM unit of work: it was a third of a bulk request's cost. A
@@ -240,12 +269,14 @@ def create(
             {names[k]: v for k, v in row.items()} for row in rows[start : start + INSERT_CHUNK]
         ]
         connection.execute(insert(table), chunk[0] if len(chunk) == 1 else chunk)
+    queues = [(r["id"], dispatch.queue_of(r["lane"], r["model"])) for r in rows]
     return After(
         by,
         moved=[
             Transition(r["id"], r["lane"], r["model"], r["tenant"], JobStatus.QUEUED) for r in rows
         ],
-        send=[(r["id"], dispatch.queue_of(r["lane"], r["model"])) for r in rows],
+        send=queues if direct else [],
+        wake=set() if direct else {name for _, name in queues},
         fields=fields,
     )
 
@@ -256,13 +287,21 @@ def cancel(connection: Connection, job_id: str, stamp: float) -> After:
     return _stop(connection, Job.id == job_id, stamp, to=JobStatus.CANCELLED, by="api")
 
 
-def expire_queued(connection: Connection, job_ids: Collection[str], stamp: float, by: By) -> After:
-    """The queued jobs among ``job_ids`` whose deadline has passed end ``expired`` unstarted."""
-    if not job_ids:
-        return After(by)
+def expire_queued(
+    connection: Connection,
+    which: Collection[str] | ColumnElement[bool],
+    stamp: float,
+    by: By,
+) -> After:
+    """The queued jobs among ``which`` (ids, or a condition) whose deadline has passed end
+    ``expired`` unstarted."""
+    if not isinstance(which, ColumnElement):
+        if not which:
+            return After(by)
+        which = list(which)
     ended = connection.execute(
         compare_and_set(
-            list(job_ids),
+            which,
             expect=JobStatus.QUEUED,
             to=JobStatus.EXPIRED,
             finished_at=stamp,
@@ -271,7 +310,8 @@ def expire_queued(connection: Connection, job_ids: Collection[str], stamp: float
             error_message="the job's timeout_s passed before it started",
         )
         .where(Job.deadline_at <= stamp)
-        .returning(Job.id, Job.lane, Job.model, Job.tenant)
+        .returning(Job.id, Job.lane, Job.model, Job.tenant, Job.charged)
+        .execution_options(synchronize_session=False)
     ).all()
     if not ended:
         return After(by)
@@ -279,6 +319,7 @@ def expire_queued(connection: Connection, job_ids: Collection[str], stamp: float
         by,
         moved=_moved(ended, JobStatus.EXPIRED, JobStatus.QUEUED, DEADLINE_EXCEEDED),
         events=outbox.record_job_events(connection, [r.id for r in ended], stamp),
+        usage=_refunds(ended),
     )
 
 
@@ -332,7 +373,7 @@ def _stop(
             error_code=error_code,
             error_message=error_message,
         )
-        .returning(Job.id, Job.lane, Job.model, Job.tenant)
+        .returning(Job.id, Job.lane, Job.model, Job.tenant, Job.charged)
         .execution_options(synchronize_session=False)
     ).all()
     running = connection.execute(
@@ -346,6 +387,7 @@ def _stop(
         by,
         moved=_moved(ended, to, JobStatus.QUEUED, error_code),
         events=outbox.record_job_events(connection, [r.id for r in ended], stamp) if events else [],
+        usage=_refunds(ended),
         abort=list(running),
     )
 
@@ -365,6 +407,11 @@ class Lease:
     tenant: str
     attempt: int
     webhook: bool  # the job has a webhook_url: its end writes an event
+    charged: int = 0  # what the dispatcher charged its tenant (app/core/fairshare.py)
+
+    def usage(self, used: int) -> fairshare.Usage:
+        """The settlement of this claim's charge with ``used`` tokens."""
+        return fairshare.Usage(self.lane, self.model, self.tenant, self.charged, used)
 
     def moved(self, to: str, source: str, error_code: str | None = None) -> Transition:
         return Transition(
@@ -389,6 +436,7 @@ CLAIMED = (
     Job.tools,
     Job.created_at,
     Job.deadline_at,
+    Job.charged,
 )
 
 
@@ -402,6 +450,7 @@ def lease_of(row: Any) -> Lease:
         tenant=row.tenant,
         attempt=row.attempts,
         webhook=row.webhook_url is not None,
+        charged=row.charged,
     )
 
 
@@ -480,6 +529,11 @@ class Outcome:
     def __post_init__(self) -> None:
         if not can_transition(JobStatus.RUNNING, self.status) or self.status == JobStatus.QUEUED:
             raise ValueError(f"a running job cannot end {self.status}")
+
+    @property
+    def used(self) -> int:
+        """The tokens this job cost the engine: its tenant's share is settled with them."""
+        return (self.prompt_tokens or 0) + (self.completion_tokens or 0)
 
     def row(self) -> dict[str, Any]:
         """The columns this outcome writes, exactly as they are stored."""
@@ -563,6 +617,7 @@ def record(
         "worker",
         moved=[lease.moved(o.status, JobStatus.RUNNING, o.error_code) for lease, o in recorded],
         events=outbox.record_job_events(connection, hooked, stamp),
+        usage=[lease.usage(o.used) for lease, o in recorded],
         worker=worker,
     )
     return written, after
@@ -592,7 +647,8 @@ def _write_outcomes(
 
 def hand_back(connection: Connection, lease: Lease, stamp: float, *, worker: str) -> After:
     """Return a job this worker cannot finish to the queue without waiting for its lease to
-    run out (shutdown, a dead engine); it is enqueued again after the commit."""
+    run out (shutdown, a dead engine); the dispatcher sends it again (and charges it again:
+    this charge is refunded)."""
     back = connection.execute(
         compare_and_set(
             lease.job_id,
@@ -610,7 +666,8 @@ def hand_back(connection: Connection, lease: Lease, stamp: float, *, worker: str
     return After(
         "worker",
         moved=[lease.moved(JobStatus.QUEUED, JobStatus.RUNNING)],
-        send=[(lease.job_id, dispatch.queue_of(back.lane, back.model))],
+        wake={dispatch.queue_of(back.lane, back.model)},
+        usage=[lease.usage(0)],
         worker=worker,
         fields={"reason": "handed_back"},
     )
@@ -621,7 +678,8 @@ def reclaim(
 ) -> After:
     """Jobs whose lease ran out (their worker was killed, paused or cut off): past their
     deadline they end ``expired``; after ``max_attempts`` claims ``failed`` (worker_lost);
-    otherwise they are queued again and sent. ``rows``: ``id``, ``attempts``, ``deadline_at``.
+    otherwise they are queued again for the dispatcher to send. Either way their tenants'
+    charges are refunded. ``rows``: ``id``, ``attempts``, ``deadline_at``.
 
     The old worker's token no longer matches once the job is claimed again, so its late
     writes change nothing (:func:`record`).
@@ -662,12 +720,13 @@ def reclaim(
                 **ends[to],
             )
             .where(Job.lease_expires_at < stamp)
-            .returning(Job.id, Job.lane, Job.model, Job.tenant, Job.attempts)
+            .returning(Job.id, Job.lane, Job.model, Job.tenant, Job.attempts, Job.charged)
         ).all()
         code = ends[to].get("error_code", "lease_expired")
         after.moved += _moved(changed, to, JobStatus.RUNNING, code)
+        after.usage += _refunds(changed)
         if to == JobStatus.QUEUED:
-            after.send += [(row.id, dispatch.queue_of(row.lane, row.model)) for row in changed]
+            after.wake |= {dispatch.queue_of(row.lane, row.model) for row in changed}
         else:
             after.events += outbox.record_job_events(connection, [r.id for r in changed], stamp)
     return after

@@ -255,6 +255,11 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
         ops = deployment.spawn("svc", "ops", "ops")
         wait_until(lambda: " ready." in ops.tail(200) or not ops.alive(), 60, "the ops worker")
         assert ops.alive(), ops.tail()
+        dispatcher = deployment.spawn("svc", "dispatch", "dispatch")
+        wait_until(
+            lambda: " ready." in dispatcher.tail(50) or not dispatcher.alive(), 60, "dispatcher"
+        )
+        assert dispatcher.alive(), dispatcher.tail()
         for host in HOSTS:
             for model in (ALPHA, BETA):
                 deployment.start_worker(host, model)

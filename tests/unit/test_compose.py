@@ -84,6 +84,7 @@ def test_services_and_their_guarantees() -> None:
         "migrate",
         "api",
         "ops",
+        "dispatch",
         "worker",
         "worker-gpu",
         "worker-gpu-b",
@@ -117,6 +118,8 @@ def test_services_and_their_guarantees() -> None:
     )
     assert default_services_reserving_devices(load()) == []
     assert services["ops"]["command"] == ["inferq", "ops"]
+    # Jobs the API leaves waiting are sent by the dispatcher (README, "Fair share").
+    assert services["dispatch"]["command"] == ["inferq", "dispatch"]
     assert any(v.endswith(":/data") for v in services["ops"]["volumes"])
     # Uploaded batch files are written by the API and read by the ops worker.
     files_volume = {v for v in services["api"]["volumes"] if v.endswith(":/files")}

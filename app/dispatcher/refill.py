@@ -1,0 +1,249 @@
+"""One refill of one queue: which waiting jobs go next, sent in one transaction.
+
+A queue is a lane of a model (``dispatch.queue_of``); its waiting jobs are its ``queued`` rows
+with no message out (``models.UNSENT``). A refill of ``n`` jobs:
+
+1. expires the waiting jobs whose deadline has passed: they never reach an engine;
+2. picks the next ``n`` by the policy. ``fair``: tenants take turns by virtual tokens
+   (app/core/fairshare.py), and a tenant's own jobs go earliest deadline first, then one prompt
+   prefix together, then arrival::
+
+       order within a tenant = (deadline_at, nulls last; prefix; id)
+
+   ``arrival``: in submission order (a batch's lines in line order), whoever submitted them
+   (the comparison of the ``fairness`` and ``prefix`` benchmarks);
+3. stamps them sent (``enqueued_at``) and charged (``charged`` = ``cost``), sends their messages
+   and commits - the sends inside the transaction, so that a dispatcher that dies in between
+   leaves them unsent, to be sent again: at worst a job gets a second message, whose claim
+   (a compare-and-set on ``queued``) takes nothing. The rows are taken with ``FOR UPDATE SKIP
+   LOCKED`` on PostgreSQL and under SQLite's single write lock, so two dispatchers never pick
+   the same job.
+
+Messages keep one tenant each and follow the turns: a tenant's chunk goes out at the virtual
+tokens its first job was given, so the engine takes the tenants' work interleaved as it was
+picked (docs/architecture.md, "Fair share").
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+from sqlalchemy import ColumnElement, and_, func, select, update
+from sqlalchemy.engine import Connection
+
+from app.core import catalog, dispatch, fairshare, transitions
+from app.core.db import transaction
+from app.core.models import UNSENT, Job, JobStatus, now
+
+log = logging.getLogger("inferq.dispatcher")
+
+# What a pick returns of each job: enough to order and charge it.
+PICKED = (
+    Job.id,
+    Job.tenant,
+    Job.cost,
+    Job.deadline_at,
+    Job.prefix,
+    Job.created_at,
+    Job.batch_line,
+)
+
+
+@dataclass(frozen=True, order=True)
+class Route:
+    """A queue: a lane of a (base) model."""
+
+    lane: str
+    model: str
+
+    @property
+    def queue(self) -> str:
+        return dispatch.queue_of(self.lane, self.model)
+
+    @classmethod
+    def of_queue(cls, name: str) -> Route:
+        lane, _, model = name.partition(":")
+        return cls(lane, model)
+
+
+@dataclass
+class Refilled:
+    """What a refill did: jobs sent and expired, and whether jobs still wait."""
+
+    sent: int = 0
+    expired: int = 0
+    waiting: set[str] = field(default_factory=set)  # tenants with jobs left unsent
+    lifted: dict[str, float] = field(default_factory=dict)
+
+
+def _waiting(route: Route) -> ColumnElement[bool]:
+    # UNSENT is the partial index's own predicate, written out, so PostgreSQL uses the index
+    # whatever plan it caches for the statement.
+    return and_(UNSENT, Job.lane == route.lane, Job.model.in_(catalog.served_names(route.model)))
+
+
+def _in_order(rows: Sequence[Any]) -> list[Any]:
+    """A tenant's picked rows in its own order (an UPDATE returns them in any order)."""
+    return sorted(
+        rows,
+        key=lambda r: (r.deadline_at is None, r.deadline_at or 0.0, r.prefix, r.id),
+    )
+
+
+def _pick(
+    connection: Connection, route: Route, n: int, stamp: float, tenant: str | None
+) -> list[Any]:
+    """Stamp the next ``n`` waiting jobs of ``tenant`` (None: anyone's, by arrival) sent and
+    charged; returns them."""
+    which = [_waiting(route)]
+    if tenant is None:
+        # Submission order: a request's jobs share created_at, a batch's lines keep theirs.
+        order: tuple[Any, ...] = (Job.created_at, Job.batch_line, Job.id)
+    else:
+        which.append(Job.tenant == tenant)
+        order = (Job.deadline_at.asc().nulls_last(), Job.prefix, Job.id)
+    # A CTE, materialized: PostgreSQL may run a LIMIT ... SKIP LOCKED subquery of an IN once
+    # per outer row, each run skipping the rows the last one locked, and so update more than n.
+    chosen = (
+        select(Job.id)
+        .where(*which)
+        .order_by(*order)
+        .limit(n)
+        .with_for_update(skip_locked=True)
+        .cte("chosen")
+        .prefix_with("MATERIALIZED", dialect="postgresql")
+    )
+    return list(
+        connection.execute(
+            update(Job)
+            .where(
+                Job.id.in_(select(chosen.c.id)),
+                Job.status == JobStatus.QUEUED,
+                Job.enqueued_at.is_(None),
+            )
+            .values(enqueued_at=stamp, charged=Job.cost)
+            .returning(*PICKED)
+            .execution_options(synchronize_session=False)
+        ).all()
+    )
+
+
+def _messages(
+    route: Route, unit: int, rows: Mapping[str, list[Any]], turns: Mapping[str, list[float]]
+) -> list[tuple[str, list[str]]]:
+    """Each tenant's jobs in messages of at most ``unit``, one prompt prefix a message; the
+    messages in the order of their first job's turn."""
+    keyed: list[tuple[float, str, list[str]]] = []
+    for tenant, picked in rows.items():
+        at = turns.get(tenant) or [0.0]
+        message: list[str] = []
+        for i, row in enumerate(picked):
+            if message and (len(message) == unit or row.prefix != picked[i - 1].prefix):
+                keyed.append((at[min(i - len(message), len(at) - 1)], tenant, message))
+                message = []
+            message.append(row.id)
+        if message:
+            keyed.append((at[min(len(picked) - len(message), len(at) - 1)], tenant, message))
+    keyed.sort(key=lambda item: (item[0], item[1]))
+    return [(route.queue, ids) for _, _, ids in keyed]
+
+
+def refill(
+    route: Route,
+    n: int,
+    *,
+    policy: str,
+    unit: int,
+    weights: Mapping[str, float],
+    waited: set[str],
+    client: redis.Redis,
+) -> Refilled:
+    """Send up to ``n`` of ``route``'s waiting jobs (``unit`` a message), chosen by ``policy``.
+    ``waited``: the tenants that had jobs waiting at this route's last refill (a tenant not
+    among them joins the share now: ``fairshare.join``)."""
+    stamp = now()
+    done = Refilled()
+    spent: dict[str, int] = {}  # tenant -> tokens charged by this refill
+    with transaction() as connection:
+        after = transitions.expire_queued(
+            connection, and_(_waiting(route), Job.deadline_at <= stamp), stamp, "dispatcher"
+        )
+        done.expired = len(after.moved)
+        backlog = {
+            row.tenant: (int(row.jobs), float(row.cost) / max(1, int(row.jobs)))
+            for row in connection.execute(
+                select(
+                    Job.tenant,
+                    func.count().label("jobs"),
+                    func.coalesce(func.sum(Job.cost), 0).label("cost"),
+                )
+                .where(_waiting(route))
+                .group_by(Job.tenant)
+            )
+        }
+        if backlog:
+            rows, turns = _choose(
+                connection, route, n, stamp, policy, backlog, weights, waited, client, done
+            )
+            batch = _messages(route, unit, rows, turns)
+            failed = set(dispatch.enqueue_messages(batch))
+            if failed:
+                connection.execute(
+                    update(Job)
+                    .where(Job.id.in_(failed))
+                    .values(enqueued_at=None, charged=0)
+                    .execution_options(synchronize_session=False)
+                )
+            left = {t: jobs for t, (jobs, _) in backlog.items()}
+            for row in (row for picked in rows.values() for row in picked):
+                if row.id not in failed:
+                    spent[row.tenant] = spent.get(row.tenant, 0) + int(row.cost)
+                    left[row.tenant] -= 1
+                    done.sent += 1
+            done.waiting = {t for t, jobs in left.items() if jobs > 0}
+    after.run()
+    if spent or done.lifted:
+        try:
+            if done.lifted:
+                pipe = client.pipeline(transaction=False)
+                key = fairshare.counters_key(route.lane, route.model)
+                pipe.hset(key, mapping={t: int(v) for t, v in done.lifted.items()})
+                pipe.execute()
+            fairshare.charge(client, route.lane, route.model, spent)
+        except redis.RedisError as exc:
+            log.warning("could not charge %s's tenants: %s", route.queue, exc)
+    return done
+
+
+def _choose(
+    connection: Connection,
+    route: Route,
+    n: int,
+    stamp: float,
+    policy: str,
+    backlog: Mapping[str, tuple[int, float]],
+    weights: Mapping[str, float],
+    waited: set[str],
+    client: redis.Redis,
+    done: Refilled,
+) -> tuple[dict[str, list[Any]], dict[str, list[float]]]:
+    """The picked rows per tenant, each tenant's in its order, and each tenant's turns (the
+    virtual tokens at which it got each job)."""
+    if policy == "arrival":
+        picked = _pick(connection, route, n, stamp, None)
+        in_order = sorted(picked, key=lambda r: (r.created_at, r.batch_line or 0, r.id))
+        rows: dict[str, list[Any]] = {"": in_order}
+        return rows, {"": [0.0]}
+    charged = fairshare.counters(client, route.lane, route.model)
+    done.lifted = fairshare.join(charged, backlog, waited, weights)
+    turns: dict[str, list[float]] = {}
+    for tenant, v in fairshare.allocate(n, backlog, charged, weights):
+        turns.setdefault(tenant, []).append(v)
+    rows = {}
+    for tenant, given in turns.items():
+        rows[tenant] = _in_order(_pick(connection, route, len(given), stamp, tenant))
+    return rows, turns

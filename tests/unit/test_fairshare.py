@@ -1,0 +1,66 @@
+"""The fair-share rules as functions: turns by virtual tokens, joining, cost and prefixes
+(app/core/fairshare.py). The dispatcher that uses them is tested on real databases in
+tests/integration/test_fairshare.py."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from app.core import fairshare
+from app.core.schemas import JobCreate
+
+
+def test_turns_follow_weights_and_costs() -> None:
+    # Equal costs, weights 3:1: three jobs of A for each of B.
+    turns = fairshare.allocate(
+        400, {"a": (1000, 10.0), "b": (1000, 10.0)}, {}, {"a": 3.0, "b": 1.0}
+    )
+    counts = Counter(tenant for tenant, _ in turns)
+    assert counts == {"a": 300, "b": 100}
+    # Equal weights, B's jobs half the cost: two of B's for each of A's.
+    turns = fairshare.allocate(300, {"a": (1000, 20.0), "b": (1000, 10.0)}, {}, {})
+    assert Counter(tenant for tenant, _ in turns) == {"a": 100, "b": 200}
+
+
+def test_turns_start_from_what_was_charged_and_stop_at_what_waits() -> None:
+    # A was charged 100 tokens more: B goes first until it has caught up.
+    turns = fairshare.allocate(12, {"a": (50, 10.0), "b": (50, 10.0)}, {"a": 100.0}, {})
+    assert [tenant for tenant, _ in turns[:10]] == ["b"] * 10
+    # Nobody gets more jobs than it has waiting.
+    turns = fairshare.allocate(10, {"a": (3, 10.0), "b": (50, 10.0)}, {}, {})
+    assert Counter(tenant for tenant, _ in turns) == {"a": 3, "b": 7}
+
+
+def test_a_tenant_joining_starts_at_the_level_of_those_waiting() -> None:
+    charged = {"a": 5000.0, "b": 10.0}
+    lifted = fairshare.join(charged, ["a", "b"], {"a"}, {"b": 2.0})
+    # b (weight 2) joins at a's virtual tokens (5000), i.e. 10000 charged tokens.
+    assert lifted == {"b": 10000.0} and charged["b"] == 10000.0
+    # A tenant already waiting is never lifted; one above the level is not lowered.
+    assert fairshare.join({"a": 1.0, "b": 99.0}, ["a", "b"], {"a"}, {}) == {}
+    # Nobody waited before: the newcomers start level with the highest of them.
+    assert fairshare.join({"a": 7.0}, ["a", "b"], set(), {}) == {"b": 7.0}
+
+
+def test_cost_and_prefix_of_a_job() -> None:
+    chat = JobCreate(
+        messages=[
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "hi"},
+        ],
+        params={"max_tokens": 20, "n": 2},
+    )
+    other_user = JobCreate(
+        messages=[
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "something else"},
+        ]
+    )
+    assert fairshare.cost(chat) > 2 * 20  # the prompt, and every choice's max_tokens
+    assert fairshare.prefix_of(chat) == fairshare.prefix_of(other_user) != ""
+    assert fairshare.prefix_of(JobCreate(messages=[{"role": "user", "content": "hi"}])) == ""
+    long = "x" * 300
+    assert fairshare.prefix_of(JobCreate(prompt=long + "a")) == fairshare.prefix_of(
+        JobCreate(prompt=long + "b")
+    )
+    assert fairshare.prefix_of(JobCreate(prompt="short")) == ""
