@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 
 from prometheus_client import REGISTRY, Counter, Histogram, start_http_server
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from workers.engines.base import EngineStats
@@ -110,7 +110,7 @@ class WorkerCollector(Collector):
         self.in_flight = in_flight
         self.info = info
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         s = self.stats()
         yield GaugeMetricFamily(
             "inferq_engine_running_sequences", "Sequences the engine is running now.", s.running
@@ -124,6 +124,17 @@ class WorkerCollector(Collector):
                 "KV-cache blocks in use, 0 to 1.",
                 s.kv_cache_usage,
             )
+        # Running totals kept by the engine: hit rate = rate(hits) / rate(queries).
+        yield CounterMetricFamily(
+            "inferq_engine_prefix_cache_queries",
+            "Prompt tokens looked up in the engine's prefix cache.",
+            s.prefix_cache_queries,
+        )
+        yield CounterMetricFamily(
+            "inferq_engine_prefix_cache_hits",
+            "Prompt tokens found in the engine's prefix cache (their KV blocks reused).",
+            s.prefix_cache_hits,
+        )
         yield GaugeMetricFamily(
             "inferq_worker_jobs_in_flight",
             "Jobs this worker holds (claimed, not yet recorded).",

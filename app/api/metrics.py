@@ -1,4 +1,5 @@
-"""The API's ``/metrics`` exposition: its job counters and the lane gauges.
+"""The API's ``/metrics`` exposition: its job counters, the lane gauges and the per-tenant
+gauges.
 
 The job counters every kind of process increases (submitted and finished) are defined with the
 transitions that move them (app/core/transitions.py); workers define their own (engine, latency
@@ -7,8 +8,9 @@ metrics table.
 
 The API can run as several uvicorn processes (``inferq api --workers N``): ``inferq api`` then
 points ``PROMETHEUS_MULTIPROC_DIR`` at a fresh directory and each scrape merges every process's
-files, so a counter is the API's total whichever process answers. The lane gauges are read at
-scrape time from Redis and the database (app/core/snapshot.py), never kept in process memory.
+files, so a counter is the API's total whichever process answers. The lane and tenant gauges
+are read at scrape time from Redis and the database (app/core/snapshot.py), never kept in
+process memory.
 """
 
 from __future__ import annotations
@@ -34,11 +36,13 @@ from app.core.db import session_scope
 log = logging.getLogger("inferq.metrics")
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+# The window of inferq_tenant_tokens_served_per_second: the same minute `inferq status` shows.
+TENANT_TOKENS_WINDOW_S = 60.0
 
 
 class LaneCollector(Collector):
-    """Depth and age of every known model's lanes, read from Redis and the database at each
-    scrape.
+    """Depth and age of every known model's lanes, and each tenant's share of them, read from
+    Redis and the database at each scrape.
 
     A dependency that is down leaves its metrics out of that scrape (the API's /readyz says
     which); the rest of the page is still served.
@@ -59,9 +63,11 @@ class LaneCollector(Collector):
             for (lane, model), size in messages.items():
                 family.add_metric([lane, model], size)
             yield family
+        now = time.time()
         try:
             with session_scope() as session:
-                lanes = snapshot.lane_jobs(session, time.time(), models)
+                lanes = snapshot.lane_jobs(session, now, models)
+                tenants = snapshot.tenant_jobs(session, now, TENANT_TOKENS_WINDOW_S)
         except Exception as exc:
             log.warning("metrics: database unavailable: %s", exc)
             return
@@ -78,6 +84,32 @@ class LaneCollector(Collector):
             running.add_metric([lane, model], jobs.running)
             oldest.add_metric([lane, model], jobs.oldest_queued_age_s)
         yield from (queued, running, oldest)
+        yield from _tenant_gauges(tenants)
+
+
+def _tenant_gauges(
+    tenants: dict[snapshot.TenantRoute, snapshot.TenantJobs],
+) -> Iterator[GaugeMetricFamily]:
+    """Each tenant's queued and running jobs and tokens served per lane of a model; a tenant
+    with none of them in the window has no series."""
+    labels = ["lane", "model", "tenant"]
+    queued = GaugeMetricFamily(
+        "inferq_tenant_jobs_queued", "A tenant's jobs in status queued.", labels=labels
+    )
+    running = GaugeMetricFamily(
+        "inferq_tenant_jobs_running", "A tenant's jobs in status running.", labels=labels
+    )
+    served = GaugeMetricFamily(
+        "inferq_tenant_tokens_served_per_second",
+        f"Prompt + completion tokens of a tenant's jobs that finished in the last "
+        f"{TENANT_TOKENS_WINDOW_S:.0f} s, per second.",
+        labels=labels,
+    )
+    for key, jobs in tenants.items():
+        queued.add_metric(list(key), jobs.queued)
+        running.add_metric(list(key), jobs.running)
+        served.add_metric(list(key), jobs.tokens_per_s)
+    yield from (queued, running, served)
 
 
 _lanes = LaneCollector()

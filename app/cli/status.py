@@ -1,4 +1,4 @@
-"""`inferq status`: a terminal view of lanes, workers, ops workers and the last minute's
+"""`inferq status`: a terminal view of lanes, tenants, workers, ops workers and the last minute's
 throughput.
 
 The numbers come from :mod:`app.core.snapshot` (the same reads as the API's /metrics); this module
@@ -37,17 +37,19 @@ def collect() -> snapshot.Snapshot:
         models = catalog.names(catalog.counts(workers))
         messages = snapshot.queue_messages(client, snapshot.routes(models))
         ops = snapshot.ops_workers(client)
+        dispatchers = snapshot.dispatchers(client)
     except redis.RedisError as exc:
         raise Unavailable(f"cannot read Redis (INFERQ_REDIS_URL): {exc}") from None
     try:
         with session_scope() as session:
             lanes = snapshot.lane_jobs(session, now, models)
             throughput = snapshot.throughput(session, now, THROUGHPUT_WINDOW_S)
+            tenants = snapshot.tenant_jobs(session, now, THROUGHPUT_WINDOW_S)
     except SQLAlchemyError as exc:
         # The driver's own message is the useful line; SQLAlchemy's adds the SQL and a link.
         reason = str(getattr(exc, "orig", None) or exc).splitlines()[0]
         raise Unavailable(f"cannot read the database (INFERQ_DATABASE_URL): {reason}") from None
-    return snapshot.Snapshot(now, messages, lanes, workers, throughput, ops)
+    return snapshot.Snapshot(now, messages, lanes, workers, throughput, ops, tenants, dispatchers)
 
 
 def _age(seconds: float) -> str:
@@ -78,6 +80,25 @@ def _lanes_table(snap: snapshot.Snapshot) -> Table:
             str(jobs.queued),
             str(jobs.running),
             _age(jobs.oldest_queued_age_s) if jobs.queued else "-",
+        )
+    return table
+
+
+def _tenants_table(snap: snapshot.Snapshot) -> Table:
+    table = Table(title="Tenants", title_justify="left")
+    table.add_column("lane")
+    table.add_column("model", overflow="fold")
+    table.add_column("tenant", overflow="fold")
+    table.add_column("queued", justify="right")
+    table.add_column("running", justify="right")
+    # Prompt + completion tokens of the tenant's jobs that finished in the window: the unit of
+    # its fair share, where the Throughput table counts completion tokens only.
+    table.add_column(f"tokens/s (last {THROUGHPUT_WINDOW_S:.0f} s)", justify="right")
+    if not snap.tenants:
+        table.add_row("no tenant has queued, running or recently finished jobs")
+    for (lane, model, tenant), jobs in snap.tenants.items():
+        table.add_row(
+            lane, model, tenant, str(jobs.queued), str(jobs.running), f"{jobs.tokens_per_s:.1f}"
         )
     return table
 
@@ -135,6 +156,26 @@ def _ops_table(snap: snapshot.Snapshot) -> Table:
     return table
 
 
+def _dispatchers_table(snap: snapshot.Snapshot) -> Table:
+    table = Table(title="Dispatchers", title_justify="left")
+    for name in ("dispatcher", "policy", "sending to"):
+        table.add_column(name, overflow="fold")
+    table.add_column("sent", justify="right")
+    table.add_column("last seen", justify="right")
+    if not snap.dispatchers:
+        # Without one, only the jobs the API sends itself run (README, "Fair share").
+        table.add_row("no dispatcher is announced (start one: inferq dispatch)")
+    for record in snap.dispatchers:
+        table.add_row(
+            str(record["worker_id"]),
+            str(record.get("policy") or "-"),
+            ",".join(record.get("queues") or []) or "-",
+            _number(record.get("sent")),
+            _seen(snap, record),
+        )
+    return table
+
+
 def _throughput_table(snap: snapshot.Snapshot) -> Table:
     done = snap.throughput
     table = Table(title=f"Throughput, last {done.window_s:.0f} s", title_justify="left")
@@ -153,8 +194,10 @@ def render(snap: snapshot.Snapshot) -> RenderableType:
     return Group(
         Text(f"inferq status at {stamp}", style="bold"),
         _lanes_table(snap),
+        _tenants_table(snap),
         _workers_table(snap),
         _ops_table(snap),
+        _dispatchers_table(snap),
         _throughput_table(snap),
     )
 

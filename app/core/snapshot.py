@@ -1,6 +1,7 @@
 """What the system looks like right now, read from Redis and the database; shared by
 `inferq status`, `inferq up` and the API's /metrics and /metrics/targets (Prometheus service
-discovery of the workers' own /metrics).
+discovery of the workers' own /metrics): each lane's jobs, each tenant's share of them, the
+workers and the last minute's throughput.
 
 Nothing here is kept in memory between calls: every function reads its source afresh, so any
 process (the CLI, any API process) gives the same answer at the same moment.
@@ -23,6 +24,7 @@ from app.core.models import Job, JobStatus
 from app.core.settings import LANES
 
 Route = tuple[str, str]  # (lane, model): one Celery queue (app/core/dispatch.py, queue_of)
+TenantRoute = tuple[str, str, str]  # (lane, model, tenant): one tenant's jobs in one queue
 
 
 def routes(models: Iterable[str], found: Iterable[Route] = ()) -> list[Route]:
@@ -55,6 +57,24 @@ class Throughput:
 
 
 @dataclass(frozen=True)
+class TenantJobs:
+    """One tenant's queued and running jobs in one model's lane, and the tokens of its jobs
+    there that finished in the last ``window_s`` seconds."""
+
+    window_s: float
+    queued: int = 0
+    running: int = 0
+    # Prompt + completion tokens: what serving the tenant cost, the unit its fair share is
+    # settled in (app/core/fairshare.py).
+    tokens_served: int = 0
+    completion_tokens: int = 0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_served / self.window_s
+
+
+@dataclass(frozen=True)
 class Snapshot:
     taken_at: float
     messages: dict[Route, int]
@@ -62,6 +82,8 @@ class Snapshot:
     workers: list[dict[str, Any]]
     throughput: Throughput
     ops: list[dict[str, Any]] = field(default_factory=list)
+    tenants: dict[TenantRoute, TenantJobs] = field(default_factory=dict)
+    dispatchers: list[dict[str, Any]] = field(default_factory=list)
 
 
 def queue_messages(client: redis.Redis, routes: Sequence[Route]) -> dict[Route, int]:
@@ -152,6 +174,11 @@ def ops_workers(client: redis.Redis) -> list[dict[str, Any]]:
     return presence(client, "ops")
 
 
+def dispatchers(client: redis.Redis) -> list[dict[str, Any]]:
+    """Live dispatchers (``app/dispatcher/loop.py``), sorted by id."""
+    return presence(client, "dispatcher")
+
+
 # Target labels taken from a presence record; `worker`, `engine` and `model` are also the labels
 # of inferq_worker_info, so a query can join a target's series on them.
 TARGET_LABELS = {"worker": "worker_id", "engine": "engine", "model": "model"}
@@ -199,3 +226,57 @@ def throughput(db: Session | Connection, now: float, window_s: float = 60.0) -> 
         finished={status: int(count) for status, count, _ in rows},
         completion_tokens=sum(int(tokens or 0) for _, _, tokens in rows),
     )
+
+
+def _lane_order(key: TenantRoute) -> tuple[int, str, str]:
+    """Lanes in priority order (a lane no longer configured last), then tenant, then model."""
+    lane, model, tenant = key
+    return (LANES.index(lane) if lane in LANES else len(LANES), tenant, model)
+
+
+def tenant_jobs(
+    db: Session | Connection, now: float, window_s: float = 60.0
+) -> dict[TenantRoute, TenantJobs]:
+    """Each tenant's queued and running jobs per (lane, model), and the tokens of its jobs that
+    finished there in the last ``window_s`` seconds, in lane priority order, then by tenant.
+
+    Tokens count whatever the job's end: they are what the worker that ran it recorded, so a
+    job that never ran counts none.
+
+    A tenant has a row in a lane while it has queued or running jobs there or jobs that
+    finished there in the window; otherwise none (and no series on /metrics), rather than a
+    row of zeros for every tenant that ever submitted.
+    """
+    active = db.execute(
+        select(Job.lane, Job.model, Job.tenant, Job.status, func.count())
+        .where(Job.status.in_([JobStatus.QUEUED, JobStatus.RUNNING]))
+        .group_by(Job.lane, Job.model, Job.tenant, Job.status)
+    ).all()
+    completion = func.coalesce(func.sum(Job.completion_tokens), 0)
+    served = db.execute(
+        select(
+            Job.lane,
+            Job.model,
+            Job.tenant,
+            func.coalesce(func.sum(Job.prompt_tokens), 0) + completion,
+            completion,
+        )
+        .where(Job.finished_at > now - window_s, Job.finished_at <= now)
+        .group_by(Job.lane, Job.model, Job.tenant)
+    ).all()
+    counts = {(lane, model, tenant, status): int(n) for lane, model, tenant, status, n in active}
+    tokens = {
+        (lane, model, tenant): (int(total or 0), int(completion_tokens or 0))
+        for lane, model, tenant, total, completion_tokens in served
+    }
+    keys = {key[:3] for key in counts} | set(tokens)
+    return {
+        key: TenantJobs(
+            window_s=window_s,
+            queued=counts.get((*key, JobStatus.QUEUED), 0),
+            running=counts.get((*key, JobStatus.RUNNING), 0),
+            tokens_served=tokens.get(key, (0, 0))[0],
+            completion_tokens=tokens.get(key, (0, 0))[1],
+        )
+        for key in sorted(keys, key=_lane_order)
+    }

@@ -166,6 +166,37 @@ def test_vllm_engine_runs_jobs_in_every_lane(vllm_stack: tuple[Stack, int]) -> N
     assert ("inferq_engine_kv_cache_usage_ratio", ()) in after
 
 
+def test_vllm_reports_its_prefix_cache_hits(vllm_stack: tuple[Stack, int]) -> None:
+    """Two chats under one long system prompt, one after the other: the second reuses the
+    first one's KV blocks (vLLM's prefix caching, on), and the worker's counters say so."""
+    stack, pid = vllm_stack
+    record = stack.worker_record(pid)
+    assert record is not None
+    # ~590 demo tokens: 4 full KV blocks of 128 (vLLM CPU) shared, inside the 1024 context.
+    system = " ".join(f"rule {i}: keep the queue short." for i in range(40))
+    before = scrape(record["metrics_url"])
+    with stack.client() as c:
+        for question in ("Why?", "How?"):
+            body = {
+                "messages": [
+                    {"role": "system", "content": system},
+                    {"role": "user", "content": question},
+                ],
+                "params": {"max_tokens": 4},
+            }
+            job = stack.wait_job(stack.submit(body, c)["id"], timeout=120)
+            assert job["status"] == "succeeded", job
+    after = scrape(record["metrics_url"])
+
+    def delta(name: str) -> float:
+        return value(after, name) - value(before, name)
+
+    queries = delta("inferq_engine_prefix_cache_queries_total")
+    hits = delta("inferq_engine_prefix_cache_hits_total")
+    assert queries >= 2 * 256 and hits >= 256, (queries, hits)
+    assert hits <= queries
+
+
 def test_vllm_streams_chat_completions(vllm_stack: tuple[Stack, int]) -> None:
     """Tokens relayed from the real engine reach the official client piece by piece."""
     stack, _ = vllm_stack

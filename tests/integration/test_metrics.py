@@ -9,6 +9,7 @@ after work went through, so they hold whatever ran before them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 from collections.abc import Iterator
@@ -19,7 +20,19 @@ import httpx
 import pytest
 
 from tests.conftest import fresh_redis_url
-from tests.support import DEMO_MODEL, Proc, Receiver, Samples, Stack, scrape, value, wait_until
+from tests.support import (
+    DEMO_MODEL,
+    TERMINAL,
+    Proc,
+    Receiver,
+    Samples,
+    Stack,
+    free_port,
+    scrape,
+    value,
+    wait_for_job,
+    wait_until,
+)
 
 
 def ops_metrics_url(stack: Stack, proc: Proc) -> str:
@@ -160,6 +173,105 @@ def test_lane_gauges_follow_the_queue(stack: Stack) -> None:
     after = scrape(f"{stack.url}/metrics")
     assert value(after, "inferq_jobs_finished_total", **cancelled) == before + 5
     assert value(after, "inferq_jobs_queued", lane="bulk", model=DEMO_MODEL) == queued - 5
+
+
+@contextlib.contextmanager
+def tenant_client(stack: Stack, tenant: str) -> Iterator[httpx.Client]:
+    """A client whose jobs are ``tenant``'s.
+
+    This stack's API runs without keys (every job is tenant "default"): a second API process
+    on the same database and Redis, with keys required, takes the tenant's key.
+    """
+    created = stack.cli("keys", "create", "--tenant", tenant)
+    assert created.returncode == 0, created.stderr
+    port = free_port()
+    proc = stack.spawn(
+        f"api-{tenant}", "api", env={"INFERQ_REQUIRE_AUTH": "true", "INFERQ_API_PORT": str(port)}
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(
+            lambda: httpx.get(f"{url}/healthz", timeout=1).status_code == 200 or not proc.alive(),
+            60,
+            f"the API of tenant {tenant}",
+        )
+        assert proc.alive(), proc.tail()
+        headers = {"Authorization": f"Bearer {created.stdout.strip()}"}
+        with httpx.Client(base_url=url, headers=headers, timeout=30) as client:
+            yield client
+    finally:
+        proc.stop()
+
+
+def served(job: dict[str, Any]) -> int:
+    """Prompt + completion tokens of a finished job, as its caller reads them."""
+    usage = job["result"]["usage"]
+    return int(usage["prompt_tokens"]) + int(usage["completion_tokens"])
+
+
+def test_tenant_gauges_split_the_lanes_by_tenant(stack: Stack) -> None:
+    """Two tenants' queued (bulk: no consumer here), running and served jobs, each on its own
+    series; the counts are the database's rows, the tokens what each job's caller was told."""
+    short = {"lane": "realtime", "params": {"max_tokens": 8}}
+    with tenant_client(stack, "t2") as t2, stack.client() as default:
+        clients = {"default": default, "t2": t2}
+        finished: dict[str, list[dict[str, Any]]] = {}
+        for tenant, n in (("default", 1), ("t2", 2)):
+            client = clients[tenant]
+            ids = [
+                stack.submit({"prompt": f"{tenant} {i}", **short}, client=client)["id"]
+                for i in range(n)
+            ]
+            finished[tenant] = [wait_for_job(client, i, 60, TERMINAL, stack.procs) for i in ids]
+            assert {job["status"] for job in finished[tenant]} == {"succeeded"}
+        waiting = [
+            (client, stack.submit({"prompt": "wait", "lane": "bulk"}, client=client)["id"])
+            for client in (default, default, t2, t2, t2)
+        ]
+        # Long enough (8000 steps) to be seen running; cancelled below.
+        long = {"prompt": "go on", "lane": "realtime", "params": {"max_tokens": 8000}}
+        running_id = stack.submit(long, client=t2)["id"]
+        wait_for_job(t2, running_id, 30, {"running"}, stack.procs)
+
+        def rows(tenant: str, lane: str, status: str) -> int:
+            sql = "SELECT count(*) FROM jobs WHERE tenant=:t AND lane=:l AND status=:s"
+            return int(stack.scalar(sql, t=tenant, l=lane, s=status))
+
+        def page() -> Samples | None:
+            found = scrape(f"{stack.url}/metrics")
+            running = value(
+                found, "inferq_tenant_jobs_running", lane="realtime", model=DEMO_MODEL, tenant="t2"
+            )
+            return found if running == 1 else None
+
+        samples = wait_until(page, 10, "tenant t2's running job on the page")
+
+        def gauge(name: str, lane: str, tenant: str) -> float:
+            labels = {"lane": lane, "model": DEMO_MODEL, "tenant": tenant}
+            return value(samples, f"inferq_tenant_{name}", **labels)
+
+        assert gauge("jobs_queued", "bulk", "t2") == rows("t2", "bulk", "queued") == 3
+        queued_default = rows("default", "bulk", "queued")
+        assert gauge("jobs_queued", "bulk", "default") == queued_default >= 2
+        assert gauge("jobs_running", "realtime", "t2") == rows("t2", "realtime", "running") == 1
+        assert gauge("jobs_running", "realtime", "default") == 0
+        assert gauge("jobs_running", "bulk", "t2") == gauge("jobs_queued", "realtime", "t2") == 0
+        # Tokens of the last 60 s per second: t2's are this test's two jobs (the running one
+        # counts when it ends); "default" also has what earlier tests ran.
+        t2_tokens = sum(served(job) for job in finished["t2"])
+        assert t2_tokens > 0
+        per_s = "tokens_served_per_second"
+        assert gauge(per_s, "realtime", "t2") == pytest.approx(t2_tokens / 60)
+        assert gauge(per_s, "realtime", "default") >= served(finished["default"][0]) / 60 > 0
+        assert gauge(per_s, "bulk", "t2") == 0
+
+        for client, job_id in waiting:
+            assert client.post(f"/v1/jobs/{job_id}/cancel").json()["status"] == "cancelled"
+        assert t2.post(f"/v1/jobs/{running_id}/cancel").status_code == 200
+        wait_for_job(t2, running_id, 30, TERMINAL, stack.procs)
+    after = scrape(f"{stack.url}/metrics")
+    labels = {"lane": "bulk", "model": DEMO_MODEL, "tenant": "t2"}
+    assert value(after, "inferq_tenant_jobs_queued", **labels) == 0
 
 
 def test_ops_metrics_count_deliveries_and_reaper_actions(stack: Stack, receiver: Receiver) -> None:

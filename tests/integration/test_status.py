@@ -76,6 +76,14 @@ def busy_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         yield stack
 
 
+def table(output: str, title: str) -> str:
+    """The lines of the table titled ``title``, from its title to its bottom border."""
+    lines = output.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip() == title)
+    end = next(i for i in range(start, len(lines)) if lines[i].startswith("└"))
+    return "\n".join(lines[start : end + 1])
+
+
 def rows(output: str, first: str) -> list[list[str]]:
     """The cells of every table row whose first cell is ``first``."""
     found = []
@@ -99,14 +107,33 @@ def test_status_shows_lanes_workers_and_throughput(busy_stack: Stack) -> None:
 
     queued = busy_stack.scalar("SELECT count(*) FROM jobs WHERE status = 'queued'")
     assert queued == BULK_JOBS - SLOTS
-    ((_, model, messages, bulk_queued, bulk_running, oldest),) = rows(out, "bulk")
+    lanes = table(out, "Lanes")
+    ((_, model, messages, bulk_queued, bulk_running, oldest),) = rows(lanes, "bulk")
     assert model == DEMO_MODEL
     assert int(bulk_queued) == queued
     assert int(bulk_running) == SLOTS
-    assert int(messages) == client.llen(queue("bulk")) == queued // 2  # two job ids per message
+    # The dispatcher keeps the list shallow (README, "Fair share"): the rest wait unsent.
+    assert int(messages) == client.llen(queue("bulk")) < queued // 2  # two job ids a message
     assert oldest.endswith(" s") and float(oldest.split()[0]) > 0
     for lane in ("realtime", "standard"):
-        assert rows(out, lane) == [[lane, DEMO_MODEL, "0", "0", "0", "-"]], out
+        assert rows(lanes, lane) == [[lane, DEMO_MODEL, "0", "0", "0", "-"]], out
+    # The stack's dispatcher, filling the bulk queue while jobs wait for it.
+    record = json.loads(client.get(next(client.scan_iter("inferq:dispatcher:*"))) or "{}")
+    ((_, policy, filling, sent, seen),) = rows(table(out, "Dispatchers"), record["worker_id"])
+    assert policy == "fair" and int(sent) >= 1 and seen.endswith(" ago")
+    assert filling == queue("bulk")
+
+    # Every job is tenant "default" (no keys): its bulk jobs, and the three realtime jobs served.
+    served = busy_stack.scalar(
+        "SELECT sum(prompt_tokens + completion_tokens) FROM jobs WHERE lane = 'realtime'"
+    )
+    assert served >= 3 * 8
+    assert rows(table(out, "Tenants"), "realtime") == [
+        ["realtime", DEMO_MODEL, "default", "0", "0", f"{served / 60:.1f}"]
+    ]
+    assert rows(table(out, "Tenants"), "bulk") == [
+        ["bulk", DEMO_MODEL, "default", str(queued), str(SLOTS), "0.0"]
+    ]
 
     worker = next(p for p in busy_stack.procs if p.name == "worker0")
     announced = busy_stack.worker_record(worker.pid)
@@ -121,6 +148,7 @@ def test_status_shows_lanes_workers_and_throughput(busy_stack: Stack) -> None:
     assert float(jobs_per_s) == pytest.approx(3 / 60, abs=0.01)
     assert float(tokens_per_s) == pytest.approx(3 * 8 / 60, abs=0.1)
     assert "Lanes" in out and "Workers" in out and "Throughput, last 60 s" in out
+    assert "tokens/s (last 60 s)" in table(out, "Tenants")
 
 
 @pytest.mark.parametrize("terminal", [True, False], ids=["terminal", "pipe"])
@@ -185,10 +213,17 @@ def test_unreachable_redis_or_database_is_one_line_and_exit_1(
 # --- app/core/snapshot.py, with rows whose times are known ---------------------------------------
 
 
-def _job(lane: str, status: str, created_at: float, model: str = "simulated", **values: Any) -> Job:
+def _job(
+    lane: str,
+    status: str,
+    created_at: float,
+    model: str = "simulated",
+    tenant: str = "t",
+    **values: Any,
+) -> Job:
     return Job(
         id=new_id("job"),
-        tenant="t",
+        tenant=tenant,
         lane=lane,
         model=model,
         prompt="p",
@@ -280,6 +315,105 @@ def test_snapshot_reads_lanes_workers_and_throughput(idle_stack: Stack) -> None:
     assert snapshot.ops_workers(client) == [{"worker_id": "host:4", "role": "ops"}]
 
 
+def _two_tenants(stack: Stack, now: float, model: str = "simulated") -> None:
+    """Rows of tenants "acme" and "bee" with known times and tokens."""
+
+    def job(lane: str, status: str, tenant: str, **values: Any) -> Job:
+        return _job(lane, status, now - 30, model=model, tenant=tenant, **values)
+
+    with Session(stack.db()) as session, session.begin():
+        session.add_all(
+            [
+                job("bulk", "queued", "acme"),
+                job("bulk", "queued", "acme"),
+                job("bulk", "running", "acme"),
+                job("bulk", "queued", "bee"),
+                job("realtime", "running", "bee"),
+                job("realtime", "running", "bee"),
+                # Served in the last minute, whatever the end: prompt + completion tokens.
+                job(
+                    "realtime",
+                    "succeeded",
+                    "acme",
+                    finished_at=now - 10,
+                    prompt_tokens=30,
+                    completion_tokens=60,
+                ),
+                job(
+                    "realtime",
+                    "failed",
+                    "acme",
+                    finished_at=now - 5,
+                    prompt_tokens=3,
+                    completion_tokens=None,
+                ),
+                job(
+                    "bulk",
+                    "succeeded",
+                    "bee",
+                    finished_at=now - 1,
+                    prompt_tokens=100,
+                    completion_tokens=20,
+                ),
+                # Cancelled before it ran: no tokens, yet a row: its tenant had a job end here.
+                job("standard", "cancelled", "cid", finished_at=now - 2),
+                # Before the window.
+                job(
+                    "standard",
+                    "succeeded",
+                    "acme",
+                    finished_at=now - 61,
+                    prompt_tokens=9,
+                    completion_tokens=9,
+                ),
+            ]
+        )
+
+
+def test_snapshot_reads_each_tenants_jobs_and_tokens(idle_stack: Stack) -> None:
+    now = time.time()
+    _two_tenants(idle_stack, now)
+    with idle_stack.db().connect() as connection:
+        tenants = snapshot.tenant_jobs(connection, now)
+    sim = "simulated"
+    # Lane priority first, then tenant.
+    assert tenants == {
+        ("realtime", sim, "acme"): snapshot.TenantJobs(
+            60.0, tokens_served=93, completion_tokens=60
+        ),
+        ("realtime", sim, "bee"): snapshot.TenantJobs(60.0, running=2),
+        ("standard", sim, "cid"): snapshot.TenantJobs(60.0),
+        ("bulk", sim, "acme"): snapshot.TenantJobs(60.0, queued=2, running=1),
+        ("bulk", sim, "bee"): snapshot.TenantJobs(
+            60.0, queued=1, tokens_served=120, completion_tokens=20
+        ),
+    }
+    assert list(tenants) == sorted(tenants, key=lambda k: (LANES.index(k[0]), k[2]))
+    assert tenants["realtime", sim, "acme"].tokens_per_s == pytest.approx(93 / 60)
+    # A shorter window leaves the job that finished 10 s ago out.
+    with idle_stack.db().connect() as connection:
+        recent = snapshot.tenant_jobs(connection, now, window_s=6)
+    assert recent["realtime", sim, "acme"] == snapshot.TenantJobs(6, tokens_served=3)
+    assert recent["bulk", sim, "bee"].tokens_per_s == pytest.approx(120 / 6)
+
+
+def test_status_shows_each_tenants_jobs_and_tokens(idle_stack: Stack) -> None:
+    _two_tenants(idle_stack, time.time(), model=DEMO_MODEL)
+    done = status(idle_stack)
+    assert done.returncode == 0, done.stderr
+    tenants = table(done.stdout, "Tenants")
+    found = [row for lane in LANES for row in rows(tenants, lane)]
+    assert found == [
+        ["realtime", DEMO_MODEL, "acme", "0", "0", f"{93 / 60:.1f}"],
+        ["realtime", DEMO_MODEL, "bee", "0", "2", "0.0"],
+        ["standard", DEMO_MODEL, "cid", "0", "0", "0.0"],
+        ["bulk", DEMO_MODEL, "acme", "2", "1", "0.0"],
+        ["bulk", DEMO_MODEL, "bee", "1", "0", f"{120 / 60:.1f}"],
+    ]
+    # The Lanes table still sums them.
+    assert rows(table(done.stdout, "Lanes"), "bulk")[0][3:5] == ["3", "1"]
+
+
 def test_metrics_targets_list_every_announced_metrics_address(idle_stack: Stack) -> None:
     """Prometheus's HTTP service discovery format, one group per process that announced a
     metrics URL (a worker still starting has none yet)."""
@@ -337,6 +471,8 @@ def test_status_of_an_idle_system_says_no_worker(idle_stack: Stack) -> None:
     assert done.returncode == 0, done.stderr
     for lane in ("realtime", "standard", "bulk"):
         assert rows(done.stdout, lane) == [[lane, DEMO_MODEL, "0", "0", "0", "-"]]
+    assert "no tenant has queued, running or recently finished jobs" in done.stdout
     assert "no worker is announced" in done.stdout
     assert "no ops worker is announced" in done.stdout
+    assert "no dispatcher is announced" in done.stdout
     assert rows(done.stdout, "none") == [["none", "0.00", "0.0"]]

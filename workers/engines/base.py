@@ -59,6 +59,10 @@ class EngineStats:
     waiting: int = 0
     kv_cache_usage: float | None = None
     generated_tokens_per_s: float = 0.0
+    # Prompt tokens looked up in the prefix cache and found there, since the engine started
+    # (vLLM's prefix caching; 0 for an engine without one). Hit rate: hits / queries.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
 

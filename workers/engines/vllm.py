@@ -76,6 +76,8 @@ class _StatsHolder:
         self.running = 0
         self.waiting = 0
         self.kv_cache_usage: float | None = None
+        self.prefix_queries = 0  # cumulative, tokens
+        self.prefix_hits = 0
         self.tokens: deque[tuple[float, int]] = deque()
 
     def record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
@@ -83,6 +85,12 @@ class _StatsHolder:
             self.running = int(scheduler_stats.num_running_reqs)
             self.waiting = int(scheduler_stats.num_waiting_reqs)
             self.kv_cache_usage = float(scheduler_stats.kv_cache_usage)
+            # What this step's scheduling looked up (SchedulerStats.prefix_cache_stats, reset
+            # by vLLM at every step): new requests only, as vLLM's own prefix_cache counters.
+            cache = getattr(scheduler_stats, "prefix_cache_stats", None)
+            if cache is not None:
+                self.prefix_queries += int(cache.queries)
+                self.prefix_hits += int(cache.hits)
         if iteration_stats is not None:
             self.tokens.append((time.monotonic(), int(iteration_stats.num_generation_tokens)))
 
@@ -146,6 +154,9 @@ class VLLMEngine:
             "max_num_seqs": s.vllm_max_num_seqs,
             "enforce_eager": s.vllm_enforce_eager,
             "load_format": s.vllm_load_format,
+            # On by default for decoder models (vLLM 0.32, CPU included); said here so that jobs
+            # sharing a prompt prefix (grouped by the dispatcher) reuse its KV blocks.
+            "enable_prefix_caching": True,
         }
         if s.max_model_len:
             args["max_model_len"] = s.max_model_len
@@ -311,6 +322,8 @@ class VLLMEngine:
             waiting=s.waiting,
             kv_cache_usage=s.kv_cache_usage,
             generated_tokens_per_s=s.tokens_per_s(),
+            prefix_cache_queries=s.prefix_queries,
+            prefix_cache_hits=s.prefix_hits,
         )
 
     async def shutdown(self) -> None:
