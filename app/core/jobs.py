@@ -141,7 +141,9 @@ def submit(
             return existing, False
     # One job whose queue is empty goes straight to it: nobody waits, so no order is at stake
     # and the dispatcher's step is saved (docs/architecture.md, "Fair share").
-    direct = dispatch.queue_is_empty(dispatch.queue_of(row["lane"], row["model"]))
+    direct = get_settings().dispatch_direct and dispatch.queue_is_empty(
+        dispatch.queue_of(row["lane"], row["model"])
+    )
     after = transitions.create(session.connection(), [row], by="api", direct=direct)
     if idempotency_key is not None:
         session.add(

@@ -209,6 +209,11 @@ class Settings(BaseSettings):
         "by weighted token share, then earliest deadline, one prompt prefix together) or "
         "arrival (submission order, for comparison).",
     )
+    dispatch_direct: bool = Field(
+        True,
+        description="A job submitted alone whose queue is empty is sent by the API itself "
+        "(false: every job goes through the dispatcher).",
+    )
     dispatch_depth: float = Field(
         0.5,
         gt=0,

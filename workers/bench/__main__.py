@@ -15,8 +15,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from workers.bench import report
+from workers.bench.fairness import fairness
 from workers.bench.harness import environment, postgres_answers
 from workers.bench.overhead import overhead
+from workers.bench.prefix import prefix
 from workers.bench.scenarios import SCENARIOS, Options
 
 ALL = (
@@ -29,6 +31,8 @@ ALL = (
     "models",
     "overhead",
     "peer",
+    "prefix",
+    "fairness",
 )
 
 
@@ -138,6 +142,10 @@ def main(
                 results[name] = peer(opts)
             elif name == "overhead":
                 results[name] = overhead(opts)
+            elif name == "prefix":
+                results[name] = prefix(opts)
+            elif name == "fairness":
+                results[name] = fairness(opts)
             else:
                 results[name] = SCENARIOS[name](opts)
             results[name]["wall_s"] = round(time.monotonic() - started, 1)

@@ -116,6 +116,7 @@ class BenchStack:
         assert migrate.proc is not None
         if migrate.proc.wait(120) != 0:
             raise RuntimeError(f"migrate failed:\n{migrate.tail()}")
+        self.spawn("dispatch", [py, "-m", "app.cli", "dispatch"])
         api = self.spawn("api", [py, "-m", "app.cli", "api"])
         wait_ready(
             "api",
@@ -152,14 +153,30 @@ class BenchStack:
             self._db = create_engine(self.database_url)
         return self._db
 
-    def submit(self, bodies: list[dict[str, Any]], clients: int = 2) -> float:
-        """POST the jobs through /v1/jobs/bulk, ``SUBMIT_BATCH`` per request."""
+    def create_key(self, tenant: str, weight: float | None = None) -> str:
+        """A new API key of ``tenant`` (``inferq keys create``), with its fair-share weight."""
+        argv = [sys.executable, "-m", "app.cli", "keys", "create", "--tenant", tenant]
+        if weight is not None:
+            argv += ["--weight", str(weight)]
+        made = subprocess.run(
+            argv, env={**os.environ, **self.env}, capture_output=True, text=True, check=False
+        )
+        if made.returncode != 0:
+            raise RuntimeError(f"keys create failed: {made.stderr}")
+        return made.stdout.strip()
+
+    def submit(
+        self, bodies: list[dict[str, Any]], clients: int = 2, key: str | None = None
+    ) -> float:
+        """POST the jobs through /v1/jobs/bulk, ``SUBMIT_BATCH`` per request (with ``key``'s
+        tenant when given)."""
         step = SUBMIT_BATCH
         chunks = [bodies[i : i + step] for i in range(0, len(bodies), step)]
         start = time.time()
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
 
         def post(chunk: list[dict[str, Any]]) -> None:
-            with httpx.Client(base_url=self.url, timeout=120) as c:
+            with httpx.Client(base_url=self.url, timeout=120, headers=headers) as c:
                 r = c.post("/v1/jobs/bulk", json={"jobs": chunk})
                 if r.status_code != 202:
                     raise RuntimeError(f"bulk submit failed: {r.status_code} {r.text[:300]}")
@@ -206,6 +223,7 @@ class BenchStack:
             Job.id,
             Job.lane,
             Job.model,
+            Job.tenant,
             Job.lease_owner,
             Job.status,
             Job.created_at,

@@ -72,6 +72,7 @@ VARIANTS = {
     "scaleout": ("one", "two"),
     "models": ("alone", "loaded"),
     "peer": ("vllm_serve", "inferq"),
+    "prefix": ("grouped", "arrival"),
 }
 
 COLUMNS = (
@@ -185,6 +186,8 @@ def markdown(results: dict[str, Any]) -> str:
             f"| {_fmt(batch['lines_per_s'])} | {_fmt(memory['api']['growth'])} "
             f"| {_fmt(memory['ops']['growth'])} |",
         ]
+    lines += _prefix_table(results.get("prefix"))
+    lines += _fairness_table(results.get("fairness"))
     machine = results.get("machine", {})
     lines += [
         "",
@@ -196,6 +199,49 @@ def markdown(results: dict[str, Any]) -> str:
         "Latencies in ms; ITL only where tokens are observed one by one.",
     ]
     return "\n".join(lines)
+
+
+def _prefix_table(result: dict[str, Any] | None) -> list[str]:
+    """The ``prefix`` scenario's two sides: vLLM's prefix-cache hit rate and output tok/s."""
+    if not result or "skipped" in result:
+        return []
+    lines = [
+        "",
+        "| prefix | dispatch policy | jobs | prefix-cache hit rate | out tok/s | seconds |",
+        "|---|---|---|---|---|---|",
+    ]
+    for side in ("grouped", "arrival"):
+        r = result[side]
+        lines.append(
+            f"| {side} | {r['dispatch_policy']} | {r['jobs']} | {_fmt(r['prefix_hit_rate'])} "
+            f"| {_fmt(r['output_throughput'])} | {_fmt(r['seconds'])} |"
+        )
+    return lines
+
+
+def _fairness_table(result: dict[str, Any] | None) -> list[str]:
+    """The ``fairness`` scenario: the shares of two backlogged tenants, and what it cost."""
+    if not result:
+        return []
+    lines = [
+        "",
+        "| fairness (simulated) | weights | B's share | A's share | Jain, lowest window "
+        "| out tok/s | measured s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for side in ("equal", "weighted", "arrival"):
+        r = result[side]
+        lines.append(
+            f"| {side} ({r['policy']}) | {r['weights'][0]:g}:{r['weights'][1]:g} "
+            f"| {_fmt(r['share_b'])} | {_fmt(r['share_a'])} | {_fmt(r['jain_min'])} "
+            f"| {_fmt(r['output_throughput'])} | {_fmt(r['measured_s'])} |"
+        )
+    lines.append(
+        f"\nb_share {_fmt(result['b_share'])} (>= 0.45), jain_min {_fmt(result['jain_min'])} "
+        f"(>= 0.95), weighted_share_a {_fmt(result['weighted_share_a'])} (0.75 +- 0.05), "
+        f"throughput_vs_arrival {_fmt(result['throughput_vs_arrival'])} (>= 0.97)"
+    )
+    return lines
 
 
 def plots(results: dict[str, Any], out: Path) -> list[Path]:

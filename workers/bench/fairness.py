@@ -1,0 +1,158 @@
+"""The ``fairness`` scenario (SIMULATED engine): how one lane's engine tokens are shared by
+tenants (docs/benchmarks.md, "fairness"; docs/architecture.md, "Fair share").
+
+Tenant A submits ``FAIR_A`` bulk jobs; ``FAIR_DELAY_S`` later tenant B submits ``FAIR_B`` of the
+same size. From B's submission until B has no job left waiting (at most ``MEASURE_S``), both
+tenants are backlogged, and the tokens each one is served are read from the job rows: a job's
+completion tokens are spread evenly over its time in the engine (first token to end), so a
+window counts what the engine produced in it, whichever jobs end in it. Three runs, each on a
+stack of its own, with the same workload and engine:
+
+- ``equal``: fair share, equal weights. ``b_share`` = B's share of the tokens while both are
+  backlogged (target >= 0.45); ``jain_min`` = the lowest Jain index of the two tenants' tokens
+  over the ``WINDOW_S`` windows of that time, (a + b)^2 / (2 (a^2 + b^2)) (target >= 0.95);
+- ``weighted``: fair share, A's key weighs 3 and B's 1. ``weighted_share_a`` (target 0.75 +-
+  0.05);
+- ``arrival``: the dispatcher in arrival order (``INFERQ_DISPATCH_POLICY=arrival``), where B
+  waits behind A's whole backlog. ``throughput_vs_arrival`` = ``equal``'s output tokens/s over
+  this run's, in the same stretch after B's submission (target >= 0.97): the fair order costs
+  the engine nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from workers.bench.harness import BenchStack
+from workers.bench.scenarios import Options
+
+FAIR_A = 20_000
+FAIR_B = 500
+FAIR_DELAY_S = 10.0
+MEASURE_S = 30.0  # the longest stretch measured after B's submission
+WINDOW_S = 10.0
+MAX_TOKENS = 64
+SLOTS = 16
+# Small bulk messages: a worker of 16 slots holds four; with the default 32 one message would
+# be more than the worker holds.
+CHUNK = 4
+
+
+def _body(tenant: str, i: int) -> dict[str, Any]:
+    return {
+        "prompt": f"fair share {tenant} {i}",
+        "lane": "bulk",
+        "params": {"max_tokens": MAX_TOKENS},
+    }
+
+
+def _tokens(rows: list[dict[str, Any]], start: float, end: float) -> float:
+    """Completion tokens the engine produced for ``rows`` between ``start`` and ``end``."""
+    total = 0.0
+    for row in rows:
+        began = row["first_token_at"] or row["started_at"]
+        ended = row["finished_at"]
+        if began is None or ended is None or not row["completion_tokens"]:
+            continue
+        overlap = min(ended, end) - max(began, start)
+        if overlap > 0:
+            total += row["completion_tokens"] * overlap / max(ended - began, 1e-6)
+    return total
+
+
+def _jain(values: list[float]) -> float:
+    squares = sum(v * v for v in values)
+    return (sum(values) ** 2) / (len(values) * squares) if squares else 1.0
+
+
+def _run(opts: Options, what: str, policy: str, weights: tuple[float, float]) -> dict[str, Any]:
+    n_a, n_b = opts.n(FAIR_A), opts.n(FAIR_B)
+    env = opts.stack_env(
+        engine="simulated",
+        require_auth="true",
+        dispatch_policy=policy,
+        worker_concurrency=SLOTS,
+        sim_max_num_seqs=SLOTS,
+        bulk_chunk_size=CHUNK,
+    )
+    with BenchStack(opts.database, env, opts.workdir) as stack:
+        stack.start(workers=1)
+        key_a = stack.create_key("tenant-a", weights[0])
+        key_b = stack.create_key("tenant-b", weights[1])
+        opts.progress(f"{what}: A submits", 0, n_a)
+        a_at = stack.submit([_body("a", i) for i in range(n_a)], key=key_a)
+        opts.progress(f"{what}: A submits", n_a, n_a)
+        time.sleep(max(0.0, a_at + FAIR_DELAY_S - time.time()))
+        stack.submit([_body("b", i) for i in range(n_b)], key=key_b)
+        t0 = time.time()  # B's jobs are committed: from now both are backlogged
+        while time.time() < t0 + MEASURE_S:
+            opts.progress(f"{what}: measuring", int(time.time() - t0), int(MEASURE_S))
+            time.sleep(0.5)
+        time.sleep(3 * MAX_TOKENS * 0.02)  # the jobs in the engine at the end finish
+        rows = stack.rows()
+    a_rows = [r for r in rows if r["tenant"] == "tenant-a"]
+    b_rows = [r for r in rows if r["tenant"] == "tenant-b"]
+    b_sent = [r["enqueued_at"] for r in b_rows]
+    # B is backlogged until its last job is sent; within MEASURE_S in any case.
+    end = t0 + MEASURE_S
+    if b_sent and all(at is not None for at in b_sent):
+        end = min(end, max(at for at in b_sent if at is not None))
+    windows: list[dict[str, float]] = []
+    start = t0
+    while start + WINDOW_S <= end + 1e-9 or not windows:
+        stop = min(start + WINDOW_S, end)
+        a, b = _tokens(a_rows, start, stop), _tokens(b_rows, start, stop)
+        windows.append(
+            {"start_s": round(start - t0, 1), "a": round(a), "b": round(b), "jain": _jain([a, b])}
+        )
+        start += WINDOW_S
+    a_all, b_all = _tokens(a_rows, t0, end), _tokens(b_rows, t0, end)
+    return {
+        "policy": policy,
+        "weights": list(weights),
+        "jobs_a": n_a,
+        "jobs_b": n_b,
+        "measured_s": round(end - t0, 1),
+        "share_a": a_all / (a_all + b_all) if a_all + b_all else 0.0,
+        "share_b": b_all / (a_all + b_all) if a_all + b_all else 0.0,
+        "output_throughput": (a_all + b_all) / max(end - t0, 1e-6),
+        "windows": windows,
+        "jain_min": min(w["jain"] for w in windows),
+        "b_jobs_done": sum(1 for r in b_rows if r["status"] == "succeeded"),
+        "_t0_end": (t0, end),
+        "_rows": (a_rows, b_rows),
+    }
+
+
+def fairness(opts: Options) -> dict[str, Any]:
+    equal = _run(opts, "fairness: equal weights", "fair", (1.0, 1.0))
+    weighted = _run(opts, "fairness: weights 3:1", "fair", (3.0, 1.0))
+    arrival = _run(opts, "fairness: arrival order", "arrival", (1.0, 1.0))
+    # The same stretch after B's submission in both runs: equal's measured time.
+    span = equal["_t0_end"][1] - equal["_t0_end"][0]
+    t0 = arrival["_t0_end"][0]
+    a_rows, b_rows = arrival["_rows"]
+    arrival_tp = (_tokens(a_rows, t0, t0 + span) + _tokens(b_rows, t0, t0 + span)) / span
+    for side in (equal, weighted, arrival):
+        del side["_t0_end"], side["_rows"]
+    arrival["output_throughput_same_span"] = arrival_tp
+    return {
+        "engine": "simulated",
+        "worker_concurrency": SLOTS,
+        "bulk_chunk_size": CHUNK,
+        "max_tokens": MAX_TOKENS,
+        "equal": equal,
+        "weighted": weighted,
+        "arrival": arrival,
+        "b_share": equal["share_b"],
+        "jain_min": equal["jain_min"],
+        "weighted_share_a": weighted["share_a"],
+        "throughput_vs_arrival": equal["output_throughput"] / arrival_tp if arrival_tp else 0.0,
+        "targets": {
+            "b_share": ">= 0.45",
+            "jain_min": ">= 0.95",
+            "weighted_share_a": "0.75 +- 0.05",
+            "throughput_vs_arrival": ">= 0.97",
+        },
+    }
