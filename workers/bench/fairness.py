@@ -10,7 +10,8 @@ stack of its own, with the same workload and engine:
 
 - ``equal``: fair share, equal weights. ``b_share`` = B's share of the tokens while both are
   backlogged (target >= 0.45); ``jain_min`` = the lowest Jain index of the two tenants' tokens
-  over the ``WINDOW_S`` windows of that time, (a + b)^2 / (2 (a^2 + b^2)) (target >= 0.95);
+  over the ``WINDOW_S`` windows of that time, (a + b)^2 / (2 (a^2 + b^2)) (target >= 0.95; of
+  tokens over weight in the weighted run);
 - ``weighted``: fair share, A's key weighs 3 and B's 1. ``weighted_share_a`` (target 0.75 +-
   0.05);
 - ``arrival``: the dispatcher in arrival order (``INFERQ_DISPATCH_POLICY=arrival``), where B
@@ -103,8 +104,10 @@ def _run(opts: Options, what: str, policy: str, weights: tuple[float, float]) ->
     while start + WINDOW_S <= end + 1e-9 or not windows:
         stop = min(start + WINDOW_S, end)
         a, b = _tokens(a_rows, start, stop), _tokens(b_rows, start, stop)
+        # Jain's index of the tokens over the weights: 1 when each gets its weighted share.
+        jain = _jain([a / weights[0], b / weights[1]])
         windows.append(
-            {"start_s": round(start - t0, 1), "a": round(a), "b": round(b), "jain": _jain([a, b])}
+            {"start_s": round(start - t0, 1), "a": round(a), "b": round(b), "jain": jain}
         )
         start += WINDOW_S
     a_all, b_all = _tokens(a_rows, t0, end), _tokens(b_rows, t0, end)
