@@ -184,6 +184,19 @@ class Stack:
         self.procs.append(proc)
         return proc
 
+    def python(self, code: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        """Run ``code`` in a Python process of this stack (its settings, the repository on
+        the path): a part of a process, crashed on purpose where a test needs it."""
+        return subprocess.run(
+            [sys.executable, "-c", code],
+            cwd=REPO,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+
     def migrate(self) -> None:
         done = self.cli("migrate")
         assert done.returncode == 0, done.stdout + done.stderr

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,7 +32,7 @@ import redis
 from sqlalchemy import text
 
 from tests.conftest import PostgresDatabases, fresh_redis_url
-from tests.support import REPO, TERMINAL, Receiver, Stack, queue, wait_until
+from tests.support import TERMINAL, Receiver, Stack, queue, wait_until
 
 pytestmark = pytest.mark.chaos
 
@@ -187,18 +185,6 @@ def test_sigterm_hands_back_what_outlasts_the_grace(stack: Stack) -> None:
     assert all(done[job_id]["attempts"] == 2 for job_id in held)
 
 
-def run_in_stack(stack: Stack, code: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=REPO,
-        env=stack.env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-
-
 SUBMIT = """
 import os
 from app.core import jobs, transitions
@@ -219,7 +205,7 @@ def test_crash_between_commit_and_enqueue(stack: Stack, direct: bool) -> None:
     its insert, README "Fair share") has no message, and the reaper finds its queue empty and
     marks it unsent, for the dispatcher."""
     stack.start_worker()
-    crashed = run_in_stack(stack, SUBMIT.format(direct=direct, after="os._exit(1)"))
+    crashed = stack.python(SUBMIT.format(direct=direct, after="os._exit(1)"))
     assert crashed.returncode == 1, crashed.stderr
     job_id = crashed.stdout.strip()
     assert stack.scalar("SELECT status FROM jobs WHERE id = :i", i=job_id) in ("queued", "running")
@@ -235,7 +221,7 @@ def test_crash_between_commit_and_enqueue(stack: Stack, direct: bool) -> None:
 def test_duplicate_delivery_runs_once(stack: Stack) -> None:
     worker = stack.start_worker()
     # Two messages for one job, sent at once.
-    sent = run_in_stack(stack, SUBMIT.format(direct=True, after="after.send *= 2; after.run()"))
+    sent = stack.python(SUBMIT.format(direct=True, after="after.send *= 2; after.run()"))
     assert sent.returncode == 0, sent.stderr
     job_id = sent.stdout.strip()
     done = stack.wait_job(job_id, timeout=60)

@@ -13,12 +13,9 @@ from __future__ import annotations
 
 import base64
 import json
-import subprocess
-import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -29,7 +26,6 @@ from sqlalchemy import bindparam, text
 from tests.conftest import PostgresDatabases, backend_stack_for
 from tests.support import Stack, wait_for_job, wait_until
 
-REPO = Path(__file__).resolve().parents[2]
 MODELS = ["m-share", "m-weight", "m-cost", "m-edf", "m-expire", "m-prefix", "m-twice", "m-crash"]
 RUN_MODEL = "m-run"
 DEPTH = 2  # jobs in a realtime or standard queue with no worker: sent before any test looks
@@ -248,15 +244,7 @@ def test_a_dispatcher_that_dies_mid_send_loses_nothing(stack: Stack) -> None:
     live = next(p for p in stack.procs if p.name == "dispatch" and p.alive())
     live.stop()  # this test's own dispatcher decides when jobs are sent
     ids = submit(key(stack, "crash"), [body("m-crash")] * 5)
-    crashed = subprocess.run(
-        [sys.executable, "-c", CRASH],
-        cwd=REPO,
-        env=stack.env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    crashed = stack.python(CRASH)
     assert crashed.returncode == 1, crashed.stderr
     # Its messages went out, but its transaction never committed: the jobs are still unsent.
     assert broker.llen(queue) == 5

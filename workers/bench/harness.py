@@ -185,6 +185,30 @@ class BenchStack:
             list(pool.map(post, chunks))
         return start
 
+    @staticmethod
+    def upload(client: httpx.Client, path: Path) -> str:
+        """Upload a batch input file (POST /v1/files); its id."""
+        with path.open("rb") as f:
+            uploaded = client.post("/v1/files", files={"file": f}, data={"purpose": "batch"})
+        if uploaded.status_code != 200:
+            raise RuntimeError(f"upload failed: {uploaded.status_code} {uploaded.text[:300]}")
+        return str(uploaded.json()["id"])
+
+    @staticmethod
+    def start_batch(client: httpx.Client, file_id: str) -> dict[str, Any]:
+        """Create a chat-completions batch of an uploaded file; the batch once it has left
+        ``validating``."""
+        body = {
+            "input_file_id": file_id,
+            "endpoint": "/v1/chat/completions",
+            "completion_window": "24h",
+        }
+        batch: dict[str, Any] = client.post("/v1/batches", json=body).json()
+        while batch["status"] == "validating":
+            time.sleep(0.05)
+            batch = client.get(f"/v1/batches/{batch['id']}").json()
+        return batch
+
     def finished(self, ids: list[str]) -> list[str]:
         """Which of ``ids`` are terminal."""
         query = select(Job.id).where(Job.id.in_(ids), Job.status.in_(list(TERMINAL)))

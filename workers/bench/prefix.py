@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import random
-import time
 from typing import Any
 
 import httpx
@@ -113,19 +112,7 @@ def _side(opts: Options, lines: list[dict[str, Any]], what: str, policy: str) ->
             warm_id = warm.json()["id"]
             stack.wait_all(1, 300, ids=[warm_id])
             before = prefix_counters(record["metrics_url"])
-            with path.open("rb") as f:
-                uploaded = c.post("/v1/files", files={"file": f}, data={"purpose": "batch"})
-            if uploaded.status_code != 200:
-                raise RuntimeError(f"upload failed: {uploaded.status_code} {uploaded.text[:300]}")
-            body = {
-                "input_file_id": uploaded.json()["id"],
-                "endpoint": "/v1/chat/completions",
-                "completion_window": "24h",
-            }
-            batch = c.post("/v1/batches", json=body).json()
-            while batch["status"] == "validating":
-                time.sleep(0.05)
-                batch = c.get(f"/v1/batches/{batch['id']}").json()
+            batch = stack.start_batch(c, stack.upload(c, path))
             if batch["status"] not in ("in_progress", "finalizing", "completed"):
                 raise RuntimeError(f"the batch did not start: {batch['status']} {batch}")
         total = len(lines) + 1

@@ -465,22 +465,11 @@ def batchfile(opts: Options) -> dict[str, Any]:
         opts.progress("batchfile: upload", 0, 3)
         with httpx.Client(base_url=stack.url, timeout=600) as c:
             started = time.perf_counter()
-            with path.open("rb") as f:
-                uploaded = c.post("/v1/files", files={"file": f}, data={"purpose": "batch"})
+            file_id = stack.upload(c, path)
             upload_s = time.perf_counter() - started
-            if uploaded.status_code != 200:
-                raise RuntimeError(f"upload failed: {uploaded.status_code} {uploaded.text[:300]}")
             opts.progress("batchfile: validate and start", 1, 3)
             created = time.perf_counter()
-            body = {
-                "input_file_id": uploaded.json()["id"],
-                "endpoint": "/v1/chat/completions",
-                "completion_window": "24h",
-            }
-            batch = c.post("/v1/batches", json=body).json()
-            while batch["status"] == "validating":
-                time.sleep(0.05)
-                batch = c.get(f"/v1/batches/{batch['id']}").json()
+            batch = stack.start_batch(c, file_id)
             start_s = time.perf_counter() - created
             opts.progress("batchfile: done", 3, 3)
         after = {"api": _rss_mb(api.proc.pid), "ops": _rss_mb(ops.proc.pid)}
