@@ -21,7 +21,8 @@ hold, not for the backlog.
 Which queues have waiting jobs: the API, the workers and the reaper push a queue's name onto
 ``dispatch.WAKE_KEY`` when they leave jobs for it; the loop also looks in the database every
 ``SCAN_S`` (a wake-up lost with Redis, a dispatcher started late). A queue stays on the list
-while a refill leaves jobs waiting; its list length is read every ``INFERQ_DISPATCH_INTERVAL_MS``.
+while a refill leaves jobs waiting; its list length is read every ``INFERQ_DISPATCH_INTERVAL_MS``
+while the lists move, less often (up to ``IDLE_WAIT_S``) while none does.
 
 Several dispatchers may run (one per host, for availability): a job is picked by one of them
 only (refill.py), and each tenant's share is kept in Redis, where they all read it.
@@ -55,6 +56,7 @@ log = logging.getLogger("inferq.dispatcher")
 
 SCAN_S = 1.0  # how often the database is asked which queues have waiting jobs
 IDLE_S = 1.0  # longest wait for a wake-up while nothing waits
+IDLE_WAIT_S = 0.05  # longest wait between looks at lists that do not move
 SLOTS_S = 1.0  # how often the workers' presence records (their slots) are read
 SLOTS_FRESH_S = 0.1  # ... while a queue is found empty
 WEIGHTS_S = 5.0  # how often the tenants' weights are read
@@ -74,6 +76,8 @@ class Dispatcher:
         self._weights: tuple[float, dict[str, float]] = (-WEIGHTS_S, {})
         self.worker_id = f"{socket.gethostname()}-{os.getpid()}"
         self._announced = 0.0
+        self._depths: dict[Route, int] = {}  # each list's length at the last look
+        self._wait = settings.dispatch_interval_ms / 1000
 
     def unit(self, lane: str) -> int:
         return self.settings.bulk_chunk_size if lane == "bulk" else 1
@@ -94,8 +98,7 @@ class Dispatcher:
         """Wait for a wake-up (briefly while queues are being filled), then refill every queue
         that has room, in lane order."""
         self.announce()
-        wait = self.settings.dispatch_interval_ms / 1000 if self.backlog else IDLE_S
-        self.backlog |= self._woken(wait)
+        self.backlog |= self._woken(self._wait if self.backlog else IDLE_S)
         if time.monotonic() - self._scanned >= SCAN_S:
             self._scanned = time.monotonic()
             self.backlog |= self._scan()
@@ -106,6 +109,12 @@ class Dispatcher:
         for route in routes:
             pipe.llen(route.queue)
         depths = pipe.execute()
+        # Lists nobody takes from (a model with no worker, a full worker) need no look every
+        # tick: the wait doubles, up to IDLE_WAIT_S, until a list moves or a refill is made.
+        moved = dict(zip(routes, depths, strict=True)) != self._depths
+        self._depths = dict(zip(routes, depths, strict=True))
+        interval = self.settings.dispatch_interval_ms / 1000
+        self._wait = interval if moved else min(self._wait * 2, max(interval, IDLE_WAIT_S))
         slots = self._live_slots(fresh=0 in depths)
         for route, depth in zip(routes, depths, strict=True):
             unit = self.unit(route.lane)
@@ -123,6 +132,7 @@ class Dispatcher:
                 waited=self.waited.get(route, set()),
                 client=self.client,
             )
+            self._wait = interval
             self.sent += done.sent
             self.expired += done.expired
             self.waited[route] = done.waiting
