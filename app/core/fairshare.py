@@ -116,12 +116,21 @@ class Usage:
     used: int
 
 
-def charge(client: redis.Redis, lane: str, model: str, amounts: Mapping[str, int]) -> None:
-    """Add ``amounts`` (tenant -> tokens) to a route's counters."""
-    if not amounts:
+def charge(
+    client: redis.Redis,
+    lane: str,
+    model: str,
+    amounts: Mapping[str, int],
+    lifted: Mapping[str, float] | None = None,
+) -> None:
+    """Set the counters of the tenants that joined (``lifted``: ``join``'s result), then add
+    ``amounts`` (tenant -> tokens) to a route's counters."""
+    if not amounts and not lifted:
         return
     pipe = client.pipeline(transaction=False)
     key = counters_key(lane, model)
+    if lifted:
+        pipe.hset(key, mapping={tenant: int(v) for tenant, v in lifted.items()})
     for tenant, amount in amounts.items():
         pipe.hincrby(key, tenant, amount)
     pipe.execute()

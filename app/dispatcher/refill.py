@@ -206,16 +206,10 @@ def refill(
                     done.sent += 1
             done.waiting = {t for t, jobs in left.items() if jobs > 0}
     after.run()
-    if spent or done.lifted:
-        try:
-            if done.lifted:
-                pipe = client.pipeline(transaction=False)
-                key = fairshare.counters_key(route.lane, route.model)
-                pipe.hset(key, mapping={t: int(v) for t, v in done.lifted.items()})
-                pipe.execute()
-            fairshare.charge(client, route.lane, route.model, spent)
-        except redis.RedisError as exc:
-            log.warning("could not charge %s's tenants: %s", route.queue, exc)
+    try:
+        fairshare.charge(client, route.lane, route.model, spent, done.lifted)
+    except redis.RedisError as exc:
+        log.warning("could not charge %s's tenants: %s", route.queue, exc)
     return done
 
 
