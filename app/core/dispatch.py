@@ -203,29 +203,6 @@ def redis_ok() -> bool:
         return False
 
 
-def messages(jobs: Iterable[tuple[str, str]], chunk: int) -> list[tuple[str, list[str]]]:
-    """Group (job id, queue) pairs into (queue, job ids) messages: bulk in chunks (one open
-    chunk per model), other lanes one job a message."""
-    out: list[tuple[str, list[str]]] = []
-    bulk: dict[str, list[str]] = {}
-    for job_id, name in jobs:
-        if lane_of(name) != "bulk":
-            out.append((name, [job_id]))
-            continue
-        ids = bulk.setdefault(name, [])
-        ids.append(job_id)
-        if len(ids) == chunk:
-            out.append((name, bulk.pop(name)))
-    out.extend(bulk.items())
-    return out
-
-
-def enqueue(jobs: Iterable[tuple[str, str]]) -> list[str]:
-    """Send ``run_jobs`` messages for (job id, queue) pairs (:func:`messages`). Returns the ids
-    that were not sent."""
-    return enqueue_messages(messages(jobs, get_settings().bulk_chunk_size))
-
-
 def enqueue_messages(batch: Iterable[tuple[str, list[str]]]) -> list[str]:
     """Send one ``run_jobs`` message per (queue, job ids), in order. Returns the ids that were
     not sent.
@@ -270,8 +247,9 @@ def send(jobs: list[tuple[str, str]]) -> None:
     """Send committed jobs whose rows say they are sent already (the API's own sends,
     ``transitions.create(direct=True)``); a job whose message could not go out is marked unsent
     again, for the dispatcher. If that fails too, the reaper finds the job queued with no
-    message and marks it."""
-    failed = enqueue(jobs)
+    message and marks it. One message a job: the API sends a job alone (the dispatcher makes
+    the bulk messages)."""
+    failed = enqueue_messages([(name, [job_id]) for job_id, name in jobs])
     if not failed:
         return
     from app.core.db import transaction  # only on this rare path: the API's Redis is away

@@ -71,7 +71,6 @@ JOBS_FINISHED = Counter(
 DEADLINE_EXCEEDED = "deadline_exceeded"
 WORKER_LOST = "worker_lost"
 INSERT_CHUNK = 500  # rows per INSERT of new jobs
-SEND_CHUNK = 5000  # (job id, lane) pairs enqueued per transaction after a commit
 
 
 def _install_log() -> None:
@@ -137,8 +136,8 @@ class After:
         (announce or outbox.announce)(self.events)
         if self.usage:
             fairshare.settle(self.usage)
-        for start in range(0, len(self.send), SEND_CHUNK):
-            dispatch.send(self.send[start : start + SEND_CHUNK])
+        if self.send:
+            dispatch.send(self.send)
         if self.wake:
             dispatch.wake(self.wake)
         for job_id in self.abort:
