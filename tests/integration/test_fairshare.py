@@ -149,7 +149,10 @@ def test_the_share_is_of_tokens_not_jobs(stack: Stack) -> None:
 def test_a_tenants_jobs_go_earliest_deadline_first(stack: Stack) -> None:
     client = key(stack, "edf")
     queue = "standard:m-edf"
-    blocker = submit(client, [body("m-edf")])  # sent at once: its queue was empty
+    broker = redis.Redis.from_url(stack.redis_url)
+    blocker = submit(client, [body("m-edf")])  # sent alone: nothing else waits
+    # The others must find it sent: a refill that saw them all would put it (no deadline) last.
+    wait_until(lambda: broker.llen(queue) == 1, 10, "the first job sent")
     timeouts = [None, 300.0, 30.0, None, 120.0, 60.0]
     ids = submit(
         client,
