@@ -77,6 +77,16 @@ class Refilled:
     sent: int = 0
     expired: int = 0
     waiting: set[str] = field(default_factory=set)  # tenants with jobs left unsent
+    lifted: dict[str, float] = field(default_factory=dict)  # fairshare.join's levels
+
+
+@dataclass
+class Chosen:
+    """What the policy picked: each tenant's rows in its order, the virtual tokens at which it
+    got each of them (its turns), and the levels joining tenants were lifted to."""
+
+    rows: dict[str, list[Any]]
+    turns: dict[str, list[float]]
     lifted: dict[str, float] = field(default_factory=dict)
 
 
@@ -95,11 +105,15 @@ def _in_order(rows: Sequence[Any]) -> list[Any]:
 
 
 def _pick(
-    connection: Connection, route: Route, n: int, stamp: float, tenant: str | None
+    connection: Connection,
+    waiting: ColumnElement[bool],
+    n: int,
+    stamp: float,
+    tenant: str | None,
 ) -> list[Any]:
-    """Stamp the next ``n`` waiting jobs of ``tenant`` (None: anyone's, by arrival) sent and
-    charged; returns them."""
-    which = [_waiting(route)]
+    """Stamp the next ``n`` ``waiting`` jobs of ``tenant`` (None: anyone's, by arrival) sent
+    and charged; returns them."""
+    which = [waiting]
     if tenant is None:
         # Submission order: a request's jobs share created_at, a batch's lines keep theirs.
         order: tuple[Any, ...] = (Job.created_at, Job.batch_line, Job.id)
@@ -168,9 +182,10 @@ def refill(
     stamp = now()
     done = Refilled()
     spent: dict[str, int] = {}  # tenant -> tokens charged by this refill
+    waiting = _waiting(route)
     with transaction() as connection:
         after = transitions.expire_queued(
-            connection, and_(_waiting(route), Job.deadline_at <= stamp), stamp, "dispatcher"
+            connection, and_(waiting, Job.deadline_at <= stamp), stamp, "dispatcher"
         )
         done.expired = len(after.moved)
         backlog = {
@@ -181,15 +196,17 @@ def refill(
                     func.count().label("jobs"),
                     func.coalesce(func.sum(Job.cost), 0).label("cost"),
                 )
-                .where(_waiting(route))
+                .where(waiting)
                 .group_by(Job.tenant)
             )
         }
         if backlog:
-            rows, turns = _choose(
-                connection, route, n, stamp, policy, backlog, weights, waited, client, done
+            chosen = _choose(
+                connection, route, waiting, n, stamp, policy, backlog, weights, waited, client
             )
-            batch = _messages(route, unit, rows, turns)
+            done.lifted = chosen.lifted
+            rows = chosen.rows
+            batch = _messages(route, unit, rows, chosen.turns)
             failed = set(dispatch.enqueue_messages(batch))
             if failed:
                 connection.execute(
@@ -216,6 +233,7 @@ def refill(
 def _choose(
     connection: Connection,
     route: Route,
+    waiting: ColumnElement[bool],
     n: int,
     stamp: float,
     policy: str,
@@ -223,21 +241,19 @@ def _choose(
     weights: Mapping[str, float],
     waited: set[str],
     client: redis.Redis,
-    done: Refilled,
-) -> tuple[dict[str, list[Any]], dict[str, list[float]]]:
-    """The picked rows per tenant, each tenant's in its order, and each tenant's turns (the
-    virtual tokens at which it got each job)."""
+) -> Chosen:
+    """Pick (and stamp) up to ``n`` of the ``waiting`` jobs by ``policy``."""
     if policy == "arrival":
-        picked = _pick(connection, route, n, stamp, None)
+        picked = _pick(connection, waiting, n, stamp, None)
         in_order = sorted(picked, key=lambda r: (r.created_at, r.batch_line or 0, r.id))
-        rows: dict[str, list[Any]] = {"": in_order}
-        return rows, {"": [0.0]}
+        return Chosen({"": in_order}, {"": [0.0]})
     charged = fairshare.counters(client, route.lane, route.model)
-    done.lifted = fairshare.join(charged, backlog, waited, weights)
+    lifted = fairshare.join(charged, backlog, waited, weights)
     turns: dict[str, list[float]] = {}
     for tenant, v in fairshare.allocate(n, backlog, charged, weights):
         turns.setdefault(tenant, []).append(v)
-    rows = {}
-    for tenant, given in turns.items():
-        rows[tenant] = _in_order(_pick(connection, route, len(given), stamp, tenant))
-    return rows, turns
+    rows = {
+        tenant: _in_order(_pick(connection, waiting, len(given), stamp, tenant))
+        for tenant, given in turns.items()
+    }
+    return Chosen(rows, turns, lifted)
