@@ -77,7 +77,6 @@ class Refilled:
     sent: int = 0
     expired: int = 0
     waiting: set[str] = field(default_factory=set)  # tenants with jobs left unsent
-    lifted: dict[str, float] = field(default_factory=dict)  # fairshare.join's levels
 
 
 @dataclass
@@ -182,6 +181,7 @@ def refill(
     stamp = now()
     done = Refilled()
     spent: dict[str, int] = {}  # tenant -> tokens charged by this refill
+    lifted: dict[str, float] = {}  # joining tenants' new levels (fairshare.join)
     waiting = _waiting(route)
     with transaction() as connection:
         after = transitions.expire_queued(
@@ -204,9 +204,8 @@ def refill(
             chosen = _choose(
                 connection, route, waiting, n, stamp, policy, backlog, weights, waited, client
             )
-            done.lifted = chosen.lifted
-            rows = chosen.rows
-            batch = _messages(route, unit, rows, chosen.turns)
+            lifted = chosen.lifted
+            batch = _messages(route, unit, chosen.rows, chosen.turns)
             failed = set(dispatch.enqueue_messages(batch))
             if failed:
                 connection.execute(
@@ -216,7 +215,7 @@ def refill(
                     .execution_options(synchronize_session=False)
                 )
             left = {t: jobs for t, (jobs, _) in backlog.items()}
-            for row in (row for picked in rows.values() for row in picked):
+            for row in (row for picked in chosen.rows.values() for row in picked):
                 if row.id not in failed:
                     spent[row.tenant] = spent.get(row.tenant, 0) + int(row.cost)
                     left[row.tenant] -= 1
@@ -224,7 +223,7 @@ def refill(
             done.waiting = {t for t, jobs in left.items() if jobs > 0}
     after.run()
     try:
-        fairshare.charge(client, route.lane, route.model, spent, done.lifted)
+        fairshare.charge(client, route.lane, route.model, spent, lifted)
     except redis.RedisError as exc:
         log.warning("could not charge %s's tenants: %s", route.queue, exc)
     return done
