@@ -14,6 +14,7 @@ a backlog of one model never stands in front of another model's jobs (docs/archi
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import logging
@@ -23,7 +24,7 @@ from typing import Any, Literal
 
 import redis
 from celery import Celery
-from kombu import Exchange, Queue
+from kombu import Exchange, Queue, serialization
 from kombu.transport import TRANSPORT_ALIASES
 from kombu.transport import redis as kombu_redis
 from kombu.utils.scheduling import priority_cycle
@@ -232,6 +233,33 @@ def enqueue_messages(batch: Iterable[tuple[str, list[str]]]) -> list[str]:
                 log.exception("could not enqueue %d job(s) on %s", len(ids), name)
                 failed.extend(ids)
     return failed
+
+
+def take_back(name: str, messages: int) -> list[list[str]]:
+    """Take up to ``messages`` of the newest ``run_jobs`` messages out of a queue's list before
+    a worker takes them; returns each one's job ids, which then have no message (the caller
+    marks them unsent: ``transitions.unsend``). A worker pops the oldest end of the list and
+    this the newest, so the two never get the same message; what is not a ``run_jobs``
+    message goes back where it was."""
+    client = redis_client()
+    taken: list[list[str]] = []
+    payloads: list[bytes] = client.lpop(name, messages) or []  # type: ignore[assignment]
+    for payload in payloads:
+        try:
+            message = json.loads(payload)
+            body = message["body"]
+            if message.get("properties", {}).get("body_encoding") == "base64":
+                body = base64.b64decode(body)
+            args = serialization.loads(body, message["content-type"], message["content-encoding"])[
+                0
+            ]
+            if message["headers"]["task"] != RUN_JOBS_TASK:
+                raise ValueError(message["headers"]["task"])
+            taken.append([str(job_id) for job_id in args[0]])
+        except (ValueError, KeyError, IndexError, TypeError) as exc:
+            log.warning("left a message that is not run_jobs on %s: %r", name, exc)
+            client.lpush(name, payload)
+    return taken
 
 
 def queue_is_empty(name: str) -> bool:

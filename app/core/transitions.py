@@ -322,6 +322,30 @@ def expire_queued(
     )
 
 
+def unsend(connection: Connection, job_ids: Collection[str], *, by: By) -> After:
+    """Queued jobs whose message was taken back (``dispatch.take_back``) have none again: the
+    dispatcher sends them later, and the charge of the send that did not happen is refunded.
+    A job a worker claimed meanwhile (a second message) keeps its charge and runs."""
+    if not job_ids:
+        return After(by)
+    which = (
+        Job.id.in_(list(job_ids)),
+        Job.status == JobStatus.QUEUED,
+        Job.enqueued_at.is_not(None),
+    )
+    rows = connection.execute(
+        select(Job.id, Job.lane, Job.model, Job.tenant, Job.charged).where(*which).with_for_update()
+    ).all()
+    if rows:
+        connection.execute(
+            update(Job)
+            .where(Job.id.in_([r.id for r in rows]), *which[1:])
+            .values(enqueued_at=None, charged=0)
+            .execution_options(synchronize_session=False)
+        )
+    return After(by, usage=_refunds(rows))
+
+
 STOPPED_BY_BATCH = {
     "batch_cancelled": "the batch was cancelled",
     "batch_expired": "the batch's completion window ended before this request ran",

@@ -4,19 +4,30 @@ It keeps every queue (a lane of a model) just deep enough to keep that model's w
 
     unit(lane)     = bulk_chunk_size for bulk, else 1          (jobs per message)
     target(queue)  = margin + ceil(INFERQ_DISPATCH_DEPTH * slots)
-                     slots = the job slots of the live workers that consume the queue
+                     (0 when a lane above waits and slots = 0)
+                     slots = the job slots of the live workers that may take the queue's jobs
+                             now: all of a worker's slots, but only its reserved share of this
+                             lane (lane_reserved_share) while it consumes a lane above that
+                             has jobs waiting
                      margin = 2 jobs (realtime, standard) or one message (bulk)
     refill(queue)  = target - unit * messages in its list      (when >= unit)
-
-The margin keeps lanes in strict priority: a worker that frees a slot finds the next realtime
-(or standard) job in its list, not in the database a refill away, so it does not take a job of
-a lower lane meanwhile. Bulk has no lane below it. The workers' slots are read again at once
-when a queue is found empty (a worker just started, or more work than expected).
+    recall(queue)  = messages in its list - ceil(target / unit) (when a lane above waits)
 
 and a refill (app/dispatcher/refill.py) sends that many waiting jobs, in the fair order. A
 shallow queue is what makes the order hold: a job in the list is past the dispatcher, so a
 tenant that arrives behind a backlog waits for at most ``target`` jobs and what the workers
 hold, not for the backlog.
+
+Lanes keep strict priority (docs/architecture.md, "Fair share"). A worker polls its lists in
+lane order, but a lane's jobs beyond its target wait in the database until the next refill;
+a worker that drains that list sooner must not take a lower lane's message meanwhile. So
+while a lane has jobs waiting, the lanes below it (of the same model) hold only what their
+reserved shares may take (the worker's intake keeps those slots for them, workers/intake.py):
+nothing is sent past that, and messages sent before the lane above filled up (when nothing
+waited there) are recalled, their jobs unsent again. The worker then waits in its poll for
+the refill, as it did when every job was in the lists. The margin keeps the refills ahead of
+the workers, so that waiting is rare. The workers' slots are read again at once when a
+queue is found empty (a worker just started, or more work than expected).
 
 Which queues have waiting jobs: the API, the workers and the reaper push a queue's name onto
 ``dispatch.WAKE_KEY`` when they leave jobs for it; the loop also looks in the database every
@@ -40,6 +51,8 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -49,8 +62,8 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 from app.core import dispatch, fairshare, snapshot
 from app.core.db import session_scope
 from app.core.models import LANE_PRIORITY, UNSENT, Job, now
-from app.core.settings import Settings, get_settings
-from app.dispatcher.refill import Route, refill
+from app.core.settings import LANES, Settings, get_settings
+from app.dispatcher.refill import Route, recall, refill
 
 log = logging.getLogger("inferq.dispatcher")
 
@@ -63,6 +76,40 @@ WEIGHTS_S = 5.0  # how often the tenants' weights are read
 RETRY_S = 1.0  # pause after Redis or the database failed
 
 
+def _lanes_above(lane: str) -> list[str]:
+    """The lanes whose jobs a worker takes before ``lane``'s."""
+    rank = LANE_PRIORITY.get(lane, len(LANES))
+    return [other for other in LANES if LANE_PRIORITY[other] < rank]
+
+
+@dataclass(frozen=True)
+class LiveWorker:
+    """A live inference worker, as its presence record shows it (workers/heartbeat.py)."""
+
+    model: str
+    lanes: frozenset[str]
+    slots: int
+    reserved: Mapping[str, int]  # each lane's reserved slots (its intake, workers/intake.py)
+
+    @classmethod
+    def of(cls, record: Mapping[str, Any]) -> LiveWorker:
+        reserved = (record.get("intake") or {}).get("reserved") or {}
+        return cls(
+            str(record["model"]),
+            frozenset(str(lane) for lane in record.get("lanes") or []),
+            int(record.get("concurrency") or 0),
+            {str(lane): int(n) for lane, n in reserved.items()},
+        )
+
+    def slots_for(self, lane: str, waiting_above: set[str]) -> int:
+        """The slots this worker may give ``lane``'s jobs while the lanes ``waiting_above``
+        have jobs waiting: all of them, or only the lane's reserved share if it takes one of
+        those lanes too."""
+        if lane not in self.lanes:
+            return 0
+        return self.reserved.get(lane, 0) if self.lanes & waiting_above else self.slots
+
+
 class Dispatcher:
     def __init__(self, settings: Settings, client: redis.Redis) -> None:
         self.settings = settings
@@ -72,7 +119,7 @@ class Dispatcher:
         self.sent = 0
         self.expired = 0
         self._scanned = 0.0
-        self._slots: tuple[float, dict[Route, int]] = (0.0, {})
+        self._workers: tuple[float, list[LiveWorker]] = (0.0, [])
         self._weights: tuple[float, dict[str, float]] = (-WEIGHTS_S, {})
         self.worker_id = f"{socket.gethostname()}-{os.getpid()}"
         self._announced = 0.0
@@ -104,7 +151,14 @@ class Dispatcher:
             self.backlog |= self._scan()
         if not self.backlog:
             return
-        routes = sorted(self.backlog, key=lambda r: (LANE_PRIORITY.get(r.lane, 9), r.model))
+        # The lanes below a waiting lane are looked at too: they may hold messages to recall.
+        below = {
+            Route(lane, route.model)
+            for route in self.backlog
+            for lane in LANES
+            if route.lane in _lanes_above(lane)
+        }
+        routes = sorted(self.backlog | below, key=lambda r: (LANE_PRIORITY.get(r.lane, 9), r.model))
         pipe = self.client.pipeline(transaction=False)
         for route in routes:
             pipe.llen(route.queue)
@@ -115,13 +169,27 @@ class Dispatcher:
         self._depths = dict(zip(routes, depths, strict=True))
         interval = self.settings.dispatch_interval_ms / 1000
         self._wait = interval if moved else min(self._wait * 2, max(interval, IDLE_WAIT_S))
-        slots = self._live_slots(fresh=0 in depths)
+        empty = any(not d for r, d in zip(routes, depths, strict=True) if r in self.backlog)
+        workers = self._live_workers(fresh=empty)
         for route, depth in zip(routes, depths, strict=True):
             unit = self.unit(route.lane)
+            above = {
+                lane
+                for lane in _lanes_above(route.lane)
+                if Route(lane, route.model) in self.backlog
+            }
+            slots = sum(w.slots_for(route.lane, above) for w in workers if w.model == route.model)
             margin = unit if route.lane == "bulk" else 2
-            target = margin + math.ceil(self.settings.dispatch_depth * slots.get(route, 0))
+            target = margin + math.ceil(self.settings.dispatch_depth * slots)
+            if above and not slots:
+                target = 0
+            if above and depth > math.ceil(target / unit):
+                if recall(route, int(depth) - math.ceil(target / unit)):
+                    self.backlog.add(route)
+                    self._wait = interval
+                continue
             room = target - unit * int(depth)
-            if room < unit:
+            if route not in self.backlog or room < unit:
                 continue
             done = refill(
                 route,
@@ -157,22 +225,19 @@ class Dispatcher:
             found = session.execute(select(Job.lane, Job.model).where(UNSENT).distinct()).all()
         return {Route(lane, self.settings.base_of(model)) for lane, model in found}
 
-    def _live_slots(self, fresh: bool = False) -> dict[Route, int]:
-        """The job slots of the live workers consuming each queue (their presence records),
-        read at most every ``SLOTS_S`` (``fresh``: every ``SLOTS_FRESH_S``)."""
-        at, slots = self._slots
+    def _live_workers(self, fresh: bool = False) -> list[LiveWorker]:
+        """The live inference workers (their presence records), read at most every
+        ``SLOTS_S`` (``fresh``: every ``SLOTS_FRESH_S``)."""
+        at, workers = self._workers
         if time.monotonic() - at < (SLOTS_FRESH_S if fresh else SLOTS_S):
-            return slots
-        slots = {}
-        for record in snapshot.workers(self.client):
-            model = record.get("model")
-            if not isinstance(model, str):
-                continue
-            for lane in record.get("lanes") or []:
-                route = Route(str(lane), model)
-                slots[route] = slots.get(route, 0) + int(record.get("concurrency") or 0)
-        self._slots = (time.monotonic(), slots)
-        return slots
+            return workers
+        workers = [
+            LiveWorker.of(record)
+            for record in snapshot.workers(self.client)
+            if isinstance(record.get("model"), str)
+        ]
+        self._workers = (time.monotonic(), workers)
+        return workers
 
     def _tenant_weights(self) -> dict[str, float]:
         at, weights = self._weights

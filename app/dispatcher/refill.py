@@ -19,6 +19,10 @@ with no message out (``models.UNSENT``). A refill of ``n`` jobs:
    LOCKED`` on PostgreSQL and under SQLite's single write lock, so two dispatchers never pick
    the same job.
 
+The inverse, :func:`recall`: the newest messages of a queue are taken back out of its list and
+their jobs marked unsent again (refunded), when a lane above it has jobs waiting
+(app/dispatcher/loop.py says when).
+
 Messages keep one tenant each and follow the turns: a tenant's chunk goes out at the virtual
 tokens its first job was given, so the engine takes the tenants' work interleaved as it was
 picked (docs/architecture.md, "Fair share").
@@ -256,3 +260,17 @@ def _choose(
         for tenant, given in turns.items()
     }
     return Chosen(rows, turns, lifted)
+
+
+def recall(route: Route, messages: int) -> int:
+    """Take up to ``messages`` of the newest messages out of ``route``'s list; their jobs wait
+    unsent again, for a later refill. Returns how many jobs. A dispatcher that dies between
+    the two steps leaves jobs marked sent with no message: the reaper finds them when the list
+    is empty, as any lost message (workers/reaper.py)."""
+    ids = [job_id for message in dispatch.take_back(route.queue, messages) for job_id in message]
+    if not ids:
+        return 0
+    with transaction() as connection:
+        after = transitions.unsend(connection, ids, by="dispatcher")
+    after.run()
+    return len(ids)

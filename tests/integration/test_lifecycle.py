@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 
 from tests.conftest import PostgresDatabases, database_url_for
 from tests.support import REPO, Stack, queue, running_stack, wait_until
@@ -124,6 +125,21 @@ def test_lanes_are_consumed_in_strict_priority_order(tmp_path: Path, redis_url: 
                     {"prompt": f"{lane} {i}", "lane": lane, "params": {"max_tokens": 2}}
                 )
                 submitted.append((lane, job["id"]))
+        # The first bulk job went out alone while nothing else waited (the API's direct path).
+        # With realtime and standard jobs waiting, and no worker holding slots for bulk, the
+        # dispatcher takes its message back: the bulk list is empty and its jobs are unsent.
+        broker = redis.Redis.from_url(redis_url)
+        wait_until(
+            lambda: (
+                broker.llen(queue("bulk")) == 0
+                and stack.scalar(
+                    "SELECT count(*) FROM jobs WHERE lane = 'bulk' AND enqueued_at IS NULL"
+                )
+                == 4
+            ),
+            10,
+            "the bulk message taken back",
+        )
         stack.start_worker()
         for _, job_id in submitted:
             stack.wait_job(job_id)
