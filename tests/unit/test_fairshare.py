@@ -1,5 +1,6 @@
 """The fair-share rules as functions: turns by virtual tokens, joining, cost and prefixes
-(app/core/fairshare.py). The dispatcher that uses them is tested on real databases in
+(app/core/fairshare.py), and the slots a lane below a waiting lane gets
+(app/dispatcher/loop.py). The dispatcher that uses them is tested on real databases in
 tests/integration/test_fairshare.py."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from collections import Counter
 
 from app.core import fairshare
 from app.core.schemas import JobCreate
+from app.dispatcher.loop import LiveWorker
 
 
 def test_turns_follow_weights_and_costs() -> None:
@@ -64,3 +66,22 @@ def test_cost_and_prefix_of_a_job() -> None:
         JobCreate(prompt=long + "b")
     )
     assert fairshare.prefix_of(JobCreate(prompt="short")) == ""
+
+
+def test_a_lane_below_a_waiting_lane_gets_only_the_slots_reserved_for_it() -> None:
+    record = {
+        "model": "m",
+        "lanes": ["realtime", "standard", "bulk"],
+        "concurrency": 16,
+        "intake": {"reserved": {"realtime": 1, "standard": 0, "bulk": 2}},
+    }
+    shared = LiveWorker.of(record)
+    bulk_only = LiveWorker.of({**record, "lanes": ["bulk"]})
+    # Nothing waits above: bulk may have every slot.
+    assert shared.slots_for("bulk", set()) == 16
+    # Realtime waits: the shared worker's realtime work takes all but bulk's reservation; a
+    # worker that does not consume realtime keeps all its slots for bulk.
+    assert shared.slots_for("bulk", {"realtime"}) == 2
+    assert shared.slots_for("standard", {"realtime"}) == 0
+    assert bulk_only.slots_for("bulk", {"realtime", "standard"}) == 16
+    assert bulk_only.slots_for("standard", set()) == 0
