@@ -118,6 +118,7 @@ class Dispatcher:
         self.waited: dict[Route, set[str]] = {}  # tenants waiting at each queue's last refill
         self.sent = 0
         self.expired = 0
+        self.recalled = 0  # jobs whose message was taken back (a lane above them waited)
         self._scanned = 0.0
         self._workers: tuple[float, list[LiveWorker]] = (0.0, [])
         self._weights: tuple[float, dict[str, float]] = (-WEIGHTS_S, {})
@@ -184,7 +185,9 @@ class Dispatcher:
             if above and not slots:
                 target = 0
             if above and depth > math.ceil(target / unit):
-                if recall(route, int(depth) - math.ceil(target / unit)):
+                recalled = recall(route, int(depth) - math.ceil(target / unit))
+                if recalled:
+                    self.recalled += recalled
                     self.backlog.add(route)
                     self._wait = interval
                 continue
@@ -266,6 +269,7 @@ class Dispatcher:
             "queues": sorted(route.queue for route in self.backlog),
             "sent": self.sent,
             "expired": self.expired,
+            "recalled": self.recalled,
         }
         self.client.set(self.key, json.dumps(record), ex=5)
 
