@@ -246,20 +246,26 @@ def take_back(name: str, messages: int) -> list[list[str]]:
     payloads: list[bytes] = client.lpop(name, messages) or []  # type: ignore[assignment]
     for payload in payloads:
         try:
-            message = json.loads(payload)
-            body = message["body"]
-            if message.get("properties", {}).get("body_encoding") == "base64":
-                body = base64.b64decode(body)
-            args = serialization.loads(body, message["content-type"], message["content-encoding"])[
-                0
-            ]
-            if message["headers"]["task"] != RUN_JOBS_TASK:
-                raise ValueError(message["headers"]["task"])
-            taken.append([str(job_id) for job_id in args[0]])
+            taken.append(_job_ids(payload))
         except (ValueError, KeyError, IndexError, TypeError) as exc:
             log.warning("left a message that is not run_jobs on %s: %r", name, exc)
             client.lpush(name, payload)
     return taken
+
+
+def _job_ids(payload: bytes) -> list[str]:
+    """The job ids of a ``run_jobs`` message as kombu's Redis transport stores it (a JSON
+    envelope around the encoded body ``[args, kwargs, embed]``, args ``[job_ids, lane]``)."""
+    message = json.loads(payload)
+    if message["headers"]["task"] != RUN_JOBS_TASK:
+        raise ValueError(message["headers"]["task"])
+    body = message["body"]
+    if message.get("properties", {}).get("body_encoding") == "base64":
+        body = base64.b64decode(body)
+    args, _kwargs, _embed = serialization.loads(
+        body, message["content-type"], message["content-encoding"]
+    )
+    return [str(job_id) for job_id in args[0]]
 
 
 def queue_is_empty(name: str) -> bool:
