@@ -1,1 +1,1 @@
-"""The HTTP API process (`inferq api`): FastAPI app, thin routes, auth and the HTTP error map."""
+"""The HTTP API process (`inferq api`): FastAPI app, thin routes, auth and the error envelope."""

@@ -30,11 +30,11 @@ from starlette.types import Receive, Scope, Send
 
 from app.api.auth import caller_limits
 from app.api.errors import body_of, error_body
-from app.core import catalog, jobs, limits, relay
+from app.core import catalog, jobs, relay
 from app.core.db import session_scope
 from app.core.errors import DomainError, Kind
 from app.core.limits import Limits
-from app.core.models import TERMINAL, Job, JobStatus
+from app.core.models import TERMINAL, Job, JobStatus, NewJob
 from app.core.openai_format import (
     CHAT,
     REQUEST_ERRORS,
@@ -56,20 +56,24 @@ MODEL_RETRY_S = 10  # Retry-After of a call whose model has no worker: a worker'
 
 
 def _submit(
-    tenant: str, body: ChatCompletionRequest | CompletionRequest, caller: Limits, reply_to: str
-) -> Job:
-    job_body = body.job()
+    tenant: str,
+    body: ChatCompletionRequest | CompletionRequest,
+    model: str,
+    caller: Limits,
+    reply_to: str,
+) -> NewJob | Job:
+    relay_mode = "tokens" if body.stream else "end"
     with session_scope() as session:
         try:
-            limits.admit(session, tenant, caller, [job_body])
+            job, _ = jobs.submit(
+                session, tenant, body.job(), model, caller, relay=relay_mode, reply_to=reply_to
+            )
         except DomainError as exc:
             # OpenAI answers a prompt longer than the context as an invalid request (400), and
             # so does the engine's refusal here (job_error); /v1/jobs keeps 422.
             if exc.code in REQUEST_ERRORS:
                 raise exc.replace(kind=Kind.MALFORMED) from None
             raise
-        relay_mode = "tokens" if body.stream else "end"
-        job, _ = jobs.submit(session, tenant, job_body, relay=relay_mode, reply_to=reply_to)
     return job
 
 
@@ -100,7 +104,9 @@ class _Left(Exception):
 class _Call:
     """One caller waiting on its job: the relay, the row as backstop, and the cleanup."""
 
-    def __init__(self, request: Request, tenant: str, job: Job, waiter: relay.Waiter) -> None:
+    def __init__(
+        self, request: Request, tenant: str, job: NewJob | Job, waiter: relay.Waiter
+    ) -> None:
         self.request = request
         self.tenant = tenant
         self.job = job
@@ -159,12 +165,13 @@ class _EventStream(StreamingResponse):
                 await self.call.close()
 
 
-async def _served(requested: str | None) -> None:
-    """Refuse a call for an unknown model (404), or for one with no live worker once
-    ``INFERQ_MODEL_WAIT_S`` has passed without one announcing itself (503)."""
+async def _served(requested: str | None) -> str:
+    """The model the call names, resolved (``catalog.resolve``, once a call); refuses an
+    unknown model (404), or one with no live worker once ``INFERQ_MODEL_WAIT_S`` has passed
+    without one announcing itself (503)."""
     model = catalog.resolve(requested)
     if catalog.ready(model):
-        return
+        return model
     wait_s = get_settings().model_wait_s
     if not await run_in_threadpool(catalog.wait_ready, model, wait_s):
         raise DomainError(
@@ -175,16 +182,17 @@ async def _served(requested: str | None) -> None:
             param="model",
             retry_after_s=MODEL_RETRY_S,
         )
+    return model
 
 
 async def complete(
     body: ChatCompletionRequest | CompletionRequest, request: Request, tenant: str
 ) -> Response:
-    await _served(body.model)
+    model = await _served(body.model)
     waiter = await relay.replies().register()
     try:
         job = await run_in_threadpool(
-            _submit, tenant, body, caller_limits(request), waiter.reply_to
+            _submit, tenant, body, model, caller_limits(request), waiter.reply_to
         )
     except BaseException:
         waiter.close()

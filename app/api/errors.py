@@ -1,11 +1,10 @@
-"""The one map from failures to HTTP answers: status code, error envelope and headers.
+"""The API's answer to a failure: status code, error envelope and headers.
 
 Every error leaves the API as ``{"error": {"type", "code", "message", "param"}}``. The core
-raises :class:`~app.core.errors.DomainError` of a kind; this module says which status each kind
-is (README, "HTTP API (v1)", status codes). The API's exception handlers
-(``app/api/handlers.py``) answer with it, and batch output lines record it too (OpenAI's format
-gives each line the HTTP answer its request would have had), so this module imports nothing of
-FastAPI.
+raises :class:`~app.core.errors.DomainError` of a kind; the status of each kind is
+app/core/status_codes.py's (README, "HTTP API (v1)", status codes), which batch output lines
+use too. The API's exception handlers (``app/api/handlers.py``) answer with this module, which
+imports nothing of FastAPI.
 """
 
 from __future__ import annotations
@@ -13,19 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from app.core.errors import DomainError, Kind
-
-STATUS: dict[Kind, int] = {
-    Kind.MALFORMED: 400,
-    Kind.UNAUTHENTICATED: 401,
-    Kind.NOT_FOUND: 404,
-    Kind.CONFLICT: 409,
-    Kind.TOO_LARGE: 413,
-    Kind.INVALID: 422,
-    Kind.OVER_LIMIT: 429,
-    Kind.UNAVAILABLE: 503,
-    Kind.FAILED: 500,
-    Kind.TIMED_OUT: 504,
-}
+from app.core.status_codes import status_of
 
 _TYPES = {
     400: "invalid_request_error",
@@ -39,10 +26,6 @@ _TYPES = {
     429: "rate_limit_error",
     503: "service_unavailable_error",
 }
-
-
-def status_of(error: DomainError) -> int:
-    return STATUS[error.kind]
 
 
 def headers_of(error: DomainError) -> dict[str, str]:

@@ -14,8 +14,9 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.exc import InterfaceError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from app.api.errors import body_of, error_body, headers_of, status_of
+from app.api.errors import body_of, error_body, headers_of
 from app.core.errors import DomainError, named, pydantic_error
+from app.core.status_codes import status_of
 
 log = logging.getLogger("inferq.api")
 

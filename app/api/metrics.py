@@ -30,7 +30,7 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from app.core import catalog, dispatch, snapshot
+from app.core import catalog, clients, snapshot
 from app.core.db import session_scope
 
 log = logging.getLogger("inferq.metrics")
@@ -51,7 +51,7 @@ class LaneCollector(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily]:
         models = catalog.names()
         try:
-            messages = snapshot.queue_messages(dispatch.redis_client(), snapshot.routes(models))
+            messages = snapshot.queue_messages(clients.redis_client(), snapshot.routes(models))
         except Exception as exc:
             log.warning("metrics: Redis unavailable: %s", exc)
         else:

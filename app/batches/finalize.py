@@ -14,12 +14,12 @@ import json
 import logging
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import select
 
-from app.api.errors import status_of
-from app.batches import lease
+from app.batches import transitions as batch_transitions
 from app.batches.service import jobs_by_status
-from app.core import dispatch, files, outbox, storage, transitions
+from app.core import broker, files, storage, transitions
+from app.core.changes import changes
 from app.core.db import session_scope
 from app.core.models import (
     BATCH_TERMINAL,
@@ -32,6 +32,7 @@ from app.core.models import (
     now,
 )
 from app.core.openai_format import job_error, response_body
+from app.core.status_codes import status_of
 
 log = logging.getLogger("inferq.batches")
 
@@ -55,8 +56,9 @@ def sweep() -> int:
         try:
             if row.status == BatchStatus.VALIDATING:
                 lost = row.claimed_at is None and row.created_at < stamp - RESTART_AFTER_S
-                if lost or (row.claimed_at is not None and row.claimed_at < stamp - lease.LEASE_S):
-                    moved += dispatch.start_batch(row.id)
+                held_too_long = stamp - batch_transitions.LEASE_S
+                if lost or (row.claimed_at is not None and row.claimed_at < held_too_long):
+                    moved += broker.send_start_batch(row.id)
                 continue
             if finalize(row.id):
                 moved += 1
@@ -69,27 +71,9 @@ def sweep() -> int:
 
 def _expire(batch_id: str, stamp: float) -> None:
     """The window has passed with lines left: stop them; the batch ends ``expired``."""
-    after = transitions.After("ops")
-    with session_scope() as session:
-        marked = session.execute(
-            update(Batch)
-            .where(
-                Batch.id == batch_id,
-                Batch.status == BatchStatus.IN_PROGRESS,
-                Batch.expired_at.is_(None),
-            )
-            .values(expired_at=stamp, updated_at=stamp)
-        ).rowcount  # type: ignore[attr-defined]
-        if marked:
-            after = transitions.stop_batch(
-                session.connection(),
-                batch_id,
-                stamp,
-                to=JobStatus.EXPIRED,
-                code="batch_expired",
-                by="ops",
-            )
-    after.run()
+    with changes("ops", batch_id=batch_id) as tx:
+        if batch_transitions.mark_expired(tx, batch_id, stamp):
+            transitions.stop_batch(tx, batch_id, stamp, to=JobStatus.EXPIRED, code="batch_expired")
 
 
 def finalize(batch_id: str) -> bool:
@@ -99,48 +83,38 @@ def finalize(batch_id: str) -> bool:
     ``finalizing`` batch) makes one ops worker do it; status, output files and the webhook
     event commit together.
     """
-    claim = now()
-    taken = _take_if_done(batch_id, claim)
+    held = now()
+    taken = _take_if_done(batch_id, held)
     if taken is None:
         return False
-    batch, final = taken
+    batch, status, final = taken
     output_id, error_id, completed, failed = _write_outputs(batch, final)
     stamp = now()
-    with session_scope() as session:
-        done = session.execute(
-            update(Batch)
-            .where(Batch.id == batch_id, Batch.claimed_at == claim)
-            .values(
-                status=final,
-                output_file_id=output_id,
-                error_file_id=error_id,
-                request_completed=completed,
-                request_failed=failed,
-                updated_at=stamp,
-                claimed_at=None,
-                **{ENDED_AT[final]: _ended_at(batch, final, stamp)},
-            )
-        ).rowcount  # type: ignore[attr-defined]
+    with session_scope() as session, changes("ops", session=session) as tx:
+        done = batch_transitions.finish(
+            tx,
+            batch_id,
+            status,
+            final,
+            held,
+            stamp,
+            ended_at=_ended_at(batch, final, stamp),
+            output_file_id=output_id,
+            error_file_id=error_id,
+            request_completed=completed,
+            request_failed=failed,
+        )
         if done:
             for file_id, name in ((output_id, "output"), (error_id, "errors")):
                 if file_id is not None:
                     files.add_output(session, batch.tenant, file_id, f"{batch.id}_{name}.jsonl")
-            events = outbox.record_batch_event(session.connection(), batch_id, stamp)
     if not done:  # our lease ran out and another ops worker took over
         for file_id in (output_id, error_id):
             if file_id is not None:
                 storage.delete(file_id)
         return False
-    outbox.announce(events)
     log.info("batch %s %s: %d completed, %d failed", batch_id, final, completed, failed)
     return True
-
-
-ENDED_AT = {
-    BatchStatus.CANCELLED: "cancelled_at",
-    BatchStatus.COMPLETED: "completed_at",
-    BatchStatus.EXPIRED: "expired_at",
-}
 
 
 def _ended_at(batch: Batch, final: BatchStatus, stamp: float) -> float:
@@ -150,9 +124,10 @@ def _ended_at(batch: Batch, final: BatchStatus, stamp: float) -> float:
     return stamp
 
 
-def _take_if_done(batch_id: str, claim: float) -> tuple[Batch, BatchStatus] | None:
-    """Hold a finalizable batch none of whose jobs is left to run: (batch, its final status)."""
-    with session_scope() as session:
+def _take_if_done(batch_id: str, held: float) -> tuple[Batch, str, BatchStatus] | None:
+    """Hold a finalizable batch none of whose jobs is left to run: (batch, its status now,
+    its final status)."""
+    with session_scope() as session, changes("ops", session=session) as tx:
         batch = session.get(Batch, batch_id)
         if batch is None or batch.status not in FINALIZABLE:
             return None
@@ -160,19 +135,18 @@ def _take_if_done(batch_id: str, claim: float) -> tuple[Batch, BatchStatus] | No
         if any(status not in TERMINAL for status in by_status):
             return None
         status = batch.status
-        extra: dict[str, Any] = {}
-        if status == BatchStatus.IN_PROGRESS:
-            extra = {"status": BatchStatus.FINALIZING, "finalizing_at": claim}
-        if not lease.take(session, batch_id, status, claim, **extra):
+        to = BatchStatus.FINALIZING if status == BatchStatus.IN_PROGRESS else None
+        if not batch_transitions.take(tx, batch_id, status, held, to=to):
             return None
         session.expunge(batch)
+    now_status = to or status
     if status == BatchStatus.CANCELLING:
-        return batch, BatchStatus.CANCELLED
+        return batch, now_status, BatchStatus.CANCELLED
     # A line's only deadline is the batch's expiry: one that expired means the window ended
     # first, whether the sweep or the worker holding it noticed.
     if batch.expired_at is not None or JobStatus.EXPIRED in by_status:
-        return batch, BatchStatus.EXPIRED
-    return batch, BatchStatus.COMPLETED
+        return batch, now_status, BatchStatus.EXPIRED
+    return batch, now_status, BatchStatus.COMPLETED
 
 
 def _write_outputs(batch: Batch, final: str) -> tuple[str | None, str | None, int, int]:
@@ -242,7 +216,7 @@ def output_line(job: Job, final: str) -> bytes:
         # Aborted by the batch's cancel or by its deadline, whichever reached the job first.
         record["error"] = {"code": stopped[0], "message": stopped[1]}
     else:
-        # The answer the realtime endpoint would have given (app/api/errors.py).
+        # The answer the realtime endpoint would have given (app/core/status_codes.py).
         error = job_error(job)
         record["response"] = {
             "status_code": status_of(error),

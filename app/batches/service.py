@@ -9,18 +9,21 @@ Life of a batch (the ops worker's part: app/batches/validation.py and app/batche
 
 ``POST /v1/batches`` writes the row (``validating``) and asks the ops worker to start it. Cancel
 marks the batch ``cancelling``, ends its queued lines and aborts its running ones; the ops
-worker's sweep finalizes it once none is left to run.
+worker's sweep finalizes it once none is left to run. Every status change is
+app/batches/transitions.py's, made through ``changes`` (app/core/changes.py).
 """
 
 from __future__ import annotations
 
 import re
 
-from sqlalchemy import func, select, update
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import set_committed_value
 
-from app.core import dispatch, files, jobs, queries, transitions
+from app.batches import transitions as batch_transitions
+from app.core import files, jobs, queries, transitions
+from app.core.changes import changes
 from app.core.errors import DomainError, Kind
 from app.core.models import (
     BATCH_TERMINAL,
@@ -75,25 +78,22 @@ def create(session: Session, tenant: str, body: BatchCreate) -> Batch:
         )
     jobs.check_webhook_url(body.webhook_url)
     stamp = now()
-    batch = Batch(
-        id=new_id("batch"),
-        tenant=tenant,
-        endpoint=body.endpoint,
-        input_file_id=source.id,
-        completion_window=body.completion_window,
-        status=BatchStatus.VALIDATING,
-        meta=dict(body.metadata or {}),
-        webhook_url=body.webhook_url,
-        request_total=0,
-        request_completed=0,
-        request_failed=0,
-        created_at=stamp,
-        expires_at=stamp + window,
-        updated_at=stamp,
-    )
-    session.add(batch)
-    session.commit()
-    dispatch.start_batch(batch.id)
+    batch_id = new_id("batch")
+    with changes("api", session=session) as tx:
+        batch_transitions.create(
+            tx,
+            batch_id,
+            stamp,
+            tenant=tenant,
+            endpoint=body.endpoint,
+            input_file_id=source.id,
+            completion_window=body.completion_window,
+            meta=dict(body.metadata or {}),
+            webhook_url=body.webhook_url,
+            expires_at=stamp + window,
+        )
+    batch = session.get(Batch, batch_id)
+    assert batch is not None
     return batch
 
 
@@ -143,25 +143,15 @@ def cancel(session: Session, tenant: str, batch_id: str) -> Batch:
             param="batch_id",
         )
     stamp = now()
-    moved = session.execute(
-        update(Batch)
-        .where(Batch.id == batch.id, Batch.status == batch.status)
-        .values(status=BatchStatus.CANCELLING, cancelling_at=stamp, updated_at=stamp)
-    )
-    if not moved.rowcount:  # type: ignore[attr-defined]
-        session.rollback()
+    with changes("api", session=session) as tx:
+        moved = batch_transitions.cancel(tx, batch.id, batch.status, stamp)
+        if moved:
+            transitions.stop_batch(
+                tx, batch.id, stamp, to=JobStatus.CANCELLED, code="batch_cancelled"
+            )
+    if not moved:
         session.refresh(batch)
         return cancel(session, tenant, batch_id)  # it moved on meanwhile: judge it again
-    after = transitions.stop_batch(
-        session.connection(),
-        batch.id,
-        stamp,
-        to=JobStatus.CANCELLED,
-        code="batch_cancelled",
-        by="api",
-    )
-    session.commit()
-    after.run()
     # The answer is what this call committed, `cancelling` as OpenAI answers. Re-reading the row
     # raced the ops worker, which can finish the batch within milliseconds once its workers
     # have aborted the running lines; GET shows that.

@@ -3,11 +3,12 @@
 The file is read twice, streaming, never whole. The first pass (:func:`validate`) checks every
 line: JSON, a unique ``custom_id``, ``method`` POST, ``url`` equal to the batch's endpoint, and a
 body the endpoint itself would accept (:func:`parse`, the same request model as the realtime
-endpoint), its prompt within the model's context, at most ``batch_max_lines``; any error fails
-the batch with line-numbered ``errors`` and nothing is enqueued. The second pass (:func:`start`)
-inserts one bulk job per line and moves the batch to ``in_progress`` in the same transaction,
-so the jobs exist exactly when the batch says so; they are enqueued after the commit. Every
-line's deadline is the batch's ``expires_at``.
+endpoint, its model resolved once), its prompt within the model's context, at most
+``batch_max_lines``; any error fails the batch with line-numbered ``errors`` and nothing is
+enqueued. The second pass (:func:`start`) inserts one bulk job per line
+(``jobs.new_job`` with the line's place in the batch) and moves the batch to ``in_progress``
+in the same transaction, so the jobs exist exactly when the batch says so; the dispatcher is
+woken for them after the commit. Every line's deadline is the batch's ``expires_at``.
 """
 
 from __future__ import annotations
@@ -18,14 +19,13 @@ from collections.abc import Iterator
 from typing import Any, BinaryIO
 
 from pydantic import ValidationError
-from sqlalchemy import update
-from sqlalchemy.engine import Connection
 
-from app.batches import lease
-from app.core import catalog, dispatch, jobs, outbox, storage, tokens, transitions
+from app.batches import transitions as batch_transitions
+from app.core import catalog, clients, jobs, storage, tokens, transitions
+from app.core.changes import changes
 from app.core.db import session_scope
 from app.core.errors import DomainError, Kind, named, pydantic_error
-from app.core.models import Batch, BatchStatus, Lane, now
+from app.core.models import Batch, BatchStatus, NewJob, now
 from app.core.openai_format import REQUEST_TYPES
 from app.core.schemas import JobCreate, storable
 from app.core.settings import get_settings
@@ -60,8 +60,9 @@ def _bad(code: str, message: str, param: str | None = None) -> DomainError:
     return DomainError(Kind.INVALID, code, message, param=param)
 
 
-def parse(raw: bytes | None, endpoint: str, limit: int) -> tuple[str, JobCreate]:
-    """One line's custom_id and job body; raises DomainError naming what is wrong."""
+def parse(raw: bytes | None, endpoint: str, limit: int) -> tuple[str, JobCreate, str]:
+    """One line's custom_id, job body and model (resolved); raises DomainError naming what is
+    wrong."""
     if raw is None:
         raise _bad("line_too_long", f"the line is longer than {limit} bytes")
     try:
@@ -99,14 +100,14 @@ def parse(raw: bytes | None, endpoint: str, limit: int) -> tuple[str, JobCreate]
         raise _bad("invalid_body", "stream is not supported in a batch", "body.stream")
     try:
         job = REQUEST_TYPES[endpoint].model_validate(body).job()
-        catalog.resolve(job.model)
+        model = catalog.resolve(job.model)
     except ValidationError as exc:
         code, param, message = pydantic_error(exc.errors()[0])
         param = f"body.{param}" if param else "body"
         raise _bad(code, named(param, message), param) from None
     except DomainError as exc:
         raise _in_body(exc) from None
-    return custom_id, job
+    return custom_id, job, model
 
 
 def _in_body(exc: DomainError) -> DomainError:
@@ -138,8 +139,8 @@ def validate(batch: Batch) -> tuple[list[dict[str, Any]], int]:
                 )
                 break
             try:
-                custom_id, job = parse(raw, batch.endpoint, limit)
-                _check_context(job)
+                custom_id, job, model = parse(raw, batch.endpoint, limit)
+                _check_context(job, model)
                 if custom_id in seen:
                     raise _bad(
                         "duplicate_custom_id",
@@ -156,10 +157,10 @@ def validate(batch: Batch) -> tuple[list[dict[str, Any]], int]:
     return errors, count
 
 
-def _check_context(job: JobCreate) -> None:
+def _check_context(job: JobCreate, model: str) -> None:
     """The prompt within the model's context (the second pass need not tokenize it again)."""
     try:
-        tokens.check(dispatch.redis_client(), [catalog.resolve(job.model)], [job])
+        tokens.check(clients.redis_client(), [model], [job])
     except DomainError as exc:
         raise _in_body(exc) from None
 
@@ -170,90 +171,56 @@ def _error(code: str, message: str, param: str | None, line: int | None) -> dict
 
 def start(batch_id: str) -> str:
     """Validate a ``validating`` batch and start its jobs, or fail it (ops worker)."""
-    claim = now()
+    held = now()
+    with changes("ops", batch_id=batch_id) as tx:
+        taken = batch_transitions.take(tx, batch_id, BatchStatus.VALIDATING, held)
+    if not taken:
+        return "not validating, or another ops worker has it"
     with session_scope() as session:
-        if not lease.take(session, batch_id, BatchStatus.VALIDATING, claim):
-            return "not validating, or another ops worker has it"
         batch = session.get(Batch, batch_id)
         assert batch is not None
         session.expunge(batch)
     errors, count = validate(batch)
     stamp = now()
     if errors:
-        with session_scope() as session:
-            failed = _end_validation(
-                session.connection(),
-                batch_id,
-                claim,
-                status=BatchStatus.FAILED,
-                errors=errors,
-                failed_at=stamp,
-                updated_at=stamp,
-            )
-            events = (
-                outbox.record_batch_event(session.connection(), batch_id, stamp) if failed else []
-            )
+        with changes("ops", batch_id=batch_id) as tx:
+            failed = batch_transitions.fail(tx, batch_id, held, stamp, errors)
+            if not failed:
+                batch_transitions.release(tx, batch_id, held)  # cancelled meanwhile
         if not failed:
-            lease.release(batch_id, claim)  # cancelled meanwhile: the sweep finalizes it
-            return "cancelled while validating"
-        outbox.announce(events)
+            return "cancelled while validating"  # the sweep finalizes it
         log.info("batch %s failed validation (%d errors)", batch_id, len(errors))
         return "failed"
-    after = _insert_jobs(batch, count, stamp, claim)
-    if after is None:
-        lease.release(batch_id, claim)
+    if not _insert_jobs(batch, count, stamp, held):
+        with changes("ops", batch_id=batch_id) as tx:
+            batch_transitions.release(tx, batch_id, held)
         return "cancelled while validating"
-    after.run()
     log.info("batch %s in progress: %d requests", batch_id, count)
     return "in_progress"
 
 
-def _insert_jobs(batch: Batch, count: int, stamp: float, claim: float) -> transitions.After | None:
-    """Second pass: one bulk job per line, and the batch in_progress, in one transaction."""
+class _Cancelled(Exception):
+    """The batch moved on while its jobs were inserted: the transaction rolls back."""
+
+
+def _insert_jobs(batch: Batch, count: int, stamp: float, held: float) -> bool:
+    """Second pass: one bulk job per line, and the batch in_progress, in one transaction; False
+    (nothing written) if it was cancelled meanwhile."""
     limit = get_settings().max_body_bytes
-    after = transitions.After("ops", fields={"batch_id": batch.id})
-    with session_scope() as session:
-        connection = session.connection()
-        rows: list[dict[str, Any]] = []
-        with storage.open_file(batch.input_file_id) as source:
-            for number, raw in lines(source, limit):
-                custom_id, body = parse(raw, batch.endpoint, limit)
-                row = jobs.job_values(batch.tenant, body, created=stamp)
-                row.update(
-                    lane=Lane.BULK.value,
-                    batch_id=batch.id,
-                    custom_id=custom_id,
-                    batch_line=number,
-                    timeout_s=None,
-                    deadline_at=batch.expires_at,
-                )
-                rows.append(row)
-                if len(rows) == transitions.INSERT_CHUNK:
-                    after += transitions.create(connection, rows, by="ops")
-                    rows = []
-        after += transitions.create(connection, rows, by="ops")
-        started = _end_validation(
-            connection,
-            batch.id,
-            claim,
-            status=BatchStatus.IN_PROGRESS,
-            in_progress_at=stamp,
-            request_total=count,
-            updated_at=stamp,
-        )
-        if not started:
-            session.rollback()  # cancelled meanwhile: no job was ever visible
-            return None
-    return after
-
-
-def _end_validation(connection: Connection, batch_id: str, claim: float, **values: Any) -> bool:
-    """Move a batch this ops worker validates (its lease ``claim``) out of ``validating``;
-    False if it moved on meanwhile (cancelled, or its lease was taken over)."""
-    moved = connection.execute(
-        update(Batch)
-        .where(Batch.id == batch_id, Batch.claimed_at == claim)
-        .where(Batch.status == BatchStatus.VALIDATING)
-        .values(claimed_at=None, **values)
-    ).rowcount
-    return bool(moved)
+    try:
+        with changes("ops", batch_id=batch.id) as tx:
+            new: list[NewJob] = []
+            with storage.open_file(batch.input_file_id) as source:
+                for number, raw in lines(source, limit):
+                    custom_id, body, model = parse(raw, batch.endpoint, limit)
+                    line = jobs.BatchLine(batch.id, custom_id, number, batch.expires_at)
+                    new.append(jobs.new_job(batch.tenant, body, model, created=stamp, line=line))
+                    if len(new) == transitions.INSERT_CHUNK:
+                        transitions.create(tx, new)
+                        new = []
+            transitions.create(tx, new)
+            if not batch_transitions.start(tx, batch.id, held, stamp, total=count):
+                raise _Cancelled  # no job was ever visible
+    except _Cancelled:
+        return False
+    return True

@@ -1,8 +1,8 @@
 """The `inferq` command: run the stack or its parts, and talk to a running API.
 
 Flags become ``INFERQ_*`` variables for the processes they start, so settings have one source.
-Worker processes are started as ``python -m workers.main``: the API package never imports the
-workers.
+Worker processes are started as ``python -m workers.inference`` and ``python -m workers.ops``,
+the benchmark as ``python -m bench``: nothing in ``app`` imports the workers or the bench.
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def worker(
         worker_gpus=gpus,
     )
     # Fail here, with a clear message, on a bad setting.
-    module = "workers.gpus" if get_settings().gpus else "workers.main"
+    module = "workers.inference.gpus" if get_settings().gpus else "workers.inference"
     os.execv(sys.executable, [sys.executable, "-m", module])  # noqa: S606
 
 
@@ -168,8 +168,8 @@ def flower(address: str | None, port: int | None) -> None:
 @click.pass_context
 def bench(ctx: click.Context) -> None:
     """Run the benchmark scenarios (`inferq bench --help` for options)."""
-    # The benchmark drives engines in-process for its baselines, so it lives with the workers.
-    argv = [sys.executable, "-m", "workers.bench", *ctx.args]
+    # A package of its own beside app/ and workers/ (docs/architecture.md).
+    argv = [sys.executable, "-m", "bench", *ctx.args]
     os.execv(sys.executable, argv)  # noqa: S606
 
 

@@ -26,9 +26,10 @@ from urllib.parse import urlparse
 import httpx
 import redis
 
-from app.core import dispatch, limits, snapshot
+from app.core import clients, limits, snapshot
 from app.core.db import migrate, session_scope
 from app.core.keys import create_key, key_for
+from app.core.names import Role
 from app.core.settings import Settings
 from app.core.webhooks import SECRET_FILE, load_secret
 
@@ -133,7 +134,7 @@ class Stack:
     # --- pieces --------------------------------------------------------------------------
     def ensure_redis(self) -> str:
         url = self.settings.redis_url
-        if dispatch.redis_ok():
+        if clients.redis_ok():
             return f"{url} (already running)"
         parsed = urlparse(url)
         host, port = parsed.hostname or "127.0.0.1", parsed.port or 6379
@@ -216,7 +217,7 @@ class Stack:
         return self._announced("ops", "the ops worker", 120, self._ops)
 
     def _announced(
-        self, role: dispatch.Role, what: str, timeout_s: float, child: Child
+        self, role: Role, what: str, timeout_s: float, child: Child
     ) -> dict[str, object]:
         """Wait for ``child``'s presence record under ``role``; returns it."""
         assert child.proc is not None
@@ -224,7 +225,7 @@ class Stack:
         found: dict[str, object] = {}
 
         def announced() -> bool:
-            for record in snapshot.presence(dispatch.redis_client(), role):
+            for record in snapshot.presence(clients.redis_client(), role):
                 if record.get("pid") == pid:
                     found.update(record)
                     return True
@@ -263,7 +264,7 @@ class Stack:
         Redis is meant to (README, "The two commands"): queued jobs' messages, the model card
         (rewritten by the next worker), the reaper's marker; presence records expire."""
         with contextlib.suppress(redis.RedisError):
-            limits.clear_windows(dispatch.redis_client())
+            limits.clear_windows(clients.redis_client())
 
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
         # The first signal starts the stop; the ones after it (a second Ctrl-C, a supervisor

@@ -19,7 +19,7 @@ from rich.table import Table
 from rich.text import Text
 from sqlalchemy.exc import SQLAlchemyError
 
-from app.core import catalog, dispatch, snapshot
+from app.core import catalog, clients, snapshot
 from app.core.db import session_scope
 
 THROUGHPUT_WINDOW_S = 60.0
@@ -32,7 +32,7 @@ class Unavailable(Exception):
 def collect() -> snapshot.Snapshot:
     now = time.time()
     try:
-        client = dispatch.redis_client()
+        client = clients.redis_client()
         workers = snapshot.workers(client)
         models = catalog.names(catalog.counts(workers))
         messages = snapshot.queue_messages(client, snapshot.routes(models))

@@ -29,10 +29,11 @@ from typing import Any
 
 import redis
 
-from app.core import dispatch, snapshot
+from app.core import clients, snapshot
 from app.core.errors import DomainError, Kind
+from app.core.names import CARD_KEY_PREFIX, queue_of
 from app.core.settings import get_settings
-from app.core.tokens import CARD_KEY, ModelCard
+from app.core.tokens import ModelCard
 
 log = logging.getLogger("inferq.catalog")
 
@@ -54,7 +55,11 @@ class Model:
 
 
 _lock = threading.Lock()
-_live: tuple[float, dict[str, int]] | None = None
+
+
+def _live_read() -> dict[str, tuple[float, dict[str, int]]]:
+    """The last reading of the live models (held with this process's Redis clients)."""
+    return clients.held("catalog.live", dict)
 
 
 def counts(workers: Iterable[dict[str, Any]]) -> dict[str, int]:
@@ -70,18 +75,18 @@ def counts(workers: Iterable[dict[str, Any]]) -> dict[str, int]:
 def live(fresh: bool = False) -> dict[str, int]:
     """Live workers per model; ``fresh`` reads Redis now instead of a recent reading. Redis
     away: no live worker is known (what cannot be seen cannot be waited for)."""
-    global _live
+    reading = _live_read()
     with _lock:
-        cached = _live
+        cached = reading.get("live")
     if not fresh and cached is not None and time.monotonic() - cached[0] < CATALOG_CACHE_S:
         return cached[1]
     found: dict[str, int] = {}
     try:
-        found = counts(snapshot.workers(dispatch.redis_client()))
+        found = counts(snapshot.workers(clients.redis_client()))
     except redis.RedisError as exc:
         log.warning("could not read the workers' presence records: %s", exc)
     with _lock:
-        _live = (time.monotonic(), found)
+        reading["live"] = (time.monotonic(), found)
     return found
 
 
@@ -140,7 +145,7 @@ def models() -> list[Model]:
     known = names()
     cards: list[Any] = []
     try:
-        cards = dispatch.redis_client().mget([CARD_KEY + name for name in known])
+        cards = clients.redis_client().mget([CARD_KEY_PREFIX + name for name in known])
     except redis.RedisError as exc:
         log.warning("could not read the model cards: %s", exc)
     found: list[Model] = []
@@ -162,4 +167,4 @@ def models() -> list[Model]:
 
 def queues() -> list[str]:
     """The Celery queues of every known model, each model's lanes in priority order."""
-    return [dispatch.queue_of(lane, model) for lane, model in snapshot.routes(names())]
+    return [queue_of(lane, model) for lane, model in snapshot.routes(names())]

@@ -1,7 +1,7 @@
 """Fair share between tenants inside a lane: what a job costs, what a tenant has been charged,
 and whose turn it is (docs/architecture.md, "Fair share").
 
-Every route (a lane of a model, ``dispatch.queue_of``) keeps, per tenant, the tokens charged to
+Every route (a lane of a model, ``names.queue_of``) keeps, per tenant, the tokens charged to
 it: a Redis hash ``inferq:fair:<lane>:<model>``. A tenant's *virtual tokens* are what it was
 charged over its weight::
 
@@ -41,14 +41,14 @@ from prometheus_client import Counter
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from app.core import dispatch, tokens
+from app.core import clients, tokens
 from app.core.models import ApiKey
+from app.core.names import FAIR_COUNTERS_PREFIX, queue_of
 from app.core.schemas import JobCreate
 from app.core.settings import get_settings
 
 log = logging.getLogger("inferq.fairshare")
 
-COUNTERS_PREFIX = "inferq:fair:"
 PREFIX_CHARS = 256  # a completion prompt's first characters: its shared prefix, if longer
 
 TOKENS_SERVED = Counter(
@@ -85,7 +85,7 @@ def prefix_of(body: JobCreate) -> str:
 
 
 def counters_key(lane: str, model: str) -> str:
-    return f"{COUNTERS_PREFIX}{dispatch.queue_of(lane, model)}"
+    return f"{FAIR_COUNTERS_PREFIX}{queue_of(lane, model)}"
 
 
 def weights(session: Session) -> dict[str, float]:
@@ -151,7 +151,7 @@ def settle(usages: Iterable[Usage]) -> None:
     if not deltas:
         return
     try:
-        pipe = dispatch.redis_client().pipeline(transaction=False)
+        pipe = clients.redis_client().pipeline(transaction=False)
         for (lane, base, tenant), delta in deltas.items():
             pipe.hincrby(counters_key(lane, base), tenant, delta)
         pipe.execute()

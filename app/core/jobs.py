@@ -1,8 +1,13 @@
-"""The job service: submit, read, list and cancel, with the transactions they need.
+"""The job service: submit, read, list and cancel jobs, and redeliver a job's webhook.
 
-Routes call these functions; they own the commits. Submission writes the job row (and its
-Idempotency-Key) in one transaction and enqueues only after that commit, so a worker can never
-receive an id whose row is not there yet. Status changes are made by app/core/transitions.py.
+Routes (and the OpenAI call service, app/api/completions.py) call these functions, which own
+the commits: every change goes through ``changes`` (app/core/changes.py), so a job is sent, or
+its dispatcher woken, only after the row is committed, and a worker never receives an id whose
+row is not there yet. Status changes are app/core/transitions.py's.
+
+A request becomes a row once, in :func:`new_job`, from its body and its model as the caller
+resolved it (``catalog.resolve``, once per request): the :class:`NewJob` is what is inserted
+and what the API answers with (``JobOut.from_row``, ``openai_format.JobView``).
 """
 
 from __future__ import annotations
@@ -10,19 +15,44 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from typing import Any
+from dataclasses import dataclass
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from app.core import catalog, dispatch, fairshare, queries, transitions, webhooks
+from app.core import broker, fairshare, limits, outbox, queries, transitions, webhooks
+from app.core.changes import changes
 from app.core.errors import DomainError, Kind, unavailable
-from app.core.models import TERMINAL, IdempotencyKey, Job, JobStatus, new_id, now
+from app.core.models import (
+    TERMINAL,
+    IdempotencyKey,
+    Job,
+    JobStatus,
+    Lane,
+    NewJob,
+    WebhookAttempt,
+    WebhookEvent,
+    WebhookStatus,
+    new_id,
+    now,
+)
+from app.core.names import queue_of
 from app.core.schemas import JobCreate, storable
 from app.core.settings import get_settings
 
 MAX_IDEMPOTENCY_KEY = 255
+
+
+@dataclass(frozen=True, slots=True)
+class BatchLine:
+    """Where a batch line's job comes from: its batch, ``custom_id`` and line number; its
+    deadline is the batch's expiry (app/batches/validation.py)."""
+
+    batch_id: str
+    custom_id: str
+    number: int
+    deadline_at: float
 
 
 def _fingerprint(body: JobCreate) -> str:
@@ -46,49 +76,61 @@ def check_webhook_url(url: str | None, checked: set[str] | None = None) -> None:
         checked.add(url)
 
 
-def job_values(
+def new_job(
     tenant: str,
     body: JobCreate,
+    model: str,
     *,
     checked: set[str] | None = None,
     relay: str | None = None,
     reply_to: str | None = None,
     created: float | None = None,
-) -> dict[str, Any]:
-    """The row of a new queued job for ``body`` (``transitions.new_row``); the jobs of one
+    line: BatchLine | None = None,
+) -> NewJob:
+    """The row of a new job for ``body``, on ``model`` (resolved by the caller). The jobs of one
     request share ``created``, so that with one timeout they share a deadline too (and the
-    dispatcher sends those of one prompt prefix together)."""
+    dispatcher sends those of one prompt prefix together). A batch ``line`` runs on the bulk
+    lane until the batch's deadline."""
     settings = get_settings()
     check_webhook_url(body.webhook_url, checked)
     created = now() if created is None else created
-    timeout_s = body.timeout_s or settings.lane_default_timeout_s.get(body.lane.value)
     params = body.params.stored()
     params["max_tokens"] = body.params.max_tokens or settings.default_max_tokens
     constraint = body.tool_constraint()
     if constraint is not None:  # tool_choice required or named: vLLM's way (README, "Tools")
         params["structured_outputs"] = {"json": constraint}
-    return transitions.new_row(
+    batch: tuple[str | None, str | None, int | None] = (None, None, None)
+    if line is None:
+        lane = body.lane.value
+        timeout_s = body.timeout_s or settings.lane_default_timeout_s.get(lane)
+        deadline_at = created + timeout_s if timeout_s else None
+    else:
+        lane, timeout_s, deadline_at = Lane.BULK.value, None, line.deadline_at
+        batch = (line.batch_id, line.custom_id, line.number)
+    return NewJob(
         id=new_id("job"),
         tenant=tenant,
-        lane=body.lane.value,
-        model=catalog.resolve(body.model),
+        lane=lane,
+        model=model,
         prompt=body.prompt,
         messages=[m.model_dump(exclude_none=True) for m in body.messages]
         if body.messages is not None
         else None,
         params=params,
+        tools=body.tool_spec(),
         webhook_url=body.webhook_url,
         meta=dict(body.metadata),
         end_user=body.user,
-        tools=body.tool_spec(),
         relay=relay,
         reply_to=reply_to,
         timeout_s=timeout_s,
-        deadline_at=created + timeout_s if timeout_s else None,
+        deadline_at=deadline_at,
         cost=fairshare.cost(body),
         prefix=fairshare.prefix_of(body),
         created_at=created,
-        updated_at=created,
+        batch_id=batch[0],
+        custom_id=batch[1],
+        batch_line=batch[2],
     )
 
 
@@ -116,13 +158,15 @@ def submit(
     session: Session,
     tenant: str,
     body: JobCreate,
+    model: str,
+    caller: limits.Limits,
     idempotency_key: str | None = None,
     *,
     relay: str | None = None,
     reply_to: str | None = None,
-) -> tuple[Job, bool]:
-    """Commit and enqueue a queued job. Returns (job, created); created is False for an
-    idempotent replay, which enqueues nothing."""
+) -> tuple[NewJob | Job, bool]:
+    """Admit (``limits.admit``), commit and send a queued job on ``model``. Returns (job,
+    created); created is False for an idempotent replay (the stored job), which sends nothing."""
     if idempotency_key is not None and not (
         0 < len(idempotency_key) <= MAX_IDEMPOTENCY_KEY and storable(idempotency_key)
     ):
@@ -132,7 +176,8 @@ def submit(
             f"Idempotency-Key must be 1 to {MAX_IDEMPOTENCY_KEY} characters",
             param="Idempotency-Key",
         )
-    row = job_values(tenant, body, relay=relay, reply_to=reply_to)
+    limits.admit(session, tenant, caller, [body], [model])
+    job = new_job(tenant, body, model, relay=relay, reply_to=reply_to)
     fingerprint = _fingerprint(body) if idempotency_key is not None else ""
     if idempotency_key is not None:
         existing = _replay(session, tenant, idempotency_key, fingerprint)
@@ -141,55 +186,50 @@ def submit(
             return existing, False
     # One job whose queue is empty goes straight to it: nobody waits, so no order is at stake
     # and the dispatcher's step is saved (docs/architecture.md, "Fair share").
-    direct = get_settings().dispatch_direct and dispatch.queue_is_empty(
-        dispatch.queue_of(row["lane"], row["model"])
-    )
-    after = transitions.create(session.connection(), [row], by="api", direct=direct)
-    if idempotency_key is not None:
-        session.add(
-            IdempotencyKey(
-                tenant=tenant,
-                key=idempotency_key,
-                request_hash=fingerprint,
-                job_id=row["id"],
-                created_at=row["created_at"],
-                expires_at=row["created_at"] + get_settings().idempotency_ttl_s,
-            )
-        )
+    direct = get_settings().dispatch_direct and broker.queue_is_empty(queue_of(job.lane, model))
     try:
-        session.commit()
+        with changes("api", session=session) as tx:
+            transitions.create(tx, [job], direct=direct)
+            if idempotency_key is not None:
+                session.add(
+                    IdempotencyKey(
+                        tenant=tenant,
+                        key=idempotency_key,
+                        request_hash=fingerprint,
+                        job_id=job.id,
+                        created_at=job.created_at,
+                        expires_at=job.created_at + get_settings().idempotency_ttl_s,
+                    )
+                )
     except IntegrityError:
         if idempotency_key is None:
             raise
         # A concurrent request with the same key won the insert: answer as its replay.
-        session.rollback()
         existing = _replay(session, tenant, idempotency_key, fingerprint)
         session.commit()
         if existing is None:
             raise
         return existing, False
-    after.run()
-    return transitions.as_job(row), True
+    return job, True
 
 
-def submit_many(session: Session, tenant: str, bodies: list[JobCreate]) -> list[Job]:
-    """Commit many queued jobs in one transaction (all of them or none), then enqueue them."""
-    rows = []
+def submit_many(
+    session: Session, tenant: str, bodies: list[JobCreate], models: list[str], caller: limits.Limits
+) -> list[NewJob]:
+    """Admit, then commit many queued jobs in one transaction (all of them or none), then wake
+    their dispatcher. ``models``: each body's, resolved."""
+    limits.admit(session, tenant, caller, bodies, models, "jobs")
+    jobs: list[NewJob] = []
     checked: set[str] = set()
     created = now()
-    for i, body in enumerate(bodies):
+    for i, (body, model) in enumerate(zip(bodies, models, strict=True)):
         try:
-            rows.append(job_values(tenant, body, checked=checked, created=created))
+            jobs.append(new_job(tenant, body, model, checked=checked, created=created))
         except DomainError as exc:
             raise exc.within(f"jobs[{i}]") from None
-    try:
-        after = transitions.create(session.connection(), rows, by="api")
-        session.commit()
-    except Exception:
-        session.rollback()
-        raise
-    after.run()
-    return [transitions.as_job(row) for row in rows]
+    with changes("api", session=session) as tx:
+        transitions.create(tx, jobs)
+    return jobs
 
 
 def get(session: Session, tenant: str, job_id: str) -> Job:
@@ -217,11 +257,10 @@ def list_page(
 def cancel(session: Session, tenant: str, job_id: str) -> tuple[Job, bool]:
     """Cancel a job. Returns (job, running): True when its worker was told to abort it."""
     job = get(session, tenant, job_id)
-    after = transitions.cancel(session.connection(), job.id, now())
-    session.commit()
-    after.run()
+    with changes("api", session=session) as tx:
+        transitions.cancel(tx, job.id, now())
     session.refresh(job)
-    return job, bool(after.abort) and job.status == JobStatus.RUNNING
+    return job, bool(tx.after.abort) and job.status == JobStatus.RUNNING
 
 
 def wait_until_terminal(session: Session, job: Job, timeout_s: float) -> Job:
@@ -232,3 +271,49 @@ def wait_until_terminal(session: Session, job: Job, timeout_s: float) -> Job:
         session.refresh(job)
         session.commit()
     return job
+
+
+def _delivery_in_flight(session: Session, event: WebhookEvent) -> bool:
+    """An attempt was claimed and has not been recorded yet, and its lease still runs."""
+    recorded = session.scalar(
+        select(func.count()).select_from(WebhookAttempt).where(WebhookAttempt.event_id == event.id)
+    )
+    lease = event.next_attempt_at
+    return (
+        event.status == WebhookStatus.PENDING
+        and event.attempts > (recorded or 0)
+        and lease is not None
+        and lease > now()
+    )
+
+
+def redeliver_webhook(session: Session, job: Job) -> WebhookEvent:
+    """Send a finished job's event again, same ``webhook-id``, with a fresh retry schedule."""
+    if job.webhook_url is None:
+        raise DomainError(Kind.CONFLICT, "no_webhook", "this job has no webhook_url", param="id")
+    if job.status not in TERMINAL or job.finished_at is None:
+        raise DomainError(
+            Kind.CONFLICT, "job_not_finished", "the job has no event until it ends", param="id"
+        )
+    event = outbox.job_event(session, job)
+    if event is not None and _delivery_in_flight(session, event):
+        raise DomainError(
+            Kind.CONFLICT,
+            "delivery_in_progress",
+            "an attempt to deliver this event is under way; retry when it has ended",
+            param="id",
+        )
+    with changes("api", session=session) as tx:
+        if event is None:
+            # Finished before it had an event (e.g. before webhooks existed): create it now.
+            outbox.record_job_events(tx.connection, [job.id], job.finished_at)
+            event = outbox.job_event(session, job)
+            assert event is not None
+        stamp = now()
+        event.status = WebhookStatus.PENDING
+        event.round_attempts = 0
+        event.next_attempt_at = stamp
+        event.updated_at = stamp
+        tx.after.events.append(event.id)
+    session.refresh(event)
+    return event

@@ -43,13 +43,13 @@ import redis
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from app.core import catalog, dispatch, snapshot, tokens
+from app.core import clients, snapshot, tokens
 from app.core.errors import BROKER_DOWN, DomainError, Kind, unavailable
 from app.core.models import LANE_PRIORITY, Job, JobStatus
+from app.core.names import LIMIT_KEY_PREFIX
 from app.core.schemas import JobCreate
 from app.core.settings import get_settings
 
-KEY_PREFIX = "inferq:limit:"
 BACKLOG_CACHE_S = 1.0
 BACKPRESSURE_RETRY_S = 5
 
@@ -82,15 +82,15 @@ def admit(
     tenant: str,
     limits: Limits,
     bodies: Sequence[JobCreate] = (),
+    models: Sequence[str] = (),
     field: str | None = None,
 ) -> None:
     """Refuse (invalid, over limit, unavailable) or let through a call that submits ``bodies``
-    (none: a batch).
+    (none: a batch) on ``models`` (each body's, as ``catalog.resolve`` resolved it).
 
     ``field``: the list the bodies came in, for naming one in an error (``jobs``).
     """
-    models = [catalog.resolve(body.model) for body in bodies]
-    prompt_tokens = tokens.check(dispatch.redis_client(), models, bodies, field) if bodies else []
+    prompt_tokens = tokens.check(clients.redis_client(), models, bodies, field) if bodies else []
     routes = {(body.lane.value, model) for body, model in zip(bodies, models, strict=True)}
     for lane, model in sorted(routes, key=lambda route: (LANE_PRIORITY[route[0]], route[1])):
         _backpressure(session, lane, model)
@@ -101,15 +101,20 @@ def admit(
 
 
 _queued_lock = threading.Lock()
-_queued: dict[str, tuple[float, int]] = {}  # tenant -> (when counted, queued since)
+
+
+def _queued() -> dict[str, tuple[float, int]]:
+    """tenant -> (when counted, queued since): held with this process's clients."""
+    return clients.held("limits.queued", dict)
 
 
 def _check_queued(session: Session, tenant: str, limit: int, n: int) -> None:
     """The tenant's queued jobs plus ``n`` within ``limit``; counted in the database unless a
     recent count shows the tenant far below it (one query per call was a tenth of the API's
     work on the realtime path, for a limit almost never near)."""
+    counted = _queued()
     with _queued_lock:
-        at, queued = _queued.get(tenant, (0.0, 0))
+        at, queued = counted.get(tenant, (0.0, 0))
     if time.monotonic() - at >= BACKLOG_CACHE_S or queued + n > limit // 2:
         queued = (
             session.scalar(
@@ -128,7 +133,7 @@ def _check_queued(session: Session, tenant: str, limit: int, n: int) -> None:
                 BACKPRESSURE_RETRY_S,
             )
     with _queued_lock:
-        _queued[tenant] = (at, queued + n)
+        counted[tenant] = (at, queued + n)
 
 
 def _take(tenant: str, limits: Limits, tokens: int) -> None:
@@ -142,12 +147,12 @@ def _take(tenant: str, limits: Limits, tokens: int) -> None:
         ("tokens_per_minute", tokens, limits.tokens_per_minute),
     ]
     wanted = [(name, amount, limit) for name, amount, limit in wanted if limit and amount]
-    keys = [f"{KEY_PREFIX}{tenant}:{name}:{slot}" for name, _, _ in wanted]
+    keys = [f"{LIMIT_KEY_PREFIX}{tenant}:{name}:{slot}" for name, _, _ in wanted]
     try:
         if not wanted:
-            dispatch.redis_client().ping()  # no counter to take: Redis must still be there
+            clients.redis_client().ping()  # no counter to take: Redis must still be there
             return
-        pipe = dispatch.redis_client().pipeline(transaction=True)
+        pipe = clients.redis_client().pipeline(transaction=True)
         for key, (_, amount, _) in zip(keys, wanted, strict=True):
             pipe.incrby(key, amount)
             pipe.expire(key, int(window) + 5)
@@ -158,7 +163,7 @@ def _take(tenant: str, limits: Limits, tokens: int) -> None:
             if count > limit
         ]
         if over:
-            refund = dispatch.redis_client().pipeline(transaction=True)
+            refund = clients.redis_client().pipeline(transaction=True)
             for key, (_, amount, _) in zip(keys, wanted, strict=True):
                 refund.decrby(key, amount)
             refund.execute()
@@ -177,7 +182,7 @@ def _take(tenant: str, limits: Limits, tokens: int) -> None:
 def clear_windows(client: redis.Redis) -> int:
     """Forget every tenant's rate-limit windows (``inferq up`` does when it stops: a window
     it left behind would count against the next run); returns how many keys went."""
-    keys = list(client.scan_iter(match=KEY_PREFIX + "*", count=1000))
+    keys = list(client.scan_iter(match=LIMIT_KEY_PREFIX + "*", count=1000))
     return int(client.delete(*keys)) if keys else 0
 
 
@@ -188,20 +193,20 @@ def _over(limit: str, message: str, retry_after: int) -> DomainError:
 
 
 _backlog_lock = threading.Lock()
-_backlog: tuple[float, dict[tuple[str, str], int]] = (0.0, {})
 
 
 def _depths(session: Session) -> dict[tuple[str, str], int]:
-    """Queued jobs per (lane, model), cached for ``BACKLOG_CACHE_S``."""
-    global _backlog
+    """Queued jobs per (lane, model), cached for ``BACKLOG_CACHE_S`` (with the clients)."""
+    reading: dict[str, tuple[float, dict[tuple[str, str], int]]]
+    reading = clients.held("limits.backlog", dict)
     with _backlog_lock:
-        at, depths = _backlog
+        at, depths = reading.get("depths", (-BACKLOG_CACHE_S, {}))
         if time.monotonic() - at < BACKLOG_CACHE_S:
             return depths
     depths = snapshot.queued_jobs(session)
     session.rollback()
     with _backlog_lock:
-        _backlog = (time.monotonic(), depths)
+        reading["depths"] = (time.monotonic(), depths)
     return depths
 
 

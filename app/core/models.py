@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from dataclasses import dataclass, fields
 from enum import StrEnum
 from typing import Any
 
@@ -204,6 +205,60 @@ class Job(Base):
     )
 
 
+@dataclass(frozen=True, slots=True)
+class NewJob:
+    """The row of a job about to be inserted (``transitions.create``): the columns a request
+    sets, made from it once (``app.core.jobs.new_job``). The columns nothing has written yet
+    read as a new job has them (the class attributes below), so the API answers a submission
+    from this row as from a stored :class:`Job`."""
+
+    id: str
+    tenant: str
+    lane: str
+    model: str
+    prompt: str | None
+    messages: list[dict[str, Any]] | None
+    params: dict[str, Any]
+    tools: dict[str, Any] | None
+    webhook_url: str | None
+    meta: dict[str, str]
+    end_user: str | None
+    relay: str | None
+    reply_to: str | None
+    timeout_s: float | None
+    deadline_at: float | None
+    cost: int
+    prefix: str
+    created_at: float
+    batch_id: str | None = None
+    custom_id: str | None = None
+    batch_line: int | None = None
+
+    # What a queued job that never ran has.
+    status = str(JobStatus.QUEUED)
+    attempts = 0
+    lease_token = 0
+    started_at = first_token_at = finished_at = None
+    result_text = finish_reason = choices = None
+    prompt_tokens = completion_tokens = None
+    error_code = error_message = None
+
+    def row(self) -> dict[str, Any]:
+        """The row ``transitions.create`` inserts: column -> value (``meta`` is "metadata")."""
+        row = {column: getattr(self, name) for name, column in _NEW_JOB_COLUMNS}
+        row.update(
+            status=self.status,
+            attempts=self.attempts,
+            lease_token=self.lease_token,
+            updated_at=self.created_at,
+        )
+        return row
+
+
+# (attribute, column) of each field: the ORM's attribute names are the fields' names.
+_NEW_JOB_COLUMNS = tuple((f.name, Job.__mapper__.columns[f.name].name) for f in fields(NewJob))
+
+
 class IdempotencyKey(Base):
     """A submission's Idempotency-Key, written in the same transaction as its job."""
 
@@ -306,6 +361,21 @@ class BatchStatus(StrEnum):
 BATCH_TERMINAL: frozenset[str] = frozenset(
     {BatchStatus.FAILED, BatchStatus.COMPLETED, BatchStatus.EXPIRED, BatchStatus.CANCELLED}
 )
+
+# Every change of a batch's status is one of these, made by app/batches/transitions.py.
+BATCH_TRANSITIONS: dict[str, frozenset[str]] = {
+    BatchStatus.VALIDATING: frozenset(
+        {BatchStatus.IN_PROGRESS, BatchStatus.FAILED, BatchStatus.CANCELLING}
+    ),
+    BatchStatus.IN_PROGRESS: frozenset({BatchStatus.FINALIZING, BatchStatus.CANCELLING}),
+    BatchStatus.FINALIZING: frozenset({BatchStatus.COMPLETED, BatchStatus.EXPIRED}),
+    BatchStatus.CANCELLING: frozenset({BatchStatus.CANCELLED}),
+    **{status: frozenset() for status in BATCH_TERMINAL},
+}
+
+
+def can_batch_transition(current: str, new: str) -> bool:
+    return new in BATCH_TRANSITIONS.get(current, frozenset())
 
 
 class Batch(Base):

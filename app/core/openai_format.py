@@ -22,7 +22,7 @@ from pydantic import ConfigDict, Field, ValidationError, field_validator, model_
 from pydantic_core import PydanticCustomError
 
 from app.core.errors import DomainError, Kind, named, pydantic_error
-from app.core.models import Job, JobStatus, Lane
+from app.core.models import JobStatus, Lane
 from app.core.schemas import (
     CONSTRAINTS,
     MAX_LOGPROBS,
@@ -364,7 +364,7 @@ class Ended:
     error_message: str | None
 
     @classmethod
-    def of(cls, job: Job, row: dict[str, Any]) -> Ended:
+    def of(cls, job: JobView, row: dict[str, Any]) -> Ended:
         return cls(
             id=job.id,
             created_at=job.created_at,
@@ -453,7 +453,8 @@ def response_body(job: JobView) -> dict[str, Any]:
         tokens = c["logprobs"]
         if chat:
             message: dict[str, Any] = {"role": "assistant", "content": c["text"]}
-            if c.get("tool_calls"):  # the text was calls (workers/tools.py): content is the rest
+            # The text was calls (workers/inference/tools.py): content is the rest.
+            if c.get("tool_calls"):
                 message = {**message, "content": c["content"], "tool_calls": c["tool_calls"]}
             choices.append(
                 {

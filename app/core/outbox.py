@@ -24,9 +24,8 @@ from sqlalchemy import Insert, Select, String, func, insert, literal, select, up
 from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
-from app.core import dispatch
+from app.core import broker
 from app.core.db import session_scope
-from app.core.errors import DomainError, Kind
 from app.core.models import (
     BATCH_TERMINAL,
     TERMINAL,
@@ -148,7 +147,7 @@ def announce(event_ids: list[str]) -> None:
     if not event_ids:
         return
     try:
-        failed = set(dispatch.deliver_webhooks(event_ids))
+        failed = set(broker.send_webhooks(event_ids))
         sent = [event_id for event_id in event_ids if event_id not in failed]
         if sent:
             with session_scope() as session:
@@ -171,6 +170,8 @@ class Announcer:
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue[list[str]] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name="announcer", daemon=True)
+
+    def start(self) -> None:
         self._thread.start()
 
     def put(self, event_ids: list[str]) -> None:
@@ -193,49 +194,3 @@ def job_event(session: Session, job: Job) -> WebhookEvent | None:
 def attempts(session: Session, event: WebhookEvent) -> list[WebhookAttempt]:
     query = select(WebhookAttempt).where(WebhookAttempt.event_id == event.id)
     return list(session.scalars(query.order_by(WebhookAttempt.number, WebhookAttempt.started_at)))
-
-
-def _in_flight(session: Session, event: WebhookEvent) -> bool:
-    """An attempt was claimed and has not been recorded yet, and its lease still runs."""
-    recorded = session.scalar(
-        select(func.count()).select_from(WebhookAttempt).where(WebhookAttempt.event_id == event.id)
-    )
-    lease = event.next_attempt_at
-    return (
-        event.status == WebhookStatus.PENDING
-        and event.attempts > (recorded or 0)
-        and lease is not None
-        and lease > now()
-    )
-
-
-def redeliver(session: Session, job: Job) -> WebhookEvent:
-    """Send a finished job's event again, same ``webhook-id``, with a fresh retry schedule."""
-    if job.webhook_url is None:
-        raise DomainError(Kind.CONFLICT, "no_webhook", "this job has no webhook_url", param="id")
-    if job.status not in TERMINAL or job.finished_at is None:
-        raise DomainError(
-            Kind.CONFLICT, "job_not_finished", "the job has no event until it ends", param="id"
-        )
-    event = job_event(session, job)
-    if event is not None and _in_flight(session, event):
-        raise DomainError(
-            Kind.CONFLICT,
-            "delivery_in_progress",
-            "an attempt to deliver this event is under way; retry when it has ended",
-            param="id",
-        )
-    if event is None:
-        # Finished before it had an event (e.g. before webhooks existed): create it now.
-        record_job_events(session.connection(), [job.id], job.finished_at)
-        event = job_event(session, job)
-        assert event is not None
-    stamp = now()
-    event.status = WebhookStatus.PENDING
-    event.round_attempts = 0
-    event.next_attempt_at = stamp
-    event.updated_at = stamp
-    session.commit()
-    announce([event.id])
-    session.refresh(event)
-    return event

@@ -19,7 +19,8 @@ message lost while Redis or the connection is away delays an answer but never lo
 quiet call reads the row every few seconds, and the final text always equals the row's.
 
 The worker side (:class:`Publisher`) runs on a thread of its own: the engine's loop thread only
-puts pieces on a queue.
+puts pieces on a queue. The API side (:class:`Replies`) is one per process, held with the
+process's Redis clients (app/core/clients.py) and dropped with them.
 """
 
 from __future__ import annotations
@@ -40,13 +41,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
-import redis.asyncio
 
+from app.core import clients
+from app.core.names import REPLY_CHANNEL_PREFIX
 from app.core.settings import get_settings
 
 log = logging.getLogger("inferq.relay")
 
-CHANNEL_PREFIX = "inferq:reply:"
 POLL_S = 1.0  # a waiting call is told each time this passes quietly
 READ_COUNT = 512
 MAX_PENDING = 100_000  # pieces waiting for Redis in one worker
@@ -70,12 +71,14 @@ class Publisher:
     relay). An end message sends what is pending of its job first.
     """
 
-    def __init__(self, client: redis.Redis) -> None:
+    def __init__(self, client: redis.Redis, merge_ms: float) -> None:
         self._client = client
-        self._merge_s = get_settings().relay_merge_ms / 1000
+        self._merge_s = merge_ms / 1000
         # (reply_to, lease token, text, or the outcome for the end message)
         self._queue: queue.SimpleQueue[tuple[str, int, str | dict[str, Any]]] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name="relay", daemon=True)
+
+    def start(self) -> None:
         self._thread.start()
 
     def piece(self, reply_to: str, token: int, text: str) -> None:
@@ -180,7 +183,7 @@ class Replies:
 
     def __init__(self) -> None:
         host = socket.gethostname()
-        self.channel = f"{CHANNEL_PREFIX}{host}:{os.getpid()}:{secrets.token_hex(4)}"
+        self.channel = f"{REPLY_CHANNEL_PREFIX}{host}:{os.getpid()}:{secrets.token_hex(4)}"
         self._keys = itertools.count()
         self._waiting: dict[str, asyncio.Queue[Entry]] = {}
         self._reader: asyncio.Task[None] | None = None
@@ -210,7 +213,7 @@ class Replies:
     async def _read(self) -> None:
         """Deliver every message of the channel to its call; reconnect while Redis is away."""
         while True:
-            pubsub = _client().pubsub(ignore_subscribe_messages=True)
+            pubsub = clients.async_redis().pubsub(ignore_subscribe_messages=True)
             try:
                 await pubsub.subscribe(self.channel)
                 self._subscribed.set()
@@ -238,26 +241,6 @@ class Replies:
             waiting.put_nowait(entry)
 
 
-_async_client: redis.asyncio.Redis | None = None
-_replies: Replies | None = None
-
-
-def _client() -> redis.asyncio.Redis:
-    """The API's asyncio Redis client (one per process, like dispatch's sync client)."""
-    global _async_client
-    if _async_client is None:
-        timeout = get_settings().dependency_timeout_s
-        _async_client = redis.asyncio.Redis.from_url(
-            get_settings().redis_url,
-            socket_connect_timeout=timeout,
-            health_check_interval=30,
-        )
-    return _async_client
-
-
 def replies() -> Replies:
     """This process's :class:`Replies` (made on first use, inside the API's event loop)."""
-    global _replies
-    if _replies is None:
-        _replies = Replies()
-    return _replies
+    return clients.held("replies", Replies)

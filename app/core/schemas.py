@@ -21,7 +21,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from app.core.models import Batch, Job, JobStatus, Lane
+from app.core.models import Batch, Job, JobStatus, Lane, NewJob
 from app.core.settings import get_settings
 
 
@@ -687,7 +687,7 @@ class JobTimings(BaseModel):
     duration_ms: int | None = Field(description="started_at to finished_at: time running.")
 
     @classmethod
-    def from_row(cls, job: Job) -> JobTimings:
+    def from_row(cls, job: Job | NewJob) -> JobTimings:
         def ms3(value: float | None) -> float | None:
             return None if value is None else round(value, 3)
 
@@ -722,7 +722,7 @@ class JobOut(BaseModel):
     timings: JobTimings
 
     @classmethod
-    def from_row(cls, job: Job) -> JobOut:
+    def from_row(cls, job: Job | NewJob) -> JobOut:
         result = None
         if job.result_text is not None:
             prompt_tokens = job.prompt_tokens or 0

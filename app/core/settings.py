@@ -190,7 +190,7 @@ class Settings(BaseSettings):
         "themselves in Redis as often.",
     )
     reaper_interval_s: float = Field(
-        15.0, gt=0, description="How often the ops worker's reaper sweeps (workers/reaper.py)."
+        15.0, gt=0, description="How often the ops worker's reaper sweeps (workers/ops/reaper.py)."
     )
     max_attempts: int = Field(
         3, ge=1, description="Claims a job gets before losing its worker fails it (worker_lost)."
@@ -326,7 +326,7 @@ class Settings(BaseSettings):
     def _check_timing(self) -> None:
         """Refuse timings under which a live job could be taken for a lost one: a lease must
         outlive several heartbeats. (No redelivery timer of Redis's is left to order against
-        the lease: app/core/dispatch.py. A message that does come twice, put back by a worker
+        the lease: app/core/broker.py. A message that does come twice, put back by a worker
         that stopped or re-sent by the reaper, claims nothing the second time.)"""
         if not self.heartbeat_s < self.lease_ttl_s:
             raise ValueError(
@@ -370,7 +370,7 @@ class Settings(BaseSettings):
 
     @property
     def gpus(self) -> list[str]:
-        """GPU ids of ``worker_gpus``: one worker process each (workers/gpus.py)."""
+        """GPU ids of ``worker_gpus``: one worker process each (workers/inference/gpus.py)."""
         return [gpu.strip() for gpu in self.worker_gpus.split(",") if gpu.strip()]
 
     @property

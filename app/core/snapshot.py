@@ -19,11 +19,11 @@ import redis
 from sqlalchemy import Connection, case, func, select
 from sqlalchemy.orm import Session
 
-from app.core.dispatch import PRESENCE_KEY_PREFIXES, Role, queue_of
 from app.core.models import Job, JobStatus
+from app.core.names import PRESENCE_KEY_PREFIXES, Role, queue_of
 from app.core.settings import LANES
 
-Route = tuple[str, str]  # (lane, model): one Celery queue (app/core/dispatch.py, queue_of)
+Route = tuple[str, str]  # (lane, model): one Celery queue (app/core/names.py, queue_of)
 TenantRoute = tuple[str, str, str]  # (lane, model, tenant): one tenant's jobs in one queue
 
 
@@ -89,7 +89,7 @@ class Snapshot:
 def queue_messages(client: redis.Redis, routes: Sequence[Route]) -> dict[Route, int]:
     """Messages waiting in the Redis list of each route's queue.
 
-    With ``priority_steps=[0]`` (app/core/dispatch.py) kombu keeps a queue's messages in one list
+    With ``priority_steps=[0]`` (app/core/broker.py) kombu keeps a queue's messages in one list
     named after the queue. Messages a worker has fetched but not acknowledged are not counted.
     """
     with client.pipeline(transaction=False) as pipe:
@@ -165,7 +165,7 @@ def presence(client: redis.Redis, role: Role) -> list[dict[str, Any]]:
 
 
 def workers(client: redis.Redis) -> list[dict[str, Any]]:
-    """Live inference workers (``workers/heartbeat.py``), sorted by worker id."""
+    """Live inference workers (``workers/inference/heartbeat.py``), sorted by worker id."""
     return presence(client, "inference")
 
 

@@ -34,14 +34,14 @@ from dataclasses import asdict, dataclass
 import redis
 from tokenizers import Tokenizer
 
+from app.core import clients
 from app.core.errors import DomainError, Kind
+from app.core.names import CARD_KEY_PREFIX, TOKENIZER_KEY_PREFIX
 from app.core.schemas import JobCreate
 from app.core.settings import get_settings
 
 log = logging.getLogger("inferq.tokens")
 
-CARD_KEY = "inferq:model:"
-TOKENIZER_KEY = "inferq:tokenizer:"
 WORDS = "words"  # the simulated engine's tokenizer: words and punctuation marks
 CARD_CACHE_S = 10.0
 MAX_TOKENIZERS = 16  # tokenizers kept built, one per model card in use
@@ -75,10 +75,10 @@ def publish(
     name = tokenizer or ""
     if tokenizer and tokenizer != WORDS:
         digest = hashlib.sha256(tokenizer.encode()).hexdigest()
-        client.set(TOKENIZER_KEY + digest, tokenizer)
+        client.set(TOKENIZER_KEY_PREFIX + digest, tokenizer)
         name = f"sha256:{digest}"
     card = ModelCard(model, max_model_len, name, tool_parser)
-    client.set(CARD_KEY + model, json.dumps(asdict(card)))
+    client.set(CARD_KEY_PREFIX + model, json.dumps(asdict(card)))
     return card
 
 
@@ -103,26 +103,32 @@ class Counter:
 
 
 _lock = threading.Lock()
-_cards: dict[str, tuple[float, Counter | None]] = {}
+# Parsed tokenizers by their content's digest: the same bytes whatever Redis they came from.
 _tokenizers: dict[str, Tokenizer] = {}
+
+
+def _cards() -> dict[str, tuple[float, Counter | None]]:
+    """model -> (when read, its counter): held with this process's Redis clients."""
+    return clients.held("tokens.cards", dict)
 
 
 def counter(client: redis.Redis, model: str) -> Counter | None:
     """The counter of ``model``'s published card; None when there is none to use."""
     now = time.monotonic()
+    cards = _cards()
     with _lock:
-        cached = _cards.get(model)
+        cached = cards.get(model)
     if cached is not None and now - cached[0] < CARD_CACHE_S:
         return cached[1]
     found = _load(client, model)
     with _lock:
-        _cards[model] = (now, found)
+        cards[model] = (now, found)
     return found
 
 
 def _load(client: redis.Redis, model: str) -> Counter | None:
     try:
-        raw = client.get(CARD_KEY + model)
+        raw = client.get(CARD_KEY_PREFIX + model)
         if raw is None:
             return None
         card = ModelCard(**json.loads(raw))
@@ -133,7 +139,7 @@ def _load(client: redis.Redis, model: str) -> Counter | None:
         digest = card.tokenizer.removeprefix("sha256:")
         tokenizer = _tokenizers.get(digest)
         if tokenizer is None:
-            source = client.get(TOKENIZER_KEY + digest)
+            source = client.get(TOKENIZER_KEY_PREFIX + digest)
             if source is None:
                 return None
             tokenizer = Tokenizer.from_str(source.decode() if isinstance(source, bytes) else source)

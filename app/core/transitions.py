@@ -1,4 +1,5 @@
-"""The one owner of a job's status: every write of ``jobs.status`` is in this module.
+"""The one owner of a job's status and of its "sent" sub-state: every write of ``jobs.status``,
+``jobs.enqueued_at`` and ``jobs.charged`` is in this module.
 
 A job's life (docs/architecture.md, "Job states")::
 
@@ -8,174 +9,48 @@ A job's life (docs/architecture.md, "Job states")::
                  │ └── reclaim ──────┤ (its lease ran out: queued again, or failed/expired)
                  └── cancel, expire_queued, stop_batch ──► cancelled | expired
 
-Each function is a compare-and-set on the status (and, from ``running``, on the lease token)
-in the *caller's* transaction, with the webhook outbox rows of the jobs it ends
-(app/core/outbox.py), and returns an :class:`After`: what must happen once that transaction
-has committed - one JSON log line and the job counters for every change, the webhook events to
-announce, the tenants' charges to settle (app/core/fairshare.py), the queues whose dispatcher
-must send jobs (or the one job the API sends itself) and the running jobs whose workers must
-abort them. The caller
-commits and then calls ``after.run()``, so a change that rolled back is never logged, counted,
-announced or sent. The log lines go to the ``inferq.jobs`` logger, one JSON object each
-whatever the format of the process's other logs::
+While queued, a job is *unsent* (``enqueued_at`` empty: the dispatcher's to send) or *sent*
+(a message is on its way, its tenant ``charged``)::
 
-    {"ts": "2026-11-22T10:00:00.123Z", "event": "job.running", "job_id": "job_...",
-     "lane": "standard", "tenant": "default", "from": "queued", "to": "running",
-     "by": "worker", "worker": "worker-host-1234-ab12", "attempt": 1}
+    unsent ──mark_sent (the dispatcher), create(direct) (the API)──► sent
+    sent ──send_failed, take_back (its message taken back), forget_lost (lost with Redis),
+           hand_back, reclaim──► unsent
+
+Each function is a compare-and-set on the status (and, from ``running``, on the lease token)
+in the caller's transaction (:class:`~app.core.after.Tx`), with the webhook outbox rows of the
+jobs it ends (app/core/outbox.py), and adds to the transaction's ``After`` what must follow its
+commit (app/core/after.py): the construct that made the transaction runs it once it has
+committed (app/core/changes.py), so a change that rolled back is never logged, counted,
+announced or sent.
 """
 
 from __future__ import annotations
 
-import functools
-import json
-import logging
-import sys
-from collections.abc import Callable, Collection, Iterable, Sequence
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
-from typing import Any, Literal, cast
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
 
-import redis
-from prometheus_client import Counter
 from sqlalchemy import (
     ColumnElement,
     Row,
+    Select,
     Table,
     Update,
     bindparam,
     insert,
-    inspect,
     or_,
     select,
     update,
 )
-from sqlalchemy.engine import Connection
 
-from app.core import dispatch, fairshare, outbox
-from app.core.models import TERMINAL, Job, JobStatus, can_transition
-
-log = logging.getLogger("inferq.jobs")
-
-By = Literal["api", "worker", "reaper", "ops", "dispatcher"]
-
-# Every kind of process counts what it changed; names and labels are the README's metrics table.
-JOBS_SUBMITTED = Counter(
-    "inferq_jobs_submitted", "Jobs accepted (committed), by lane and model.", ["lane", "model"]
-)
-JOBS_FINISHED = Counter(
-    "inferq_jobs_finished",
-    "Jobs that reached a terminal status, counted by the process that wrote it.",
-    ["lane", "model", "status"],
-)
+from app.core import fairshare, outbox
+from app.core.after import Transition, Tx
+from app.core.models import Job, JobStatus, NewJob, can_transition
+from app.core.names import queue_of
 
 DEADLINE_EXCEEDED = "deadline_exceeded"
 WORKER_LOST = "worker_lost"
 INSERT_CHUNK = 500  # rows per INSERT of new jobs
-
-
-def _install_log() -> None:
-    """The lines are the message alone: a handler of their own, not the process's format."""
-    if log.handlers:
-        return
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(message)s"))
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
-    log.propagate = False
-
-
-_install_log()
-
-
-@dataclass(frozen=True, slots=True)
-class Transition:
-    """One committed change of one job's status (``source`` None: a new job)."""
-
-    job_id: str
-    lane: str
-    model: str
-    tenant: str
-    to: str
-    source: str | None = None
-    attempt: int | None = None
-    error_code: str | None = None
-
-
-@dataclass
-class After:
-    """What follows a committed transaction of transitions, done by :meth:`run`."""
-
-    by: By
-    moved: list[Transition] = field(default_factory=list)
-    events: list[str] = field(default_factory=list)  # webhook events to announce
-    # (job id, queue) to enqueue now: a new job the API sends itself (its queue was empty)
-    send: list[tuple[str, str]] = field(default_factory=list)
-    wake: set[str] = field(default_factory=set)  # queues with jobs for the dispatcher to send
-    usage: list[fairshare.Usage] = field(default_factory=list)  # tenant charges to settle
-    abort: list[str] = field(default_factory=list)  # running jobs their workers must stop
-    worker: str | None = None
-    fields: dict[str, Any] = field(default_factory=dict)  # added to every log line
-
-    def __iadd__(self, other: After) -> After:
-        self.moved += other.moved
-        self.events += other.events
-        self.send += other.send
-        self.wake |= other.wake
-        self.usage += other.usage
-        self.abort += other.abort
-        return self
-
-    def count(self, to: str, source: str | None = None) -> int:
-        return sum(1 for t in self.moved if t.to == to and (source is None or t.source == source))
-
-    def run(self, announce: Callable[[list[str]], None] | None = None) -> None:
-        """Log and count the changes, announce the events (``announce``: the caller's own
-        announcer, e.g. a worker's thread), settle tenants' charges, send what the API sends
-        itself and wake the dispatcher for the rest, and broadcast aborts."""
-        _emit(self.moved, by=self.by, worker=self.worker, **self.fields)
-        (announce or outbox.announce)(self.events)
-        if self.usage:
-            fairshare.settle(self.usage)
-        if self.send:
-            dispatch.send(self.send)
-        if self.wake:
-            dispatch.wake(self.wake)
-        for job_id in self.abort:
-            try:
-                dispatch.publish_control("cancel", job_id=job_id)
-            except redis.RedisError as exc:
-                # The workers' heartbeats read cancel_requested_at: the abort comes later.
-                log.warning("could not broadcast the abort of %s: %s", job_id, exc)
-
-
-def _emit(transitions: Iterable[Transition], *, by: By, worker: str | None, **fields: Any) -> None:
-    stamp = datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
-    enabled = log.isEnabledFor(logging.INFO)
-    for t in transitions:
-        if t.source is None and t.to == JobStatus.QUEUED:
-            JOBS_SUBMITTED.labels(t.lane, t.model).inc()
-        elif t.to in TERMINAL:
-            JOBS_FINISHED.labels(t.lane, t.model, t.to).inc()
-        if not enabled:
-            continue
-        line: dict[str, Any] = {
-            "ts": stamp,
-            "event": f"job.{t.to}",
-            "job_id": t.job_id,
-            "lane": t.lane,
-            "model": t.model,
-            "tenant": t.tenant,
-            "from": t.source,
-            "to": t.to,
-            "by": by,
-            "worker": worker,
-        }
-        if t.attempt is not None:
-            line["attempt"] = t.attempt
-        if t.error_code is not None:
-            line["error_code"] = t.error_code
-        line.update(fields)
-        log.info(json.dumps(line, separators=(",", ":")))
 
 
 def _refunds(rows: Iterable[Any]) -> list[fairshare.Usage]:
@@ -225,80 +100,45 @@ def compare_and_set(
 # --- queued: created, cancelled, expired ------------------------------------------------------
 
 
-def new_row(**values: Any) -> dict[str, Any]:
-    """The row of a new job: queued, never claimed. ``values`` are its other columns."""
-    return {**values, "status": JobStatus.QUEUED, "attempts": 0, "lease_token": 0}
-
-
-def as_job(row: dict[str, Any]) -> Job:
-    """A new job's row as the (unsaved) ORM object the API answers with."""
-    return Job(**row)
-
-
-@functools.cache
-def _column_names() -> dict[str, str]:
-    """The ORM attribute -> column name of every job column (``meta`` is "metadata")."""
-    return {attr.key: attr.columns[0].name for attr in inspect(Job).column_attrs}
-
-
-def create(
-    connection: Connection,
-    rows: Sequence[dict[str, Any]],
-    *,
-    by: By,
-    direct: bool = False,
-    **fields: Any,
-) -> After:
-    """Insert new jobs (rows from :func:`new_row`). After the commit they are sent by the
-    dispatcher, in its order, or with ``direct`` by the caller itself: one job whose queue was
-    empty (nobody waits, so no order is at stake); its row says it is sent already, so the
-    dispatcher leaves it alone (docs/architecture.md, "Fair share"). ``fields`` go into their
-    log lines (a batch's id)."""
-    if any(row["status"] != JobStatus.QUEUED for row in rows):
-        raise ValueError("a new job starts queued (transitions.new_row)")
-    if direct:
-        for row in rows:
-            row["enqueued_at"] = row["created_at"]
-    names = _column_names()
+def create(tx: Tx, jobs: Sequence[NewJob], *, direct: bool = False) -> None:
+    """Insert new jobs (``app.core.jobs.new_job``), queued. After the commit they are sent by
+    the dispatcher, in its order, or with ``direct`` by the caller itself: one job whose queue
+    was empty (nobody waits, so no order is at stake); its row says it is sent already, so the
+    dispatcher leaves it alone (docs/architecture.md, "Fair share")."""
     table = cast(Table, Job.__table__)
     # Core executemany, not the ORM unit of work: it was a third of a bulk request's cost. A
     # single row (a realtime call) is a plain execute: no executemany machinery for one.
-    for start in range(0, len(rows), INSERT_CHUNK):
-        chunk = [
-            {names[k]: v for k, v in row.items()} for row in rows[start : start + INSERT_CHUNK]
-        ]
-        connection.execute(insert(table), chunk[0] if len(chunk) == 1 else chunk)
-    queues = [(r["id"], dispatch.queue_of(r["lane"], r["model"])) for r in rows]
-    return After(
-        by,
-        moved=[
-            Transition(r["id"], r["lane"], r["model"], r["tenant"], JobStatus.QUEUED) for r in rows
-        ],
-        send=queues if direct else [],
-        wake=set() if direct else {name for _, name in queues},
-        fields=fields,
-    )
+    for start in range(0, len(jobs), INSERT_CHUNK):
+        chunk = [job.row() for job in jobs[start : start + INSERT_CHUNK]]
+        if direct:
+            for row in chunk:
+                row["enqueued_at"] = row["created_at"]
+        tx.connection.execute(insert(table), chunk[0] if len(chunk) == 1 else chunk)
+    queues = [(job.id, queue_of(job.lane, job.model)) for job in jobs]
+    after = tx.after
+    after.moved += [
+        Transition(job.id, job.lane, job.model, job.tenant, JobStatus.QUEUED) for job in jobs
+    ]
+    if direct:
+        after.send += queues
+    else:
+        after.wake |= {name for _, name in queues}
 
 
-def cancel(connection: Connection, job_id: str, stamp: float) -> After:
+def cancel(tx: Tx, job_id: str, stamp: float) -> None:
     """Cancel a job: a queued one ends ``cancelled``; a running one is marked for its worker to
     abort (``After.abort``); a finished one is left as it is."""
-    return _stop(connection, Job.id == job_id, stamp, to=JobStatus.CANCELLED, by="api")
+    _stop(tx, Job.id == job_id, stamp, to=JobStatus.CANCELLED)
 
 
-def expire_queued(
-    connection: Connection,
-    which: Collection[str] | ColumnElement[bool],
-    stamp: float,
-    by: By,
-) -> After:
+def expire_queued(tx: Tx, which: Collection[str] | ColumnElement[bool], stamp: float) -> int:
     """The queued jobs among ``which`` (ids, or a condition) whose deadline has passed end
-    ``expired`` unstarted."""
+    ``expired`` unstarted; returns how many."""
     if not isinstance(which, ColumnElement):
         if not which:
-            return After(by)
+            return 0
         which = list(which)
-    ended = connection.execute(
+    ended = tx.connection.execute(
         compare_and_set(
             which,
             expect=JobStatus.QUEUED,
@@ -312,39 +152,105 @@ def expire_queued(
         .returning(Job.id, Job.lane, Job.model, Job.tenant, Job.charged)
         .execution_options(synchronize_session=False)
     ).all()
-    if not ended:
-        return After(by)
-    return After(
-        by,
-        moved=_moved(ended, JobStatus.EXPIRED, JobStatus.QUEUED, DEADLINE_EXCEEDED),
-        events=outbox.record_job_events(connection, [r.id for r in ended], stamp),
-        usage=_refunds(ended),
+    if ended:
+        tx.after.moved += _moved(ended, JobStatus.EXPIRED, JobStatus.QUEUED, DEADLINE_EXCEEDED)
+        tx.after.events += outbox.record_job_events(tx.connection, [r.id for r in ended], stamp)
+        tx.after.usage += _refunds(ended)
+    return len(ended)
+
+
+# --- queued: sent and unsent ----------------------------------------------------------------
+
+
+def mark_sent(
+    tx: Tx, chosen: Select[tuple[str]], stamp: float, returning: Sequence[Any]
+) -> list[Row[Any]]:
+    """Stamp the unsent queued jobs among ``chosen`` (a select of ids) sent at ``stamp`` and
+    charged their cost: the dispatcher's refill, which sends their messages before it commits
+    (app/dispatcher/refill.py). Returns their ``returning`` columns."""
+    return list(
+        tx.connection.execute(
+            update(Job)
+            .where(
+                Job.id.in_(chosen),
+                Job.status == JobStatus.QUEUED,
+                Job.enqueued_at.is_(None),
+            )
+            .values(enqueued_at=stamp, charged=Job.cost)
+            .returning(*returning)
+            .execution_options(synchronize_session=False)
+        ).all()
     )
 
 
-def unsend(connection: Connection, job_ids: Collection[str], *, by: By) -> After:
-    """Queued jobs whose message was taken back (``dispatch.take_back``) have none again: the
-    dispatcher sends them later, and the charge of the send that did not happen is refunded.
-    A job a worker claimed meanwhile (a second message) keeps its charge and runs."""
+def send_failed(tx: Tx, job_ids: Collection[str]) -> None:
+    """Queued jobs marked sent whose message could not go out are unsent again, uncharged
+    (nothing was charged in Redis for them yet); the dispatcher is woken for them."""
     if not job_ids:
-        return After(by)
+        return
+    rows = tx.connection.execute(
+        update(Job)
+        .where(Job.id.in_(list(job_ids)), Job.status == JobStatus.QUEUED)
+        .values(enqueued_at=None, charged=0)
+        .returning(Job.lane, Job.model)
+        .execution_options(synchronize_session=False)
+    ).all()
+    tx.after.wake |= {queue_of(row.lane, row.model) for row in rows}
+
+
+def take_back(tx: Tx, job_ids: Collection[str]) -> None:
+    """Queued jobs whose message was taken back out of its list (``broker.take_newest``) have
+    none again: the dispatcher sends them later, and the charge of the send that did not
+    happen is refunded. A job a worker claimed meanwhile (a second message) keeps its charge
+    and runs."""
+    if not job_ids:
+        return
     which = (
         Job.id.in_(list(job_ids)),
         Job.status == JobStatus.QUEUED,
         Job.enqueued_at.is_not(None),
     )
-    rows = connection.execute(
+    rows = tx.connection.execute(
         select(Job.id, Job.lane, Job.model, Job.tenant, Job.charged).where(*which).with_for_update()
     ).all()
     if rows:
-        connection.execute(
+        tx.connection.execute(
             update(Job)
             .where(Job.id.in_([r.id for r in rows]), *which[1:])
             .values(enqueued_at=None, charged=0)
             .execution_options(synchronize_session=False)
         )
-    return After(by, usage=_refunds(rows))
+    tx.after.usage += _refunds(rows)
 
+
+def forget_lost(
+    tx: Tx, stamp: float, which: ColumnElement[bool] | None, queues: Iterable[str] = ()
+) -> int:
+    """The queued jobs (among ``which``, None: all) marked sent before ``stamp`` whose messages
+    were lost (Redis restarted empty, a list found empty under them) are unsent again, for the
+    dispatcher to send; ``queues`` are woken. Returns how many. A row a claim holds is
+    skipped: its message was not lost.
+
+    Their tenants are charged again when they are sent again, and not refunded now: after a
+    wipe the counters are gone anyway, and a lost message is rare enough that the share it
+    shifts does not matter (app/core/fairshare.py)."""
+    conditions = [Job.status == JobStatus.QUEUED, Job.enqueued_at < stamp]
+    if which is not None:
+        conditions.append(which)
+    unlocked = select(Job.id).where(*conditions).with_for_update(skip_locked=True)
+    result = tx.connection.execute(
+        update(Job)
+        .where(Job.id.in_(unlocked.scalar_subquery()), Job.status == JobStatus.QUEUED)
+        .values(enqueued_at=None)
+        .execution_options(synchronize_session=False)
+    )
+    forgotten = int(result.rowcount)  # type: ignore[attr-defined]
+    if forgotten:
+        tx.after.wake |= set(queues)
+    return forgotten
+
+
+# --- queued or running: stopped --------------------------------------------------------------
 
 STOPPED_BY_BATCH = {
     "batch_cancelled": "the batch was cancelled",
@@ -352,18 +258,15 @@ STOPPED_BY_BATCH = {
 }
 
 
-def stop_batch(
-    connection: Connection, batch_id: str, stamp: float, *, to: str, code: str, by: By
-) -> After:
+def stop_batch(tx: Tx, batch_id: str, stamp: float, *, to: str, code: str) -> None:
     """End a batch's queued jobs with ``to`` and mark its running ones for their workers to
     abort. Batch lines have no webhook_url, so no event is looked for (a batch holds up to
     50,000 lines)."""
-    return _stop(
-        connection,
+    _stop(
+        tx,
         Job.batch_id == batch_id,
         stamp,
         to=to,
-        by=by,
         error_code=code,
         error_message=STOPPED_BY_BATCH[code],
         events=False,
@@ -371,21 +274,20 @@ def stop_batch(
 
 
 def _stop(
-    connection: Connection,
+    tx: Tx,
     which: ColumnElement[bool],
     stamp: float,
     *,
     to: str,
-    by: By,
     error_code: str | None = None,
     error_message: str | None = None,
     events: bool = True,
-) -> After:
+) -> None:
     """The queued jobs ``which`` selects end ``to``; the running ones are marked cancelled for
     their workers to abort (the heartbeat reads the mark if the broadcast is missed)."""
     if not can_transition(JobStatus.QUEUED, to):
         raise ValueError(f"a job cannot go from queued to {to}")
-    ended = connection.execute(
+    ended = tx.connection.execute(
         update(Job)
         .where(which, Job.status == JobStatus.QUEUED)
         .values(
@@ -399,20 +301,19 @@ def _stop(
         .returning(Job.id, Job.lane, Job.model, Job.tenant, Job.charged)
         .execution_options(synchronize_session=False)
     ).all()
-    running = connection.execute(
+    running = tx.connection.execute(
         update(Job)
         .where(which, Job.status == JobStatus.RUNNING)
         .values(cancel_requested_at=stamp, updated_at=stamp)
         .returning(Job.id)
         .execution_options(synchronize_session=False)
     ).scalars()
-    return After(
-        by,
-        moved=_moved(ended, to, JobStatus.QUEUED, error_code),
-        events=outbox.record_job_events(connection, [r.id for r in ended], stamp) if events else [],
-        usage=_refunds(ended),
-        abort=list(running),
-    )
+    after = tx.after
+    after.moved += _moved(ended, to, JobStatus.QUEUED, error_code)
+    if events:
+        after.events += outbox.record_job_events(tx.connection, [r.id for r in ended], stamp)
+    after.usage += _refunds(ended)
+    after.abort += list(running)
 
 
 # --- running: claimed, recorded, handed back, reclaimed ---------------------------------------
@@ -502,8 +403,8 @@ _CLAIM_MANY = _claim_statement(Job.id.in_(bindparam("b_ids", expanding=True)))
 
 
 def claim(
-    connection: Connection, job_ids: Sequence[str], *, worker: str, lease_s: float, stamp: float
-) -> tuple[list[Row[Any]], After]:
+    tx: Tx, job_ids: Sequence[str], *, worker: str, lease_s: float, stamp: float
+) -> list[Row[Any]]:
     """Claim the queued ones among ``job_ids`` (``queued → running``, a new lease token, one
     more attempt) in input order; the ones past their deadline expire instead. The rows
     have the columns of :data:`CLAIMED`.
@@ -517,21 +418,20 @@ def claim(
         else (_CLAIM_MANY, {"b_ids": list(job_ids)})
     )
     params = {"b_worker": worker, "b_lease": stamp + lease_s, "b_stamp": stamp, **which}
-    rows = list(connection.execute(statement, params).all())
+    rows = list(tx.connection.execute(statement, params).all())
     taken = {row.id for row in rows}
-    after = expire_queued(connection, [i for i in job_ids if i not in taken], stamp, "worker")
+    expire_queued(tx, [i for i in job_ids if i not in taken], stamp)
     order = {job_id: i for i, job_id in enumerate(job_ids)}
     rows.sort(key=lambda row: order[row.id])
-    after.worker = worker
-    after.moved += _moved(rows, JobStatus.RUNNING, JobStatus.QUEUED)
-    return rows, after
+    tx.after.moved += _moved(rows, JobStatus.RUNNING, JobStatus.QUEUED)
+    return rows
 
 
 def choice(
     index: int, text: str, finish_reason: str | None, logprobs: list[dict[str, Any]] | None = None
 ) -> dict[str, Any]:
     """One choice as ``Job.choices`` holds it (a worker may add ``tool_calls`` and
-    ``content``: workers/tools.py)."""
+    ``content``: workers/inference/tools.py)."""
     return {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
 
 
@@ -619,13 +519,7 @@ def _record_params(lease: Lease, outcome: Outcome, stamp: float) -> dict[str, An
     return params | {"b_id": lease.job_id, "b_token": lease.token, "b_stamp": stamp}
 
 
-def record(
-    connection: Connection,
-    ended: Sequence[tuple[Lease, Outcome]],
-    *,
-    worker: str,
-    stamp: float,
-) -> tuple[list[bool], After]:
+def record(tx: Tx, ended: Sequence[tuple[Lease, Outcome]], *, stamp: float) -> list[bool]:
     """Write outcomes, each fenced by its own lease token; returns which were written.
 
     Every row whose status and token are still ours is written (:func:`_write_outcomes`); a
@@ -633,32 +527,27 @@ def record(
     round trips made the recorder the bottleneck of a busy worker (docs/architecture.md,
     "Group commit").
     """
-    written = _write_outcomes(connection, ended, stamp)
+    written = _write_outcomes(tx, ended, stamp)
     recorded = [item for item, ok in zip(ended, written, strict=True) if ok]
     hooked = [lease.job_id for lease, _ in recorded if lease.webhook]
-    after = After(
-        "worker",
-        moved=[lease.moved(o.status, JobStatus.RUNNING, o.error_code) for lease, o in recorded],
-        events=outbox.record_job_events(connection, hooked, stamp),
-        usage=[lease.usage(o.used) for lease, o in recorded],
-        worker=worker,
-    )
-    return written, after
+    after = tx.after
+    after.moved += [lease.moved(o.status, JobStatus.RUNNING, o.error_code) for lease, o in recorded]
+    after.events += outbox.record_job_events(tx.connection, hooked, stamp)
+    after.usage += [lease.usage(o.used) for lease, o in recorded]
+    return written
 
 
-def _write_outcomes(
-    connection: Connection, ended: Sequence[tuple[Lease, Outcome]], stamp: float
-) -> list[bool]:
+def _write_outcomes(tx: Tx, ended: Sequence[tuple[Lease, Outcome]], stamp: float) -> list[bool]:
     """Which of the fenced outcome writes changed their row. One outcome (what a realtime
     job's worker records at a time): its UPDATE returns the row it changed. Several: one
     executemany, then one read by token and this write's stamp (an executemany returns no
     rows)."""
     if len(ended) == 1:
         lease, outcome = ended[0]
-        changed = connection.execute(_RECORD_ONE, _record_params(lease, outcome, stamp)).first()
+        changed = tx.connection.execute(_RECORD_ONE, _record_params(lease, outcome, stamp)).first()
         return [changed is not None]
-    connection.execute(_RECORD, [_record_params(lease, o, stamp) for lease, o in ended])
-    rows = connection.execute(
+    tx.connection.execute(_RECORD, [_record_params(lease, o, stamp) for lease, o in ended])
+    rows = tx.connection.execute(
         select(Job.id, Job.lease_token, Job.finished_at).where(
             Job.id.in_([lease.job_id for lease, _ in ended])
         )
@@ -668,11 +557,11 @@ def _write_outcomes(
     return [lease.job_id in mine and tokens.get(lease.job_id) == lease.token for lease, _ in ended]
 
 
-def hand_back(connection: Connection, lease: Lease, stamp: float, *, worker: str) -> After:
+def hand_back(tx: Tx, lease: Lease, stamp: float) -> None:
     """Return a job this worker cannot finish to the queue without waiting for its lease to
     run out (shutdown, a dead engine); the dispatcher sends it again (and charges it again:
     this charge is refunded)."""
-    back = connection.execute(
+    back = tx.connection.execute(
         compare_and_set(
             lease.job_id,
             expect=JobStatus.RUNNING,
@@ -685,20 +574,14 @@ def hand_back(connection: Connection, lease: Lease, stamp: float, *, worker: str
         ).returning(Job.lane, Job.model)
     ).first()
     if back is None:
-        return After("worker", worker=worker)
-    return After(
-        "worker",
-        moved=[lease.moved(JobStatus.QUEUED, JobStatus.RUNNING)],
-        wake={dispatch.queue_of(back.lane, back.model)},
-        usage=[lease.usage(0)],
-        worker=worker,
-        fields={"reason": "handed_back"},
-    )
+        return
+    after = tx.after
+    after.moved.append(lease.moved(JobStatus.QUEUED, JobStatus.RUNNING))
+    after.wake.add(queue_of(back.lane, back.model))
+    after.usage.append(lease.usage(0))
 
 
-def reclaim(
-    connection: Connection, rows: Iterable[Any], stamp: float, *, max_attempts: int
-) -> After:
+def reclaim(tx: Tx, rows: Iterable[Any], stamp: float, *, max_attempts: int) -> None:
     """Jobs whose lease ran out (their worker was killed, paused or cut off): past their
     deadline they end ``expired``; after ``max_attempts`` claims ``failed`` (worker_lost);
     otherwise they are queued again for the dispatcher to send. Either way their tenants'
@@ -728,11 +611,11 @@ def reclaim(
             groups[JobStatus.FAILED].append(row.id)
         else:
             groups[JobStatus.QUEUED].append(row.id)
-    after = After("reaper")
+    after = tx.after
     for to, ids in groups.items():
         if not ids:
             continue
-        changed = connection.execute(
+        changed = tx.connection.execute(
             compare_and_set(
                 ids,
                 expect=JobStatus.RUNNING,
@@ -749,7 +632,6 @@ def reclaim(
         after.moved += _moved(changed, to, JobStatus.RUNNING, code)
         after.usage += _refunds(changed)
         if to == JobStatus.QUEUED:
-            after.wake |= {dispatch.queue_of(row.lane, row.model) for row in changed}
+            after.wake |= {queue_of(row.lane, row.model) for row in changed}
         else:
-            after.events += outbox.record_job_events(connection, [r.id for r in changed], stamp)
-    return after
+            after.events += outbox.record_job_events(tx.connection, [r.id for r in changed], stamp)

@@ -1,36 +1,14 @@
-"""The dispatcher's loop: which queues need jobs, and how many.
+"""The dispatcher's loop: which queues have jobs to send, what they hold, and acting on the plan.
 
-It keeps every queue (a lane of a model) just deep enough to keep that model's workers full::
-
-    unit(lane)     = bulk_chunk_size for bulk, else 1          (jobs per message)
-    target(queue)  = margin + ceil(INFERQ_DISPATCH_DEPTH * slots)
-                     (0 when a lane above waits and slots = 0)
-                     slots = the job slots of the live workers that may take the queue's jobs
-                             now: all of a worker's slots, but only its reserved share of this
-                             lane (lane_reserved_share) while it consumes a lane above that
-                             has jobs waiting
-                     margin = 2 jobs (realtime, standard) or one message (bulk)
-    refill(queue)  = target - unit * messages in its list      (when >= unit)
-    recall(queue)  = messages in its list - ceil(target / unit) (when a lane above waits)
-
-and a refill (app/dispatcher/refill.py) sends that many waiting jobs, in the fair order. A
-shallow queue is what makes the order hold: a job in the list is past the dispatcher, so a
-tenant that arrives behind a backlog waits for at most ``target`` jobs and what the workers
-hold, not for the backlog.
-
-Lanes keep strict priority (docs/architecture.md, "Fair share"). A worker polls its lists in
-lane order, but a lane's jobs beyond its target wait in the database until the next refill;
-a worker that drains that list sooner must not take a lower lane's message meanwhile. So
-while a lane has jobs waiting, the lanes below it (of the same model) hold only what their
-reserved shares may take (the worker's intake keeps those slots for them, workers/intake.py):
-nothing is sent past that, and messages sent before the lane above filled up (when nothing
-waited there) are recalled, their jobs unsent again. The worker then waits in its poll for
-the refill, as it did when every job was in the lists. The margin keeps the refills ahead of
-the workers, so that waiting is rare. The workers' slots are read again at once when a
-queue is found empty (a worker just started, or more work than expected).
+Every queue (a lane of a model) is kept just deep enough to keep that model's workers full,
+and the lanes below a waiting lane hold only their reserved shares: the rule is stated, and
+decided for each queue, in app/dispatcher/plan.py; a refill (app/dispatcher/refill.py) sends
+the jobs it asks for, in the fair order, and a recall takes messages back. The workers' slots
+are read again at once when a queue is found empty (a worker just started, or more work than
+expected).
 
 Which queues have waiting jobs: the API, the workers and the reaper push a queue's name onto
-``dispatch.WAKE_KEY`` when they leave jobs for it; the loop also looks in the database every
+``names.WAKE_KEY`` when they leave jobs for it; the loop also looks in the database every
 ``SCAN_S`` (a wake-up lost with Redis, a dispatcher started late). A queue stays on the list
 while a refill leaves jobs waiting; its list length is read every ``INFERQ_DISPATCH_INTERVAL_MS``
 while the lists move, less often (up to ``IDLE_WAIT_S``) while none does.
@@ -44,25 +22,24 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import os
 import signal
 import socket
 import sys
 import threading
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import redis
 from sqlalchemy import select
 from sqlalchemy.exc import InterfaceError, OperationalError
 
-from app.core import dispatch, fairshare, snapshot
+from app.core import clients, fairshare, snapshot
 from app.core.db import session_scope
 from app.core.models import LANE_PRIORITY, UNSENT, Job, now
+from app.core.names import DISPATCHER_KEY_PREFIX, WAKE_KEY
 from app.core.settings import LANES, Settings, get_settings
+from app.dispatcher.plan import LiveWorker, Recall, decide, lanes_above
 from app.dispatcher.refill import Route, recall, refill
 
 log = logging.getLogger("inferq.dispatcher")
@@ -74,40 +51,6 @@ SLOTS_S = 1.0  # how often the workers' presence records (their slots) are read
 SLOTS_FRESH_S = 0.1  # ... while a queue is found empty
 WEIGHTS_S = 5.0  # how often the tenants' weights are read
 RETRY_S = 1.0  # pause after Redis or the database failed
-
-
-def _lanes_above(lane: str) -> list[str]:
-    """The lanes whose jobs a worker takes before ``lane``'s."""
-    rank = LANE_PRIORITY.get(lane, len(LANES))
-    return [other for other in LANES if LANE_PRIORITY[other] < rank]
-
-
-@dataclass(frozen=True)
-class LiveWorker:
-    """A live inference worker, as its presence record shows it (workers/heartbeat.py)."""
-
-    model: str
-    lanes: frozenset[str]
-    slots: int
-    reserved: Mapping[str, int]  # each lane's reserved slots (its intake, workers/intake.py)
-
-    @classmethod
-    def of(cls, record: Mapping[str, Any]) -> LiveWorker:
-        reserved = (record.get("intake") or {}).get("reserved") or {}
-        return cls(
-            str(record["model"]),
-            frozenset(str(lane) for lane in record.get("lanes") or []),
-            int(record.get("concurrency") or 0),
-            {str(lane): int(n) for lane, n in reserved.items()},
-        )
-
-    def slots_for(self, lane: str, waiting_above: set[str]) -> int:
-        """The slots this worker may give ``lane``'s jobs while the lanes ``waiting_above``
-        have jobs waiting: all of them, or only the lane's reserved share if it takes one of
-        those lanes too."""
-        if lane not in self.lanes:
-            return 0
-        return self.reserved.get(lane, 0) if self.lanes & waiting_above else self.slots
 
 
 class Dispatcher:
@@ -127,9 +70,6 @@ class Dispatcher:
         self._depths: dict[Route, int] = {}  # each list's length at the last look
         self._wait = settings.dispatch_interval_ms / 1000
 
-    def unit(self, lane: str) -> int:
-        return self.settings.bulk_chunk_size if lane == "bulk" else 1
-
     def run(self, stop: threading.Event) -> None:
         while not stop.is_set():
             try:
@@ -143,8 +83,9 @@ class Dispatcher:
         self.withdraw()
 
     def step(self) -> None:
-        """Wait for a wake-up (briefly while queues are being filled), then refill every queue
-        that has room, in lane order."""
+        """Wait for a wake-up (briefly while queues are being filled), then look at every
+        queue with jobs waiting and the lanes below them, and act on each one's plan, in lane
+        order."""
         self.announce()
         self.backlog |= self._woken(self._wait if self.backlog else IDLE_S)
         if time.monotonic() - self._scanned >= SCAN_S:
@@ -152,72 +93,84 @@ class Dispatcher:
             self.backlog |= self._scan()
         if not self.backlog:
             return
-        # The lanes below a waiting lane are looked at too: they may hold messages to recall.
+        depths = self._look()
+        empty = any(not d for r, d in depths.items() if r in self.backlog)
+        workers = self._live_workers(fresh=empty)
+        for route, depth in depths.items():
+            # Decided with the backlog as the refills above left it (a lane they emptied no
+            # longer holds this one back).
+            above = {
+                lane for lane in lanes_above(route.lane) if Route(lane, route.model) in self.backlog
+            }
+            action = decide(
+                route.lane,
+                route.model,
+                depth,
+                route in self.backlog,
+                above,
+                workers,
+                depth=self.settings.dispatch_depth,
+                bulk_chunk=self.settings.bulk_chunk_size,
+            )
+            if isinstance(action, Recall):
+                self._recall(route, action.messages)
+            elif action is not None:
+                self._refill(route, action.jobs, action.unit)
+
+    def _look(self) -> dict[Route, int]:
+        """The messages in the list of each queue with jobs waiting, and of the lanes below
+        them (they may hold messages to recall), in lane order."""
         below = {
             Route(lane, route.model)
             for route in self.backlog
             for lane in LANES
-            if route.lane in _lanes_above(lane)
+            if route.lane in lanes_above(lane)
         }
         routes = sorted(self.backlog | below, key=lambda r: (LANE_PRIORITY.get(r.lane, 9), r.model))
         pipe = self.client.pipeline(transaction=False)
         for route in routes:
             pipe.llen(route.queue)
-        depths = pipe.execute()
+        depths = {route: int(n) for route, n in zip(routes, pipe.execute(), strict=True)}
         # Lists nobody takes from (a model with no worker, a full worker) need no look every
         # tick: the wait doubles, up to IDLE_WAIT_S, until a list moves or a refill is made.
-        moved = dict(zip(routes, depths, strict=True)) != self._depths
-        self._depths = dict(zip(routes, depths, strict=True))
         interval = self.settings.dispatch_interval_ms / 1000
+        moved = depths != self._depths
+        self._depths = depths
         self._wait = interval if moved else min(self._wait * 2, max(interval, IDLE_WAIT_S))
-        empty = any(not d for r, d in zip(routes, depths, strict=True) if r in self.backlog)
-        workers = self._live_workers(fresh=empty)
-        for route, depth in zip(routes, depths, strict=True):
-            unit = self.unit(route.lane)
-            above = {
-                lane
-                for lane in _lanes_above(route.lane)
-                if Route(lane, route.model) in self.backlog
-            }
-            slots = sum(w.slots_for(route.lane, above) for w in workers if w.model == route.model)
-            margin = unit if route.lane == "bulk" else 2
-            target = margin + math.ceil(self.settings.dispatch_depth * slots)
-            if above and not slots:
-                target = 0
-            if above and depth > math.ceil(target / unit):
-                recalled = recall(route, int(depth) - math.ceil(target / unit))
-                if recalled:
-                    self.recalled += recalled
-                    self.backlog.add(route)
-                    self._wait = interval
-                continue
-            room = target - unit * int(depth)
-            if route not in self.backlog or room < unit:
-                continue
-            done = refill(
-                route,
-                room,
-                policy=self.settings.dispatch_policy,
-                unit=unit,
-                weights=self._tenant_weights(),
-                waited=self.waited.get(route, set()),
-                client=self.client,
-            )
-            self._wait = interval
-            self.sent += done.sent
-            self.expired += done.expired
-            self.waited[route] = done.waiting
-            if not done.waiting:
-                self.backlog.discard(route)
+        return depths
+
+    def _recall(self, route: Route, messages: int) -> None:
+        recalled = recall(route, messages)
+        if recalled:
+            self.recalled += recalled
+            self.backlog.add(route)
+            self._wait = self.settings.dispatch_interval_ms / 1000
+
+    def _refill(self, route: Route, jobs: int, unit: int) -> None:
+        done = refill(
+            route,
+            jobs,
+            policy=self.settings.dispatch_policy,
+            unit=unit,
+            weights=self._tenant_weights(),
+            waited=self.waited.get(route, set()),
+            client=self.client,
+        )
+        self._wait = self.settings.dispatch_interval_ms / 1000
+        self.sent += done.sent
+        self.expired += done.expired
+        self.waited[route] = done.waiting
+        if not done.waiting:
+            self.backlog.discard(route)
 
     def _woken(self, wait_s: float) -> set[Route]:
         """Queues named on the wake-up list, waiting up to ``wait_s`` for the first."""
-        first = self.client.blpop([dispatch.WAKE_KEY], timeout=wait_s)
+        first = self.client.blpop([WAKE_KEY], timeout=wait_s)
         if first is None:
             return set()
         pipe = self.client.pipeline(transaction=True)
-        pipe.lrange(dispatch.WAKE_KEY, 0, -1)
-        pipe.delete(dispatch.WAKE_KEY)
+        pipe.lrange(WAKE_KEY, 0, -1)
+        pipe.delete(WAKE_KEY)
         rest, _ = pipe.execute()
         names = {first[1], *rest}
         return {Route.of_queue(n.decode() if isinstance(n, bytes) else str(n)) for n in names}
@@ -254,7 +207,7 @@ class Dispatcher:
 
     @property
     def key(self) -> str:
-        return dispatch.DISPATCHER_KEY_PREFIX + self.worker_id
+        return DISPATCHER_KEY_PREFIX + self.worker_id
 
     def announce(self) -> None:
         if time.monotonic() - self._announced < 1.0:
@@ -291,7 +244,7 @@ def main() -> None:
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
-    dispatcher = Dispatcher(settings, dispatch.redis_client())
+    dispatcher = Dispatcher(settings, clients.redis_client())
     log.info(
         "dispatcher %s: policy %s, queues %s deep (share of the workers' slots), ready.",
         dispatcher.worker_id,

@@ -1,6 +1,6 @@
 """One refill of one queue: which waiting jobs go next, sent in one transaction.
 
-A queue is a lane of a model (``dispatch.queue_of``); its waiting jobs are its ``queued`` rows
+A queue is a lane of a model (``names.queue_of``); its waiting jobs are its ``queued`` rows
 with no message out (``models.UNSENT``). A refill of ``n`` jobs:
 
 1. expires the waiting jobs whose deadline has passed: they never reach an engine;
@@ -12,16 +12,16 @@ with no message out (``models.UNSENT``). A refill of ``n`` jobs:
 
    ``arrival``: in submission order (a batch's lines in line order), whoever submitted them
    (the comparison of the ``fairness`` and ``prefix`` benchmarks);
-3. stamps them sent (``enqueued_at``) and charged (``charged`` = ``cost``), sends their messages
-   and commits - the sends inside the transaction, so that a dispatcher that dies in between
-   leaves them unsent, to be sent again: at worst a job gets a second message, whose claim
-   (a compare-and-set on ``queued``) takes nothing. The rows are taken with ``FOR UPDATE SKIP
+3. stamps them sent and charged (``transitions.mark_sent``), sends their messages and commits
+   - the sends inside the transaction, so that a dispatcher that dies in between leaves them
+   unsent, to be sent again: at worst a job gets a second message, whose claim (a
+   compare-and-set on ``queued``) takes nothing. The rows are taken with ``FOR UPDATE SKIP
    LOCKED`` on PostgreSQL and under SQLite's single write lock, so two dispatchers never pick
-   the same job.
+   the same job. The tenants are charged in Redis once it has committed.
 
 The inverse, :func:`recall`: the newest messages of a queue are taken back out of its list and
-their jobs marked unsent again (refunded), when a lane above it has jobs waiting
-(app/dispatcher/loop.py says when).
+their jobs marked unsent again (``transitions.take_back``, refunded), when a lane above it has
+jobs waiting (app/dispatcher/plan.py says when).
 
 Messages keep one tenant each and follow the turns: a tenant's chunk goes out at the virtual
 tokens its first job was given, so the engine takes the tenants' work interleaved as it was
@@ -36,12 +36,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis
-from sqlalchemy import ColumnElement, and_, func, select, update
-from sqlalchemy.engine import Connection
+from sqlalchemy import ColumnElement, and_, func, select
 
-from app.core import catalog, dispatch, fairshare, transitions
-from app.core.db import transaction
-from app.core.models import UNSENT, Job, JobStatus, now
+from app.core import broker, catalog, fairshare, transitions
+from app.core.after import Charge, Tx
+from app.core.changes import changes
+from app.core.models import UNSENT, Job, now
+from app.core.names import queue_of
 
 log = logging.getLogger("inferq.dispatcher")
 
@@ -66,7 +67,7 @@ class Route:
 
     @property
     def queue(self) -> str:
-        return dispatch.queue_of(self.lane, self.model)
+        return queue_of(self.lane, self.model)
 
     @classmethod
     def of_queue(cls, name: str) -> Route:
@@ -108,7 +109,7 @@ def _in_order(rows: Sequence[Any]) -> list[Any]:
 
 
 def _pick(
-    connection: Connection,
+    tx: Tx,
     waiting: ColumnElement[bool],
     n: int,
     stamp: float,
@@ -134,19 +135,7 @@ def _pick(
         .cte("chosen")
         .prefix_with("MATERIALIZED", dialect="postgresql")
     )
-    return list(
-        connection.execute(
-            update(Job)
-            .where(
-                Job.id.in_(select(chosen.c.id)),
-                Job.status == JobStatus.QUEUED,
-                Job.enqueued_at.is_(None),
-            )
-            .values(enqueued_at=stamp, charged=Job.cost)
-            .returning(*PICKED)
-            .execution_options(synchronize_session=False)
-        ).all()
-    )
+    return transitions.mark_sent(tx, select(chosen.c.id), stamp, PICKED)
 
 
 def _messages(
@@ -185,16 +174,12 @@ def refill(
     stamp = now()
     done = Refilled()
     spent: dict[str, int] = {}  # tenant -> tokens charged by this refill
-    lifted: dict[str, float] = {}  # joining tenants' new levels (fairshare.join)
     waiting = _waiting(route)
-    with transaction() as connection:
-        after = transitions.expire_queued(
-            connection, and_(waiting, Job.deadline_at <= stamp), stamp, "dispatcher"
-        )
-        done.expired = len(after.moved)
+    with changes("dispatcher") as tx:
+        done.expired = transitions.expire_queued(tx, and_(waiting, Job.deadline_at <= stamp), stamp)
         backlog = {
             row.tenant: (int(row.jobs), float(row.cost) / max(1, int(row.jobs)))
-            for row in connection.execute(
+            for row in tx.connection.execute(
                 select(
                     Job.tenant,
                     func.count().label("jobs"),
@@ -205,19 +190,10 @@ def refill(
             )
         }
         if backlog:
-            chosen = _choose(
-                connection, route, waiting, n, stamp, policy, backlog, weights, waited, client
-            )
-            lifted = chosen.lifted
+            chosen = _choose(tx, route, waiting, n, stamp, policy, backlog, weights, waited, client)
             batch = _messages(route, unit, chosen.rows, chosen.turns)
-            failed = set(dispatch.enqueue_messages(batch))
-            if failed:
-                connection.execute(
-                    update(Job)
-                    .where(Job.id.in_(failed))
-                    .values(enqueued_at=None, charged=0)
-                    .execution_options(synchronize_session=False)
-                )
+            failed = set(broker.send_jobs(batch))
+            transitions.send_failed(tx, failed)
             left = {t: jobs for t, (jobs, _) in backlog.items()}
             for row in (row for picked in chosen.rows.values() for row in picked):
                 if row.id not in failed:
@@ -225,16 +201,12 @@ def refill(
                     left[row.tenant] -= 1
                     done.sent += 1
             done.waiting = {t for t, jobs in left.items() if jobs > 0}
-    after.run()
-    try:
-        fairshare.charge(client, route.lane, route.model, spent, lifted)
-    except redis.RedisError as exc:
-        log.warning("could not charge %s's tenants: %s", route.queue, exc)
+            tx.after.charges.append(Charge(route.lane, route.model, spent, chosen.lifted))
     return done
 
 
 def _choose(
-    connection: Connection,
+    tx: Tx,
     route: Route,
     waiting: ColumnElement[bool],
     n: int,
@@ -247,7 +219,7 @@ def _choose(
 ) -> Chosen:
     """Pick (and stamp) up to ``n`` of the ``waiting`` jobs by ``policy``."""
     if policy == "arrival":
-        picked = _pick(connection, waiting, n, stamp, None)
+        picked = _pick(tx, waiting, n, stamp, None)
         in_order = sorted(picked, key=lambda r: (r.created_at, r.batch_line or 0, r.id))
         return Chosen({"": in_order}, {"": [0.0]})
     charged = fairshare.counters(client, route.lane, route.model)
@@ -256,7 +228,7 @@ def _choose(
     for tenant, v in fairshare.allocate(n, backlog, charged, weights):
         turns.setdefault(tenant, []).append(v)
     rows = {
-        tenant: _in_order(_pick(connection, waiting, len(given), stamp, tenant))
+        tenant: _in_order(_pick(tx, waiting, len(given), stamp, tenant))
         for tenant, given in turns.items()
     }
     return Chosen(rows, turns, lifted)
@@ -266,11 +238,11 @@ def recall(route: Route, messages: int) -> int:
     """Take up to ``messages`` of the newest messages out of ``route``'s list; their jobs wait
     unsent again, for a later refill. Returns how many jobs. A dispatcher that dies between
     the two steps leaves jobs marked sent with no message: the reaper finds them when the list
-    is empty, as any lost message (workers/reaper.py)."""
-    ids = [job_id for message in dispatch.take_back(route.queue, messages) for job_id in message]
+    is empty, as any lost message (workers/ops/reaper.py)."""
+    taken = broker.take_newest(route.queue, messages)
+    ids = [job_id for message in taken for job_id in message.job_ids]
     if not ids:
         return 0
-    with transaction() as connection:
-        after = transitions.unsend(connection, ids, by="dispatcher")
-    after.run()
+    with changes("dispatcher") as tx:
+        transitions.take_back(tx, ids)
     return len(ids)

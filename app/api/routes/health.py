@@ -10,7 +10,7 @@ from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
 
 from app.api.metrics import api_exposition
-from app.core import dispatch, snapshot
+from app.core import clients, snapshot
 from app.core.db import session_scope
 from app.core.errors import unavailable
 
@@ -37,7 +37,7 @@ def readyz() -> dict[str, str]:
     """The database and Redis both answer."""
     checks = {
         "database": "ok" if database_ok() else "unavailable",
-        "redis": "ok" if dispatch.redis_ok() else "unavailable",
+        "redis": "ok" if clients.redis_ok() else "unavailable",
     }
     down = [name for name, state in checks.items() if state != "ok"]
     if down:
@@ -57,7 +57,7 @@ def metrics_targets() -> JSONResponse:
     """Prometheus HTTP service discovery (``http_sd_configs``): the /metrics of every live
     inference worker and ops worker, from their presence records (README: Observability)."""
     try:
-        groups = snapshot.metrics_targets(dispatch.redis_client())
+        groups = snapshot.metrics_targets(clients.redis_client())
     except redis.RedisError:
         # Not an empty list: Prometheus keeps the targets it last discovered while this fails,
         # and would drop every worker on an empty answer.

@@ -17,7 +17,7 @@ from app.api.schemas import (
     WebhookDeliveryOut,
     WebhookEventOut,
 )
-from app.core import jobs, limits, outbox
+from app.core import catalog, jobs, outbox
 from app.core.models import JobStatus, Lane
 from app.core.schemas import JobCreate, JobOut
 from app.core.settings import get_settings
@@ -35,8 +35,10 @@ def create_job(
     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None,
 ) -> JobOut:
     """Submit a job. 202 means the job is committed and will reach a terminal state."""
-    limits.admit(session, tenant, caller_limits(request), [body])
-    job, created = jobs.submit(session, tenant, body, idempotency_key)
+    model = catalog.resolve(body.model)
+    job, created = jobs.submit(
+        session, tenant, body, model, caller_limits(request), idempotency_key
+    )
     if not created:
         response.status_code = 200
     return JobOut.from_row(job)
@@ -47,8 +49,8 @@ def create_jobs(
     body: JobBulkCreate, tenant: Tenant, session: SessionDep, request: Request
 ) -> JobBulkOut:
     """Submit many jobs at once: all are committed, or none (a 4xx names the bad one)."""
-    limits.admit(session, tenant, caller_limits(request), body.jobs, "jobs")
-    rows = jobs.submit_many(session, tenant, body.jobs)
+    models = [catalog.resolve(job.model) for job in body.jobs]
+    rows = jobs.submit_many(session, tenant, body.jobs, models, caller_limits(request))
     return JobBulkOut(data=[JobOut.from_row(job) for job in rows])
 
 
@@ -105,4 +107,4 @@ def list_webhook_deliveries(
 def redeliver_webhook(job_id: str, tenant: Tenant, session: SessionDep) -> WebhookEventOut:
     """Send the job's event again (same webhook-id), with a fresh retry schedule."""
     job = jobs.get(session, tenant, job_id)
-    return WebhookEventOut.from_row(outbox.redeliver(session, job))
+    return WebhookEventOut.from_row(jobs.redeliver_webhook(session, job))

@@ -1,0 +1,303 @@
+"""What one inferq process sends another through Redis: Celery messages, the dispatcher's
+wake-ups and the control channel. The only module that imports kombu.
+
+Messages carry job ids, never payloads: the row is the truth. A ``run_jobs`` message
+(:class:`RunJobs`) carries one job of the realtime and standard lanes, up to
+``bulk_chunk_size`` of the bulk lane, so a backlog of a million bulk jobs is ~30k messages and
+a worker claims a chunk in one transaction. Its shape is encoded and decoded here alone: by
+the producer, by the worker's intake (the message as Celery received it) and by the
+dispatcher taking messages back out of a list (the message as kombu stored it).
+
+Every Celery app inferq builds, the API's producer, the workers' and Flower's, comes from
+:func:`celery_app`, with the broker options, the queue declarations and the Redis transport
+below, so producers and consumers cannot disagree about them. A failed send never loses a
+job: its row is committed, and a job without a message is sent again by the dispatcher
+(docs/architecture.md, "Fair share").
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import logging
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from celery import Celery
+from kombu import Exchange, Queue, serialization
+from kombu.transport import TRANSPORT_ALIASES
+from kombu.transport import redis as kombu_redis
+from kombu.utils.scheduling import priority_cycle
+
+from app.core import clients
+from app.core.names import (
+    CONTROL_CHANNEL,
+    DELIVER_WEBHOOK_TASK,
+    MAINTENANCE_QUEUE,
+    OPS_QUEUES,
+    RUN_JOBS_TASK,
+    START_BATCH_TASK,
+    WAKE_KEY,
+    WAKE_MAX,
+    WEBHOOK_QUEUE,
+    lane_of,
+)
+from app.core.settings import LANES, Settings, get_settings
+
+log = logging.getLogger("inferq.broker")
+
+BROKER_POLL_S = 0.05
+
+
+# --- the run_jobs message ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunJobs:
+    """One ``run_jobs`` message: the ids of jobs of one lane (one queue) to claim and run."""
+
+    job_ids: list[str]
+    lane: str
+
+    def args(self) -> list[Any]:
+        """The task's positional arguments, as they travel."""
+        return [self.job_ids, self.lane]
+
+    @classmethod
+    def of_args(cls, args: Sequence[Any]) -> RunJobs:
+        """The message from the task's arguments (a worker received it)."""
+        job_ids, lane = args
+        return cls([str(job_id) for job_id in job_ids], str(lane))
+
+    @classmethod
+    def of_stored(cls, payload: bytes) -> RunJobs:
+        """The message as kombu's Redis transport stores it in a list: a JSON envelope around
+        the encoded body ``[args, kwargs, embed]``. Raises ValueError (or KeyError, IndexError,
+        TypeError) for anything else."""
+        message = json.loads(payload)
+        if message["headers"]["task"] != RUN_JOBS_TASK:
+            raise ValueError(message["headers"]["task"])
+        body = message["body"]
+        if message.get("properties", {}).get("body_encoding") == "base64":
+            body = base64.b64decode(body)
+        args, _kwargs, _embed = serialization.loads(
+            body, message["content-type"], message["content-encoding"]
+        )
+        return cls.of_args(args)
+
+
+# --- queues, lane order and the transport: every Celery app of inferq ------------------------
+
+
+def task_queues(names: Iterable[str] = OPS_QUEUES) -> list[Queue]:
+    """Queues in strict priority order: a worker polls them in exactly this order."""
+    return [Queue(name, Exchange(name, type="direct"), routing_key=name) for name in names]
+
+
+class LaneOrder(priority_cycle):  # type: ignore[misc]
+    """kombu queue cycle that always polls lanes in priority order.
+
+    Workers cancel and re-add lane consumers at run time (``workers/inference/intake.py``);
+    kombu's own "priority" cycle keeps the order in which queues were added, so a re-added
+    realtime queue would end up behind bulk. Sorting by lane restores the order on every change.
+    """
+
+    def update(self, it: Iterable[str]) -> None:
+        rank = {lane: i for i, lane in enumerate(LANES)}
+        self.items[:] = sorted(it, key=lambda q: rank.get(lane_of(q), len(rank)))
+
+
+class _RedisChannel(kombu_redis.Channel):  # type: ignore[misc]
+    """kombu's Redis channel, with one client for the commands it sends outside a pipeline.
+
+    kombu builds a new ``redis.Redis`` for every publish, acknowledgement and event (its
+    ``conn_or_acquire``), and redis-py's client fills a table of about 170 response callbacks
+    each time it is built: two of them were half the CPU of sending a message (profile in
+    docs/benchmarks.md, "overhead"). The client is thread-safe; its connections still come
+    from the channel's pool.
+    """
+
+    _shared_client: Any = None
+
+    @contextlib.contextmanager
+    def conn_or_acquire(self, client: Any = None) -> Iterator[Any]:
+        if client:
+            yield client
+            return
+        if self._shared_client is None:
+            self._shared_client = self._create_client()
+        yield self._shared_client
+
+
+class RedisTransport(kombu_redis.Transport):  # type: ignore[misc]
+    """kombu's Redis transport with :class:`_RedisChannel`."""
+
+    Channel = _RedisChannel
+
+
+def broker_transport_options(settings: Settings) -> dict[str, Any]:
+    return {
+        # BRPOP the queues in strict lane order instead of kombu's default round robin.
+        "queue_order_strategy": f"{__name__}:LaneOrder",
+        "priority_steps": [0],
+        # No redelivery bookkeeping in Redis (an unacked hash and index written for every
+        # message received and cleared at its ack: 8 % of a worker's CPU per realtime call,
+        # docs/benchmarks.md, "overhead"). The job row is what gets a job run again: a
+        # dead worker's claimed jobs come back when their lease expires, a fetched message
+        # that was never claimed is re-sent by the reaper once its lane's list is empty, and a
+        # worker that stops hands its jobs back (README, "Reliability"). The bookkeeping's own
+        # redelivery came after a visibility timeout of two days, later than the reaper.
+        "ack_emulation": False,
+        # A broker poll (BRPOP) that is already waiting does not see a lane the intake has
+        # just re-opened; a short poll bounds that delay (at the cost of ~20 polls/s idle).
+        "polling_interval": BROKER_POLL_S,
+        "socket_connect_timeout": settings.dependency_timeout_s,
+        "socket_timeout": max(30.0, settings.dependency_timeout_s),
+    }
+
+
+def celery_app(name: str, settings: Settings, **config: Any) -> Celery:
+    """A Celery app on ``settings``' Redis with inferq's queues and broker options; ``config``
+    adds to (or overrides) them. kombu picks a transport by the broker URL's scheme, so the
+    scheme ``redis`` is pointed at :class:`RedisTransport` here, before the app connects; URLs
+    stay as they are (Flower reads its broker's kind from the scheme)."""
+    TRANSPORT_ALIASES["redis"] = f"{__name__}:RedisTransport"
+    app = Celery(name, broker=settings.redis_url, set_as_current=False)
+    app.conf.update(
+        task_queues=task_queues(),
+        broker_transport_options=broker_transport_options(settings),
+        broker_connection_timeout=settings.dependency_timeout_s,
+        task_serializer="json",
+        accept_content=["json"],
+        **config,
+    )
+    return app
+
+
+def _producer() -> Celery:
+    """This process's producer (dropped by ``clients.reset``)."""
+
+    def build() -> Celery:
+        return celery_app(
+            "inferq-producer",
+            get_settings(),
+            # A task-sent event per message (a Redis PUBLISH, dropped when nobody listens):
+            # the only event that carries the routing key, i.e. the lane, to Flower.
+            task_send_sent_event=True,
+            task_publish_retry_policy={
+                "max_retries": 2,
+                "interval_start": 0.1,
+                "interval_step": 0.2,
+                "interval_max": 0.5,
+            },
+        )
+
+    return clients.held("producer", build)
+
+
+# --- sending -----------------------------------------------------------------------------------
+
+
+def send_jobs(batch: Iterable[tuple[str, list[str]]]) -> list[str]:
+    """Send one ``run_jobs`` message per (queue, job ids), in order. Returns the ids that were
+    not sent."""
+    app = _producer()
+    failed: list[str] = []
+    with app.producer_or_acquire() as producer:
+        for name, ids in batch:
+            args = RunJobs(ids, lane_of(name)).args()
+            try:
+                # A direct queue is published through the anonymous exchange (LPUSH onto the
+                # queue's list), so delivery does not depend on kombu's binding keys in Redis.
+                app.send_task(
+                    RUN_JOBS_TASK,
+                    args=args,
+                    queue=name,
+                    producer=producer,
+                    # What Flower shows as args; Celery's own safe repr of them cost more
+                    # than the rest of the message.
+                    argsrepr=repr(args),
+                    kwargsrepr="{}",
+                )
+            except Exception:  # kombu raises several connection error types
+                log.exception("could not enqueue %d job(s) on %s", len(ids), name)
+                failed.extend(ids)
+    return failed
+
+
+def take_newest(name: str, messages: int) -> list[RunJobs]:
+    """Take up to ``messages`` of the newest ``run_jobs`` messages out of a queue's list before
+    a worker takes them; their jobs then have no message (the caller marks them unsent:
+    ``transitions.take_back``). A worker pops the oldest end of the list and this the newest,
+    so the two never get the same message; what is not a ``run_jobs`` message goes back where
+    it was."""
+    client = clients.redis_client()
+    taken: list[RunJobs] = []
+    payloads: list[bytes] = client.lpop(name, messages) or []  # type: ignore[assignment]
+    for payload in payloads:
+        try:
+            taken.append(RunJobs.of_stored(payload))
+        except (ValueError, KeyError, IndexError, TypeError) as exc:
+            log.warning("left a message that is not run_jobs on %s: %r", name, exc)
+            client.lpush(name, payload)
+    return taken
+
+
+def queue_is_empty(name: str) -> bool:
+    """Whether a queue's list holds no message (Redis away: False, so nothing is sent past
+    the dispatcher)."""
+    try:
+        return not clients.redis_client().llen(name)
+    except redis.RedisError:
+        return False
+
+
+def send_webhooks(event_ids: Iterable[str]) -> list[str]:
+    """Send one delivery message per committed webhook event; returns the ids not sent."""
+    app = _producer()
+    ids = list(event_ids)
+    with app.producer_or_acquire() as producer:
+        for i, event_id in enumerate(ids):
+            try:
+                app.send_task(
+                    DELIVER_WEBHOOK_TASK, args=[event_id], queue=WEBHOOK_QUEUE, producer=producer
+                )
+            except Exception:
+                # The broker is down: the rest would fail the same way, slowly.
+                log.exception("could not enqueue %d webhook event(s)", len(ids) - i)
+                return ids[i:]
+    return []
+
+
+def send_start_batch(batch_id: str) -> bool:
+    """Ask the ops worker to validate a batch's file and start its jobs; False if not sent."""
+    try:
+        _producer().send_task(START_BATCH_TASK, args=[batch_id], queue=MAINTENANCE_QUEUE)
+    except Exception:
+        log.exception("could not enqueue batch %s; the batch sweep will", batch_id)
+        return False
+    return True
+
+
+def wake(queues: Iterable[str]) -> None:
+    """Tell the dispatcher that ``queues`` have jobs to send (it also looks by itself every
+    second, so a wake-up lost with Redis only delays them)."""
+    names = sorted(set(queues))
+    if not names:
+        return
+    try:
+        pipe = clients.redis_client().pipeline(transaction=False)
+        pipe.lpush(WAKE_KEY, *names)
+        pipe.ltrim(WAKE_KEY, 0, WAKE_MAX - 1)
+        pipe.execute()
+    except redis.RedisError as exc:
+        log.warning("could not wake the dispatcher for %s: %s", names, exc)
+
+
+def publish_control(action: str, **fields: Any) -> int:
+    """Broadcast a control message (e.g. cancel a running job) to every worker."""
+    message = json.dumps({"action": action, **fields})
+    return int(clients.redis_client().publish(CONTROL_CHANNEL, message))

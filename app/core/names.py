@@ -1,0 +1,70 @@
+"""Every name that processes share: Celery task names, queues, and the Redis keys and channels.
+
+Producers and consumers read their names from here, so the API, the dispatcher, the workers
+and `inferq status` cannot disagree about them (arq keeps its keys in one ``constants.py`` for
+the same reason). A job's queue is its lane *of its model* (:func:`queue_of`:
+``<lane>:<model>``): a worker holds one model and consumes only that model's three lanes, in
+strict lane order, so a backlog of one model never stands in front of another model's jobs
+(docs/architecture.md, "Many models").
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from app.core.settings import get_settings
+
+# --- Celery tasks (messages carry ids, never payloads: the row is the truth) -------------------
+RUN_JOBS_TASK = "inferq.run_jobs"  # inference workers: run one message's jobs
+DELIVER_WEBHOOK_TASK = "inferq.deliver_webhook"  # the ops worker's tasks from here on
+SWEEP_WEBHOOKS_TASK = "inferq.sweep_webhooks"
+START_BATCH_TASK = "inferq.start_batch"
+SWEEP_BATCHES_TASK = "inferq.sweep_batches"
+REAP_TASK = "inferq.reap"
+
+# --- queues ------------------------------------------------------------------------------------
+# The ops worker's (`inferq ops`): deliveries, and the periodic sweeps beat sends. The job
+# queues are named by queue_of.
+WEBHOOK_QUEUE = "webhooks"
+MAINTENANCE_QUEUE = "maintenance"
+OPS_QUEUES: tuple[str, ...] = (WEBHOOK_QUEUE, MAINTENANCE_QUEUE)
+
+# --- Redis keys and channels -------------------------------------------------------------------
+# Cancels of running jobs, broadcast to every inference worker (workers/inference/control.py).
+CONTROL_CHANNEL = "inferq:control"
+# A waiting API call's channel is this prefix + its process (app/core/relay.py).
+REPLY_CHANNEL_PREFIX = "inferq:reply:"
+# Presence records (workers/presence.py), one prefix per role: readers of inference workers
+# (`inferq up`, `inferq status`, the dispatcher) never see an ops worker as one of them.
+WORKERS_KEY_PREFIX = "inferq:worker:"
+OPS_KEY_PREFIX = "inferq:ops:"
+DISPATCHER_KEY_PREFIX = "inferq:dispatcher:"
+Role = Literal["inference", "ops", "dispatcher"]
+PRESENCE_KEY_PREFIXES: dict[Role, str] = {
+    "inference": WORKERS_KEY_PREFIX,
+    "ops": OPS_KEY_PREFIX,
+    "dispatcher": DISPATCHER_KEY_PREFIX,
+}
+# The dispatcher's wake-up list: queues with jobs to send (app/dispatcher), at most WAKE_MAX.
+WAKE_KEY = "inferq:dispatch:wake"
+WAKE_MAX = 1000
+# Each tenant's virtual token counter in one queue: a hash per queue (app/core/fairshare.py).
+FAIR_COUNTERS_PREFIX = "inferq:fair:"
+# Rate-limit windows: prefix + tenant:limit:window (app/core/limits.py).
+LIMIT_KEY_PREFIX = "inferq:limit:"
+# A model's card and the tokenizers cards name (app/core/tokens.py).
+CARD_KEY_PREFIX = "inferq:model:"
+TOKENIZER_KEY_PREFIX = "inferq:tokenizer:"
+# The reaper's marker: gone means Redis lost its data (workers/ops/reaper.py).
+EPOCH_KEY = "inferq:epoch"
+
+
+def queue_of(lane: str, model: str) -> str:
+    """The Celery queue (and Redis list) of ``model``'s jobs in ``lane``: a LoRA adapter's jobs
+    are in its base model's queues, whose workers run them (README, "Many models")."""
+    return f"{lane}:{get_settings().base_of(model)}"
+
+
+def lane_of(queue: str) -> str:
+    """The lane of a queue :func:`queue_of` named (an ops queue is its own name)."""
+    return queue.split(":", 1)[0]
