@@ -1,5 +1,8 @@
-"""`inferq bench`: the scenarios of docs/benchmarks.md, run side by side in one invocation.
+"""`inferq bench` (`python -m bench`): the scenarios of docs/benchmarks.md, run side by side in
+one invocation.
 
-It lives with the workers because its baselines drive an engine in-process; the API never
-imports it.
+A package of its own beside app/ and workers/: its baselines drive an engine in-process
+(workers/engines) and it starts whole stacks (app/cli/stack.py), so it imports both sides, and
+no product package imports it (an import contract in pyproject.toml). It is not installed into
+the images (the Dockerfile copies app/, workers/ and migrations/ only).
 """

@@ -1,4 +1,4 @@
-"""`inferq bench` (``python -m workers.bench``): run scenarios, print and write the results."""
+"""`inferq bench` (``python -m bench``): run scenarios, print and write the results."""
 
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ import click
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from workers.bench import report
-from workers.bench.fairness import fairness
-from workers.bench.harness import environment, postgres_answers
-from workers.bench.overhead import overhead
-from workers.bench.prefix import prefix
-from workers.bench.scenarios import SCENARIOS, Options
+from bench import report
+from bench.fairness import fairness
+from bench.harness import environment, postgres_answers
+from bench.overhead import overhead
+from bench.prefix import prefix
+from bench.scenarios import SCENARIOS, Options
 
 ALL = (
     "efficiency",
@@ -137,7 +137,7 @@ def main(
                 if engine != "vllm":
                     results[name] = {"skipped": "peer compares with `vllm serve`: --engine vllm"}
                     continue
-                from workers.bench.peer import peer
+                from bench.peer import peer
 
                 results[name] = peer(opts)
             elif name == "overhead":

@@ -25,8 +25,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from workers.bench.harness import BenchStack
-from workers.bench.scenarios import Options
+from bench.harness import BenchStack
+from bench.scenarios import Options
 
 FAIR_A = 20_000
 FAIR_B = 500

@@ -8,7 +8,7 @@ answers in OpenAI's chunk format, one chunk per engine step, then the usage chun
 ``[DONE]``. What inferq adds on top of this server is the platform's own cost
 (docs/benchmarks.md, "overhead").
 
-    python -m workers.bench.floor --port 8123
+    python -m bench.floor --port 8123
 """
 
 from __future__ import annotations

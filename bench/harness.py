@@ -4,7 +4,8 @@
 SQLite file or a new PostgreSQL database), the API and N inference workers - as child processes
 on loopback, with settings passed as ``INFERQ_*`` variables, and tears all of it down (the
 PostgreSQL database is dropped). :func:`run_direct` drives the same engine in this process
-through the same :class:`~workers.runner.Runner`, with no API, queue or database in between.
+through the same :class:`~workers.inference.runner.Runner`, with no API, queue or database in
+between.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from app.core.models import TERMINAL, Job
 from app.core.settings import Settings
 from workers.engines import create_engine as create_model_engine
 from workers.engines.base import GenRequest
-from workers.runner import Runner
+from workers.inference.runner import Runner
 
 SUBMIT_BATCH = 250
 POLL_S = 0.2  # start-up polls: shorter than `inferq up`'s, benchmarks start many stacks

@@ -1,11 +1,11 @@
 """The ``overhead`` scenario: what the realtime lane costs over a bare server, engine held equal.
 
 Both sides run the SIMULATED engine (it spends no CPU, so every millisecond is the platform's)
-with the same settings and get the same streaming client (workers/bench/streaming.py): chat
+with the same settings and get the same streaming client (bench/streaming.py): chat
 completions with ``stream: true`` from N concurrent clients, each sending its next request
 when the previous one has ended, at N = 16 and N = 64.
 
-- **floor**: workers/bench/floor.py, an OpenAI-compatible SSE server holding the engine
+- **floor**: bench/floor.py, an OpenAI-compatible SSE server holding the engine
   in-process, as vLLM's server holds its own;
 - **inferq**: ``/v1/chat/completions`` on the whole stack (API, Redis, one worker, ops worker,
   PostgreSQL), each call a durable realtime job.
@@ -28,10 +28,10 @@ from typing import Any
 import httpx
 
 from app.cli.stack import wait_ready
-from workers.bench.harness import POLL_S, BenchStack, free_port
-from workers.bench.metrics import percentile, summarize
-from workers.bench.scenarios import Options, workload
-from workers.bench.streaming import stream_all
+from bench.harness import POLL_S, BenchStack, free_port
+from bench.metrics import percentile, summarize
+from bench.scenarios import Options, workload
+from bench.streaming import stream_all
 
 CLIENTS = (16, 64)
 REQUESTS_PER_CLIENT = 25  # 400 measured requests at 16 clients, 1,600 at 64
@@ -77,9 +77,7 @@ def _run(url: str, bodies: list[dict[str, Any]], clients: int, what: str, opts: 
 def _floor(opts: Options, bodies: list[dict[str, Any]], clients: int) -> dict[str, Any]:
     port = free_port()
     with BenchStack("sqlite", opts.stack_env(engine="simulated"), opts.workdir) as stack:
-        server = stack.spawn(
-            "floor", [sys.executable, "-m", "workers.bench.floor", "--port", str(port)]
-        )
+        server = stack.spawn("floor", [sys.executable, "-m", "bench.floor", "--port", str(port)])
         url = f"http://127.0.0.1:{port}"
         wait_ready(
             "floor",

@@ -17,11 +17,11 @@ from typing import Any
 import httpx
 
 from app.cli.stack import wait_ready
-from workers.bench.harness import POLL_S, BenchStack, free_port
-from workers.bench.metrics import summarize
-from workers.bench.overhead import WARMUP_ROUNDS
-from workers.bench.scenarios import Options, Spec, workload
-from workers.bench.streaming import stream_all
+from bench.harness import POLL_S, BenchStack, free_port
+from bench.metrics import summarize
+from bench.overhead import WARMUP_ROUNDS
+from bench.scenarios import Options, Spec, workload
+from bench.streaming import stream_all
 from workers.engines import resolve_model
 from workers.engines.vllm import VLLMEngine
 
@@ -50,7 +50,7 @@ def _stream_all(
     opts: Options, url: str, model: str, specs: list[Spec], what: str
 ) -> dict[str, Any]:
     """``PEER_CLIENTS`` concurrent clients, each streaming one completion after another; the
-    first rounds warm up and are not measured (workers/bench/streaming.py)."""
+    first rounds warm up and are not measured (bench/streaming.py)."""
     warm = specs[: WARMUP_ROUNDS * PEER_CLIENTS]
     bodies = [
         {

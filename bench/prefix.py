@@ -22,8 +22,8 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from workers.bench.harness import BenchStack
-from workers.bench.scenarios import Options
+from bench.harness import BenchStack
+from bench.scenarios import Options
 
 PREFIXES = 8
 # ~2.4 demo-tokenizer tokens a word: ~600 tokens, 4 full vLLM CPU blocks (128 tokens) of it

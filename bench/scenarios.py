@@ -20,8 +20,8 @@ import httpx
 
 from app.core.models import LANE_PRIORITY
 from app.core.settings import Settings
-from workers.bench.harness import BenchStack, direct_runner, run_direct
-from workers.bench.metrics import percentile, summarize
+from bench.harness import BenchStack, direct_runner, run_direct
+from bench.metrics import percentile, summarize
 from workers.engines.base import GenRequest
 
 WARMUP = 5

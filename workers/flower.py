@@ -1,8 +1,8 @@
 """Entry point of Flower, the Celery dashboard (`inferq flower` runs `python -m workers.flower`).
 
-This module owns how Flower is run against inferq: in-process on ``workers.celery_app`` (so
-the broker, the queue declarations and the registered tasks are ours, from settings), the bind
-address and port, basic auth, and what the dashboard shows:
+This module owns how Flower is run against inferq: in-process on a Celery app made like the
+workers' (``workers.celery_app.create``: the broker, the transport and the queue declarations
+are ours, from settings), the bind address and port, basic auth, and what the dashboard shows:
 
 - Flower can revoke tasks and shut workers down, so it refuses to listen beyond loopback
   without basic auth (``INFERQ_FLOWER_BASIC_AUTH``, ``user:password``).
@@ -10,7 +10,7 @@ address and port, basic auth, and what the dashboard shows:
   length, including a lane no worker consumes at the moment.
 - The Tasks tab shows each task's lane as its routing key: every ``run_jobs`` message is
   published to its lane's queue with the lane as routing key, and the API's producer sends a
-  ``task-sent`` event that carries it (``app/core/dispatch.py``).
+  ``task-sent`` event that carries it (``app/core/broker.py``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from app.core import catalog
-from app.core.dispatch import OPS_QUEUES
+from app.core.names import OPS_QUEUES
 from app.core.settings import Settings, get_settings
 
 # The task list's columns: the queue (routing_key: lane and model) and the job ids (args) next to
@@ -116,7 +116,9 @@ def main() -> None:
     from celery.bin.celery import celery
     from flower.command import flower
 
-    from workers.celery_app import celery_app
+    from workers import celery_app as apps
+
+    celery_app = apps.create("flower", settings)
 
     # Registered here, as flower's own `python -m flower` does, rather than relying on the
     # `celery.commands` entry point being present in the environment's metadata.

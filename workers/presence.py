@@ -1,7 +1,7 @@
 """A process's presence record in Redis: who it is, where its /metrics are, how it is doing.
 
 Inference workers and ops workers announce themselves the same way, under their role's key
-prefix (``app.core.dispatch.PRESENCE_KEY_PREFIXES``): one JSON record per process, rewritten
+prefix (``app.core.names.PRESENCE_KEY_PREFIXES``): one JSON record per process, rewritten
 every ``interval_s`` and expiring after three intervals, so the record of a process that died
 without saying goodbye drops out by itself. ``inferq up``, ``inferq status`` and the API's
 Prometheus service discovery read these records (app/core/snapshot.py).
@@ -20,8 +20,9 @@ from typing import Any
 
 import redis
 
-from app.core import dispatch
+from app.core import clients
 from app.core.models import now
+from app.core.names import PRESENCE_KEY_PREFIXES, Role
 
 log = logging.getLogger("inferq.presence")
 
@@ -36,7 +37,7 @@ class Presence:
 
     def __init__(
         self,
-        role: dispatch.Role,
+        role: Role,
         worker_id: str,
         interval_s: float,
         describe: Callable[[], dict[str, Any]],
@@ -50,7 +51,7 @@ class Presence:
 
     @property
     def key(self) -> str:
-        return dispatch.PRESENCE_KEY_PREFIXES[self.role] + self.worker_id
+        return PRESENCE_KEY_PREFIXES[self.role] + self.worker_id
 
     def announce(self) -> None:
         """Write the record now; a Redis that is down is logged, never raised."""
@@ -62,7 +63,7 @@ class Presence:
             "seen_at": now(),
         }
         try:
-            dispatch.redis_client().set(
+            clients.redis_client().set(
                 self.key, json.dumps(record), ex=max(5, int(self.interval_s * 3))
             )
         except redis.RedisError as exc:
@@ -71,7 +72,7 @@ class Presence:
     def withdraw(self) -> None:
         """Remove the record (a clean stop); without it the record would expire by itself."""
         with contextlib.suppress(redis.RedisError):
-            dispatch.redis_client().delete(self.key)
+            clients.redis_client().delete(self.key)
 
     def start(self) -> None:
         """Announce now, then every ``interval_s`` from a daemon thread until :meth:`stop`."""

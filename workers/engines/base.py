@@ -30,7 +30,7 @@ class GenRequest:
     # logit_bias, ...: app/core/schemas.py ``JobParams``); absent ones are at their defaults.
     options: Mapping[str, Any] = field(default_factory=dict)
     # A chat's tools, tool_choice and parallel_tool_calls (``jobs.tools``); the chat template
-    # shows the tools to the model, and workers/tools.py finds the calls in the output.
+    # shows the tools to the model, and workers/inference/tools.py finds the calls in the output.
     tools: Mapping[str, Any] | None = None
     # A LoRA adapter of this engine's model the job names (README, "Many models"), and its
     # directory; a name without a path is one this worker does not have.

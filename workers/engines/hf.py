@@ -1,8 +1,9 @@
 """The transformers engine: static batches of ``model.generate`` on CPU or GPU.
 
-It has no continuous batching: the runner releases micro-batches to it (workers/runner.py), and
-whatever arrives together runs as one left-padded ``generate`` call in a thread, grouped by
-sampling settings. It streams nothing: each request gets its whole text in one chunk.
+It has no continuous batching: the runner releases micro-batches to it
+(workers/inference/runner.py), and whatever arrives together runs as one left-padded
+``generate`` call in a thread, grouped by sampling settings. It streams nothing: each request
+gets its whole text in one chunk.
 
 Of vLLM's sampling options it honours top_k, min_p, repetition_penalty and min_tokens (as
 ``generate``'s own, the same for a whole batch, so they are part of the grouping),

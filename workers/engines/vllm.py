@@ -3,7 +3,7 @@
 vLLM is imported inside methods so that importing this module costs nothing. The engine must be
 built inside the runner's event loop (its output handler binds to the running loop). Lanes map
 to vLLM priorities (lower runs first); a waiting request never preempts a running one, so lane
-protection is also done before the engine (workers/runner.py).
+protection is also done before the engine (workers/inference/runner.py).
 Known across vLLM 0.10-0.33: keyword-only arguments after ``request_id``; ``get_tokenizer`` is
 async in older versions; raw string prompts are accepted (deprecated in 0.32, still working).
 """

@@ -12,15 +12,16 @@ import threading
 
 import redis
 
-from app.core import dispatch
-from workers.executor import Executor
+from app.core.names import CONTROL_CHANNEL
+from workers.inference.executor import Executor
 
 log = logging.getLogger("inferq.control")
 
 
 class ControlListener:
-    def __init__(self, executor: Executor) -> None:
+    def __init__(self, executor: Executor, client: redis.Redis) -> None:
         self.executor = executor
+        self.client = client
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="control", daemon=True)
 
@@ -34,8 +35,8 @@ class ControlListener:
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
-                pubsub = dispatch.redis_client().pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
-                pubsub.subscribe(dispatch.CONTROL_CHANNEL)
+                pubsub = self.client.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
+                pubsub.subscribe(CONTROL_CHANNEL)
                 while not self._stop.is_set():
                     message = pubsub.get_message(timeout=0.5)
                     if message is not None:

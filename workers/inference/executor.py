@@ -5,11 +5,14 @@
   for jobs that are running, finished or cancelled claims nothing, so jobs cancelled while
   queued never run.
 - The jobs go into the engine at once, at most the worker's slots at a time; each outcome goes
-  to the recorder (``workers/recorder.py``) as soon as its job leaves the engine.
+  to the recorder (``workers/inference/recorder.py``) as soon as its job leaves the engine.
 - No DB transaction is open while the engine works. Database errors are retried with backoff
   and the Celery message is acknowledged only after every outcome is committed.
 - Job slots are taken from the lane intake when the message arrives and given back as each job
-  leaves the engine (``workers/intake.py``).
+  leaves the engine (``workers/inference/intake.py``).
+
+Its parts (runner, recorder, intake) are built by the worker's composition root
+(workers/inference/main.py) and passed in.
 """
 
 from __future__ import annotations
@@ -20,162 +23,49 @@ import logging
 import threading
 from collections import Counter, deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any
 
-from app.core import dispatch, outbox, relay, transitions
-from app.core.db import transaction, with_db_retry
-from app.core.models import LANE_PRIORITY, JobStatus, now
+from app.core import transitions
+from app.core.changes import changes
+from app.core.db import with_db_retry
+from app.core.models import JobStatus, now
 from app.core.settings import Settings
-from app.core.transitions import DEADLINE_EXCEEDED, Lease, Outcome
-from workers import metrics, tools
-from workers.engines.base import EngineDeadError, EngineRequestError, GenRequest
-from workers.intake import Intake
-from workers.recorder import Recorder
-from workers.runner import GenResult, Runner
+from app.core.transitions import Outcome
+from workers import metrics
+from workers.engines.base import EngineDeadError, EngineRequestError
+from workers.inference import tools
+from workers.inference.claims import Claim, Released, echo_of, ending_of, request_for, request_id
+from workers.inference.intake import Intake
+from workers.inference.recorder import Recorder
+from workers.inference.runner import GenResult, Runner
 
 log = logging.getLogger("inferq.executor")
-
-
-@dataclass(frozen=True)
-class Claim:
-    """A job this worker claimed: its lease, its engine request and what its caller awaits."""
-
-    lease: Lease
-    request: GenRequest
-    deadline: float | None
-    relay: str | None  # a caller waits (app/core/relay.py): "end" or "tokens"
-    reply_to: str | None  # where the relay goes
-    echo: str = ""  # what the output starts with (``echo``: see echo_of)
-
-    @property
-    def job_id(self) -> str:
-        return self.lease.job_id
-
-    @property
-    def token(self) -> int:
-        return self.lease.token
-
-    @property
-    def created_at(self) -> float:
-        return self.request.arrival
-
-
-@dataclass(frozen=True)
-class Released:
-    """A job that left this worker without an outcome: someone else owns it now.
-
-    ``reason``: the runner's abort reason, ``shutdown`` (handed back to the queue) or
-    ``lease_lost`` (reclaimed by the reaper).
-    """
-
-    reason: str
-
-
-def request_id(job_id: str, token: int) -> str:
-    """One engine request id per claim: a re-run of the job is a new engine request."""
-    return f"{job_id}.{token}"
-
-
-# The sampling options GenRequest has fields of its own for, and ``echo``, which the executor
-# applies itself (echo_of); the rest travel in ``options``.
-_OWN_FIELDS = frozenset({"max_tokens", "temperature", "top_p", "stop", "seed", "echo"})
-
-
-def echo_of(job: Any) -> str:
-    """What a job with ``echo`` shows before its output, as vLLM's server does: the prompt of a
-    completion; of a chat, the last message's content if it is the assistant's (the reply
-    continues it), else nothing."""
-    if not job.params.get("echo"):
-        return ""
-    if job.messages is None:
-        return str(job.prompt or "")
-    last = job.messages[-1] if job.messages else {}
-    return str(last.get("content") or "") if last.get("role") == "assistant" else ""
-
-
-def request_for(job: Any, token: int, settings: Settings) -> GenRequest:
-    """The engine request for a claimed row (``transitions.CLAIMED``) or an ORM ``Job``, on a
-    worker of ``settings.model_name``: a job naming another model names one of its adapters."""
-    params: dict[str, Any] = job.params
-    adapter = None if job.model == settings.model_name else job.model
-    mine = adapter in settings.adapters_of(settings.model_name)
-    return GenRequest(
-        adapter=adapter,
-        adapter_path=settings.adapters[adapter].path if adapter and mine else None,
-        request_id=request_id(job.id, token),
-        prompt=job.prompt,
-        messages=job.messages,
-        max_tokens=int(params["max_tokens"]),
-        temperature=float(params.get("temperature", 1.0)),
-        top_p=float(params.get("top_p", 1.0)),
-        stop=tuple(params.get("stop") or ()),
-        seed=params.get("seed"),
-        priority=LANE_PRIORITY[job.lane],
-        arrival=job.created_at,
-        options={k: v for k, v in params.items() if k not in _OWN_FIELDS},
-        tools=job.tools,
-    )
-
-
-def ending_of(result: GenResult, echo: str = "") -> Outcome | Released:
-    """How a generation that left the engine ends its job (``echo``: see echo_of)."""
-    error: tuple[str | None, str | None] = (None, None)
-    finish: str | None
-    match result.abort_reason:
-        case None if result.finish_reason == "abort":
-            status, finish = JobStatus.FAILED, "abort"
-            error = ("engine_aborted", "the engine aborted the request")
-        case None:
-            status, finish = JobStatus.SUCCEEDED, result.finish_reason
-        case "cancelled":
-            status, finish = JobStatus.CANCELLED, "cancelled"
-        case "deadline":
-            status, finish = JobStatus.EXPIRED, "deadline"
-            error = (DEADLINE_EXCEEDED, "the job's timeout_s passed while it was running")
-        case reason:
-            return Released(reason)
-    choices = result.choices
-    if choices is not None:
-        # A job stopped while running ends every choice as it ends (the runner says "abort").
-        stopped = {} if result.abort_reason is None else {"finish_reason": finish}
-        choices = [{**c, "text": echo + c["text"], **stopped} for c in choices]
-    return Outcome(
-        status,
-        error_code=error[0],
-        error_message=error[1],
-        text=echo + result.text,
-        finish_reason=finish,
-        prompt_tokens=result.prompt_tokens,
-        completion_tokens=result.completion_tokens,
-        first_token_at=result.first_token_at,
-        choices=choices,
-    )
 
 
 class Executor:
     def __init__(
         self,
         runner: Runner,
-        worker_id: str,
+        recorder: Recorder,
+        intake: Intake,
         settings: Settings,
         on_engine_dead: Callable[[], None] = lambda: None,
-        intake: Intake | None = None,
     ) -> None:
         self.runner = runner
-        self.on_engine_dead = on_engine_dead
-        self.worker_id = worker_id
+        self.recorder = recorder
+        self.intake = intake
+        self.worker_id = recorder.worker_id
         self.settings = settings
-        self.intake = intake or Intake.from_settings(settings)
-        self.announcer = outbox.Announcer()
-        publisher = relay.Publisher(dispatch.redis_client())
-        self.recorder = Recorder(worker_id, publisher, self.announcer)
+        self.on_engine_dead = on_engine_dead
         self._lock = threading.Lock()
         # job id -> lease token (None until claimed, and again once out of the engine);
         # membership is set before the claim so that a cancel published right after the claim
         # commits is not missed.
         self._held: dict[str, int | None] = {}
         self._aborts: dict[str, str] = {}
+
+    def start(self) -> None:
+        """Start the recorder (its thread, the relay's and the announcer's)."""
+        self.recorder.start()
 
     def held(self) -> dict[str, int]:
         """The leases this worker holds in its engine: job id -> token."""
@@ -313,9 +203,9 @@ class Executor:
     def claim(self, job_ids: list[str]) -> list[Claim]:
         """Claim the queued ones among ``job_ids`` in one transaction; expire the overdue."""
         stamp = now()
-        with transaction() as connection:
-            rows, after = transitions.claim(
-                connection,
+        with changes("worker", worker=self.worker_id, announce=self.recorder.announce) as tx:
+            rows = transitions.claim(
+                tx,
                 job_ids,
                 worker=self.worker_id,
                 lease_s=self.settings.lease_ttl_s,
@@ -334,15 +224,13 @@ class Executor:
         ]
         for claim in claims:
             metrics.QUEUE_WAIT.labels(claim.lease.lane).observe(max(0.0, stamp - claim.created_at))
-        after.run(announce=self.announcer.put)
         return claims
 
     def _hand_back(self, claim: Claim) -> None:
         """Return a job this worker cannot finish to the queue, without waiting for its lease."""
 
         def release() -> None:
-            with transaction() as connection:
-                after = transitions.hand_back(connection, claim.lease, now(), worker=self.worker_id)
-            after.run()
+            with changes("worker", worker=self.worker_id, reason="handed_back") as tx:
+                transitions.hand_back(tx, claim.lease, now())
 
         with_db_retry(release, "hand back")

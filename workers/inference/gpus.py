@@ -1,7 +1,7 @@
 """One worker per GPU: `inferq worker --gpus 0,1,2,3` (``INFERQ_WORKER_GPUS``) runs this
 supervisor, which starts one inference worker process per listed GPU and keeps it running.
 
-Each child is a whole worker (``python -m workers.main``) that sees only its own GPU
+Each child is a whole worker (``python -m workers.inference``) that sees only its own GPU
 (``CUDA_VISIBLE_DEVICES``), so it builds its engine on "the" GPU like a worker started by hand.
 Its /metrics port is its own: the system picks a free one (the default), or, with
 ``INFERQ_WORKER_METRICS_PORT=P``, child ``i`` binds ``P + i``; every child announces its
@@ -48,7 +48,7 @@ class Supervisor:
         self.stopping = False
 
     def start(self, index: int, gpu: str) -> None:
-        argv = [sys.executable, "-m", "workers.main"]
+        argv = [sys.executable, "-m", "workers.inference"]
         child = subprocess.Popen(argv, env=child_env(self.settings, index, gpu))
         self.children[gpu] = child
         log.info("worker of GPU %s started (pid %d)", gpu, child.pid)

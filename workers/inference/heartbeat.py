@@ -21,7 +21,7 @@ from app.core.db import session_scope
 from app.core.models import Job, JobStatus, now
 from app.core.settings import Settings
 from workers import metrics
-from workers.executor import Executor
+from workers.inference.executor import Executor
 from workers.presence import Presence
 
 log = logging.getLogger("inferq.heartbeat")

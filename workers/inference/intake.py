@@ -30,7 +30,7 @@ import threading
 from types import TracebackType
 from typing import Any
 
-from app.core.dispatch import queue_of
+from app.core.names import queue_of
 from app.core.settings import Settings
 
 log = logging.getLogger("inferq.intake")
@@ -46,7 +46,7 @@ class Intake:
         model: str,
     ) -> None:
         self.lanes = list(lanes)
-        self.model = model  # the lanes are this model's queues (app/core/dispatch.py)
+        self.model = model  # the lanes are this model's queues (app/core/names.py)
         self.slots = slots
         self.reserved = {lane: int(slots * reserved_share.get(lane, 0.0)) for lane in self.lanes}
         self.used = dict.fromkeys(self.lanes, 0)

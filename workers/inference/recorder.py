@@ -6,6 +6,10 @@ token), then does what follows the commit: the log lines and counters, the webho
 the worker's announcer thread), the latency histograms, and the relay's end marker for a caller
 waiting on the job. Per-row transactions made the recorder the bottleneck of a busy worker
 (docs/architecture.md, "Group commit").
+
+The relay publisher and the webhook announcer it uses are the worker's (built by
+workers/inference/main.py and passed in); :meth:`Recorder.start` starts their threads with its
+own. The executor announces the events of its claims through the same announcer.
 """
 
 from __future__ import annotations
@@ -15,22 +19,20 @@ import logging
 import queue
 import threading
 from functools import partial
-from typing import TYPE_CHECKING
 
 from app.core import outbox, relay, transitions
-from app.core.db import transaction, with_db_retry
+from app.core.changes import changes
+from app.core.db import with_db_retry
 from app.core.models import JobStatus, now
 from app.core.transitions import Outcome
 from workers import metrics
-
-if TYPE_CHECKING:
-    from workers.executor import Claim
+from workers.inference.claims import Claim
 
 log = logging.getLogger("inferq.recorder")
 
 RECORD_BATCH = 512  # most outcomes in one transaction
 
-Item = tuple["Claim", Outcome, concurrent.futures.Future[bool]]
+Item = tuple[Claim, Outcome, concurrent.futures.Future[bool]]
 
 
 class Recorder:
@@ -39,9 +41,15 @@ class Recorder:
     ) -> None:
         self.worker_id = worker_id
         self.relay = publisher
-        self.announcer = announcer
+        self.announce = announcer.put
+        self._announcer = announcer
         self._queue: queue.SimpleQueue[Item] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name="recorder", daemon=True)
+
+    def start(self) -> None:
+        """Start this thread, the relay's and the announcer's."""
+        self.relay.start()
+        self._announcer.start()
         self._thread.start()
 
     def put(self, claim: Claim, outcome: Outcome) -> concurrent.futures.Future[bool]:
@@ -73,14 +81,10 @@ class Recorder:
     def write(self, items: list[tuple[Claim, Outcome]]) -> list[bool]:
         """Write outcomes in one transaction, then what follows it; returns which were written."""
         stamp = now()
-        with transaction() as connection:
-            written, after = transitions.record(
-                connection,
-                [(claim.lease, outcome) for claim, outcome in items],
-                worker=self.worker_id,
-                stamp=stamp,
+        with changes("worker", worker=self.worker_id, announce=self.announce) as tx:
+            written = transitions.record(
+                tx, [(claim.lease, outcome) for claim, outcome in items], stamp=stamp
             )
-        after.run(announce=self.announcer.put)
         for (claim, outcome), ok in zip(items, written, strict=True):
             if ok:
                 self._observe(claim, outcome, stamp)

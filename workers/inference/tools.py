@@ -24,7 +24,7 @@ from typing import Any
 
 from app.core.transitions import choice
 from workers.engines.base import Engine
-from workers.runner import GenResult
+from workers.inference.runner import GenResult
 
 
 def call(name: str, arguments: str) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import httpx
 from sqlalchemy import or_, select, update
 
-from app.core import dispatch, outbox, webhooks
+from app.core import broker, outbox, webhooks
 from app.core.db import session_scope, with_db_retry
 from app.core.models import WebhookAttempt, WebhookEvent, WebhookStatus, new_id, now
 from app.core.outbox import SWEEP_BATCH
@@ -275,7 +275,7 @@ def sweep() -> int:
             )
     if not ids:
         return 0
-    failed = dispatch.deliver_webhooks(ids)
+    failed = broker.send_webhooks(ids)
     if failed:
         with session_scope() as session:
             session.execute(

@@ -1,10 +1,11 @@
-"""Entry point of the ops worker (`inferq ops` runs `python -m workers.ops`), and its presence.
+"""The ops worker's composition root (`inferq ops` runs `python -m workers.ops`).
 
 It delivers webhooks (queue ``webhooks``), runs the periodic sweeps (queue ``maintenance``)
-and embeds Celery beat, which sends those sweeps. It holds no engine and no GPU. Several ops
-workers may run: deliveries and sweeps are claims in the database, so a duplicate sweep or
-message does no harm. Beat belongs in one of them only (``inferq ops --no-beat`` for the
-others, ``INFERQ_OPS_BEAT``); its schedule file lives in ``data_dir``.
+and embeds Celery beat, which sends those sweeps. It holds no engine and no GPU, and imports
+nothing of the inference worker. Several ops workers may run: deliveries and sweeps are claims
+in the database, so a duplicate sweep or message does no harm. Beat belongs in one of them only
+(``inferq ops --no-beat`` for the others, ``INFERQ_OPS_BEAT``); its schedule file lives in
+``data_dir``.
 
 Like an inference worker, it serves /metrics and announces itself in Redis (workers/presence.py,
 role ``ops``) with that address, from Celery's ``worker_init`` until ``worker_shutdown``, so
@@ -16,12 +17,13 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from celery.signals import worker_init, worker_shutdown
+from celery import signals
 
-from app.core.dispatch import MAINTENANCE_QUEUE, WEBHOOK_QUEUE
-from app.core.settings import get_settings
+from app.core.names import MAINTENANCE_QUEUE, WEBHOOK_QUEUE
+from app.core.settings import Settings, get_settings
 from app.core.webhooks import load_secret
-from workers import metrics
+from workers import celery_app, metrics
+from workers.ops import tasks
 from workers.presence import Presence, process_id
 
 log = logging.getLogger("inferq.ops")
@@ -29,53 +31,58 @@ log = logging.getLogger("inferq.ops")
 # Sweeps first: strict order, and a sweep must not wait behind a delivery backlog.
 QUEUES = (MAINTENANCE_QUEUE, WEBHOOK_QUEUE)
 
-_enabled = False  # set by main(): only the ops process itself serves and announces
-_presence: Presence | None = None
 
+class OpsWorker:
+    """What an ops worker process owns besides its tasks: /metrics and its presence record."""
 
-def main() -> None:
-    global _enabled
-    settings = get_settings()
-    from workers.celery_app import run_worker
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.presence: Presence | None = None
 
-    settings.data_dir.mkdir(parents=True, exist_ok=True)
-    load_secret(settings)  # made now, not at the first delivery, so `inferq up` can show it
-    _enabled = True
-    beat = ["--beat", f"--schedule={settings.data_dir / 'celerybeat-schedule'}"]
-    run_worker("ops", QUEUES, settings.ops_concurrency, beat if settings.ops_beat else [])
+    def connect(self) -> None:
+        """Start and stop with this process's Celery worker (its signals)."""
+        signals.worker_init.connect(self._on_init, weak=False)
+        signals.worker_shutdown.connect(self._on_shutdown, weak=False)
 
-
-@worker_init.connect  # type: ignore[untyped-decorator]
-def _on_worker_init(**_: Any) -> None:
-    global _presence
-    if not _enabled or _presence is not None:
-        return
-    settings = get_settings()
-    try:
+    def start(self) -> None:
+        settings = self.settings
         url = metrics.serve(
             settings.metrics_host, settings.ops_metrics_port, settings.metrics_advertise_host
         )
-    except OSError:
-        # Celery would log an exception from a signal handler and start consuming anyway.
-        log.critical("the ops worker cannot start; exiting", exc_info=True)
-        raise SystemExit(1) from None
-    record = {
-        "metrics_url": url,
-        "queues": list(QUEUES),
-        "beat": settings.ops_beat,
-        "concurrency": settings.ops_concurrency,
-    }
-    _presence = Presence("ops", process_id(), settings.heartbeat_s, lambda: record)
-    _presence.start()
+        record = {
+            "metrics_url": url,
+            "queues": list(QUEUES),
+            "beat": settings.ops_beat,
+            "concurrency": settings.ops_concurrency,
+        }
+        self.presence = Presence("ops", process_id(), settings.heartbeat_s, lambda: record)
+        self.presence.start()
+
+    def stop(self) -> None:
+        if self.presence is not None:
+            self.presence.stop()
+            self.presence = None
+
+    def _on_init(self, **_: Any) -> None:
+        try:
+            self.start()
+        except OSError:
+            # Celery would log an exception from a signal handler and start consuming anyway.
+            log.critical("the ops worker cannot start; exiting", exc_info=True)
+            raise SystemExit(1) from None
+
+    def _on_shutdown(self, **_: Any) -> None:
+        self.stop()
 
 
-@worker_shutdown.connect  # type: ignore[untyped-decorator]
-def _on_worker_shutdown(**_: Any) -> None:
-    global _presence
-    if _presence is not None:
-        _presence.stop()
-        _presence = None
-
-
-if __name__ == "__main__":
-    main()
+def main() -> None:
+    settings = get_settings()
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    load_secret(settings)  # made now, not at the first delivery, so `inferq up` can show it
+    OpsWorker(settings).connect()
+    app = celery_app.create("ops", settings)
+    tasks.register(app, settings)
+    beat = ["--beat", f"--schedule={settings.data_dir / 'celerybeat-schedule'}"]
+    celery_app.run_worker(
+        app, "ops", QUEUES, settings.ops_concurrency, beat if settings.ops_beat else []
+    )

@@ -8,7 +8,7 @@ Redis message only a hint, so the sweep repairs what a crash or a lost message l
    ``attempts`` grows with the next claim. After
    ``INFERQ_MAX_ATTEMPTS`` claims it ends ``failed`` (``worker_lost``) instead, and one past its
    deadline ends ``expired``. The old worker's token no longer matches, so its late writes change
-   nothing (the fence in app/core/transitions.py, which makes every status change here).
+   nothing (the fence in app/core/transitions.py, which makes every change here).
 2. **Lost with Redis**: Redis restarted empty or was wiped. The reaper keeps a marker key in
    Redis; when it is gone, every queued job is marked unsent (``enqueued_at`` empty), and the
    dispatcher sends it again. Messages lost some other way (the last second before a crash with
@@ -33,59 +33,61 @@ import secrets
 from typing import Any
 
 import redis
-from sqlalchemy import and_, or_, select, update
+from sqlalchemy import and_, or_, select
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import InterfaceError, OperationalError
 
-from app.core import catalog, dispatch, snapshot, transitions
+from app.core import catalog, clients, snapshot, transitions
+from app.core.changes import changes
 from app.core.db import session_scope
 from app.core.models import Job, JobStatus, now
-from app.core.settings import get_settings
+from app.core.names import EPOCH_KEY, queue_of
+from app.core.settings import Settings
 from workers import metrics
 
 log = logging.getLogger("inferq.reaper")
 
-EPOCH_KEY = "inferq:epoch"
 REAPER_GRACE_S = 10.0  # a job this young may still be on its way to Redis
 SWEEP_LIMIT = 5000  # rows per step and sweep: a huge backlog is repaired over several sweeps
 
 
-def sweep() -> dict[str, int]:
+def sweep(settings: Settings) -> dict[str, int]:
     """One pass of the reaper; returns what it did (for the task log and Flower)."""
     try:
-        return _sweep()
+        return _sweep(settings)
     except (OperationalError, InterfaceError) as exc:
         # The database is down: the next sweep does the same work once it is back.
         log.warning("reaper: database unavailable, skipping this sweep: %s", exc.orig or exc)
         return {}
 
 
-def _sweep() -> dict[str, int]:
+def _sweep(settings: Settings) -> dict[str, int]:
     stamp = now()
-    with session_scope() as session:
-        connection = session.connection()
-        overdue = _take(connection, Job.status == JobStatus.QUEUED, Job.deadline_at <= stamp)
-        after = transitions.expire_queued(connection, [r.id for r in overdue], stamp, "reaper")
-        after += transitions.reclaim(
-            connection,
-            _take(connection, Job.status == JobStatus.RUNNING, Job.lease_expires_at < stamp),
+    with changes("reaper") as tx:
+        overdue = _take(tx.connection, Job.status == JobStatus.QUEUED, Job.deadline_at <= stamp)
+        transitions.expire_queued(tx, [r.id for r in overdue], stamp)
+        transitions.reclaim(
+            tx,
+            _take(tx.connection, Job.status == JobStatus.RUNNING, Job.lease_expires_at < stamp),
             stamp,
-            max_attempts=get_settings().max_attempts,
+            max_attempts=settings.max_attempts,
         )
-    after.run()  # wakes the dispatcher for the jobs queued again
+    after = tx.after  # the dispatcher was woken for the jobs queued again
     requeued = after.count(JobStatus.QUEUED, source=JobStatus.RUNNING)
     if requeued:
         log.warning("reaper: %d job(s) lost their worker; queued again", requeued)
     forgotten = 0
     if _redis_was_emptied():
         log.warning("Redis lost its data (restart or wipe): sending every queued job again")
-        forgotten = _forget_enqueued(stamp)
+        with changes("reaper") as tx:
+            forgotten = transitions.forget_lost(tx, stamp, None)
     else:
-        lost = _empty_queues_with_waiting_jobs(stamp)
+        lost = _empty_queues_with_waiting_jobs(stamp, settings)
         if lost:
-            names = [dispatch.queue_of(lane, model) for lane, model in lost]
+            names = [queue_of(lane, model) for lane, model in lost]
             log.warning("queue(s) %s are empty but hold queued jobs: sending them again", names)
-            forgotten = _forget_enqueued(stamp, lost)
+            with changes("reaper") as tx:
+                forgotten = transitions.forget_lost(tx, stamp, _routes(lost), names)
     counts = {
         "requeued": requeued,
         "failed": after.count(JobStatus.FAILED),
@@ -114,18 +116,18 @@ def _take(connection: Connection, *conditions: Any) -> list[Any]:
 def _redis_was_emptied() -> bool:
     """True once after Redis lost its data: the marker this sets is gone (or never was)."""
     try:
-        return bool(dispatch.redis_client().set(EPOCH_KEY, secrets.token_hex(8), nx=True))
+        return bool(clients.redis_client().set(EPOCH_KEY, secrets.token_hex(8), nx=True))
     except redis.RedisError:
         return False
 
 
-def _empty_queues_with_waiting_jobs(stamp: float) -> list[tuple[str, str]]:
+def _empty_queues_with_waiting_jobs(stamp: float, settings: Settings) -> list[tuple[str, str]]:
     """(lane, model) of the known models' queues whose list is empty while jobs of theirs,
     sent more than ``REAPER_GRACE_S`` ago, are still queued. (A model nobody serves or
     accepts has no worker to lose messages to; its jobs are sent when one announces it.)"""
     routes = snapshot.routes(catalog.names())
     try:
-        sizes = snapshot.queue_messages(dispatch.redis_client(), routes)
+        sizes = snapshot.queue_messages(clients.redis_client(), routes)
     except redis.RedisError:
         return []
     empty = [route for route in routes if not sizes[route]]
@@ -141,7 +143,7 @@ def _empty_queues_with_waiting_jobs(stamp: float) -> list[tuple[str, str]]:
             )
             .group_by(Job.lane, Job.model)
         ).all()
-    found = {(row.lane, get_settings().base_of(row.model)) for row in waiting}
+    found = {(row.lane, settings.base_of(row.model)) for row in waiting}
     return [route for route in empty if route in found]
 
 
@@ -154,32 +156,3 @@ def _routes(routes: list[tuple[str, str]]) -> Any:
             for lane, base in routes
         )
     )
-
-
-def _forget_enqueued(stamp: float, routes: list[tuple[str, str]] | None = None) -> int:
-    """Mark the queued jobs of ``routes`` (queues as (lane, base model) pairs; None: all) as
-    not sent, and wake the dispatcher to send them again; returns how many.
-
-    Their tenants are charged again when they are sent again, and not refunded now: after a
-    wipe the counters are gone anyway, and a lost message is rare enough that the share it
-    shifts does not matter (app/core/fairshare.py)."""
-    which = [Job.status == JobStatus.QUEUED, Job.enqueued_at < stamp]
-    if routes is not None:
-        which.append(_routes(routes))
-    with session_scope() as session:
-        unlocked = (
-            select(Job.id)
-            .where(*which)
-            .with_for_update(skip_locked=True)  # rows a claim holds are not lost
-            .scalar_subquery()
-        )
-        result = session.execute(
-            update(Job)
-            .where(Job.id.in_(unlocked), Job.status == JobStatus.QUEUED)
-            .values(enqueued_at=None)
-            .execution_options(synchronize_session=False)
-        )
-        forgotten = int(result.rowcount)  # type: ignore[attr-defined]
-    if forgotten and routes is not None:
-        dispatch.wake(dispatch.queue_of(lane, model) for lane, model in routes)
-    return forgotten

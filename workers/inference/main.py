@@ -1,0 +1,102 @@
+"""The inference worker's composition root: every part of the process is built here, from one
+settings object, and passed in (vLLM's ``init_app_state``, Celery's bootsteps).
+
+::
+
+    settings ─► engine ─► runner ───────────────┐
+                intake ─────────────────────────┤
+                Redis client ─► relay publisher ┤
+                webhook announcer ─► recorder ──┴─► executor ─► heartbeat, control listener
+                                                       │
+    Celery app (workers/celery_app.py) ◄── run_jobs ───┘ (workers/inference/tasks.py)
+
+Nothing is started while the parts are built: the worker starts them on Celery's
+``worker_init`` (workers/inference/worker.py). The worker consumes its model's queues only
+(``names.queue_of``), its lanes in strict priority order whatever order they were given in.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+from app.core import clients, outbox, relay
+from app.core.names import queue_of
+from app.core.settings import LANES, Settings, get_settings
+from workers import celery_app, metrics
+from workers.engines import create_engine
+from workers.inference import tasks
+from workers.inference.control import ControlListener
+from workers.inference.executor import Executor
+from workers.inference.heartbeat import Heartbeat
+from workers.inference.intake import Intake
+from workers.inference.recorder import Recorder
+from workers.inference.runner import Runner
+from workers.inference.worker import InferenceWorker, stop_this_worker
+from workers.presence import process_id
+
+# Threads beyond the slots: the intake keeps jobs within worker_concurrency slots, and the
+# spare threads absorb the message or two fetched while a lane closes.
+SPARE_THREADS = 8
+
+
+def build_executor(
+    runner: Runner,
+    worker_id: str,
+    settings: Settings,
+    *,
+    intake: Intake | None = None,
+    on_engine_dead: Callable[[], None] = lambda: None,
+) -> Executor:
+    """An executor on ``runner`` with its recorder, the recorder's relay publisher and webhook
+    announcer, and an intake (``intake``, else one from ``settings``); not started."""
+    publisher = relay.Publisher(clients.redis_client(), settings.relay_merge_ms)
+    recorder = Recorder(worker_id, publisher, outbox.Announcer())
+    return Executor(
+        runner,
+        recorder,
+        intake or Intake.from_settings(settings),
+        settings,
+        on_engine_dead=on_engine_dead,
+    )
+
+
+def build(settings: Settings) -> InferenceWorker:
+    """Every part of an inference worker process, built and wired, none started."""
+    engine = create_engine(settings)
+    engine.on_step = metrics.observe_step
+    runner = Runner.from_settings(engine, settings)
+    executor = build_executor(runner, process_id(), settings, on_engine_dead=stop_this_worker)
+    info = {
+        "engine": engine.name,
+        "model": engine.model_name,
+        "batching": runner.batching,
+        "lanes": settings.lanes,
+        "concurrency": settings.worker_concurrency,
+        # The GPUs this worker sees (`inferq worker --gpus` pins one per worker).
+        "devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+    }
+    client = clients.redis_client()
+    return InferenceWorker(
+        settings,
+        runner,
+        executor.intake,
+        executor,
+        Heartbeat(executor, settings, info),
+        ControlListener(executor, client),
+        client,
+    )
+
+
+def main() -> None:
+    settings = get_settings()
+    worker = build(settings)
+    worker.connect()
+    app = celery_app.create("worker", settings)
+    tasks.register(app, worker.executor)
+    celery_app.run_worker(
+        app,
+        "worker",
+        [queue_of(lane, settings.model_name) for lane in LANES if lane in settings.lanes],
+        settings.worker_concurrency + SPARE_THREADS,
+    )

@@ -1,0 +1,1 @@
+"""The ops worker (`inferq ops`): webhook deliveries, the reaper, batches, and beat."""
