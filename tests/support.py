@@ -33,7 +33,7 @@ DEMO_MODEL = "inferq-demo"  # the model a stack's workers serve unless a test na
 
 
 def queue(lane: str, model: str = DEMO_MODEL) -> str:
-    """The Redis list of ``model``'s jobs in ``lane`` (app/core/dispatch.py, queue_of)."""
+    """The Redis list of ``model``'s jobs in ``lane`` (app/core/names.py, queue_of)."""
     return f"{lane}:{model}"
 
 

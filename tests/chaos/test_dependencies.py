@@ -50,10 +50,10 @@ import httpx
 import pytest
 from sqlalchemy import bindparam, text
 
+from app.core.names import EPOCH_KEY
 from tests.chaos.servers import PostgresServer, RedisServer
 from tests.conftest import PostgresDatabases
 from tests.support import TERMINAL, Stack, queue, wait_until
-from workers.reaper import EPOCH_KEY
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(180)]
 

@@ -187,15 +187,18 @@ def test_sigterm_hands_back_what_outlasts_the_grace(stack: Stack) -> None:
 
 SUBMIT = """
 import os
-from app.core import jobs, transitions
-from app.core.db import session_scope
+from app.core import catalog, changes, jobs, transitions
 from app.core.schemas import JobCreate
-row = jobs.job_values("default", JobCreate(prompt="hi", params={{"max_tokens": 4}}))
-with session_scope() as session:  # the transaction jobs.submit commits
-    after = transitions.create(session.connection(), [row], by="api", direct={direct})
-print(row["id"], flush=True)
-{after}
+body = JobCreate(prompt="hi", params={{"max_tokens": 4}})
+job = jobs.new_job("default", body, catalog.resolve(None))
+print(job.id, flush=True)
+{before}
+with changes.changes("api") as tx:  # the transaction jobs.submit commits
+    transitions.create(tx, [job], direct={direct})
+    {inside}
 """
+# The process dies once the transaction has committed, before anything that follows it ran.
+DIE_AFTER_COMMIT = "changes._run = lambda after, announce: os._exit(1)"
 
 
 @pytest.mark.parametrize("direct", [False, True], ids=["for-the-dispatcher", "sent-by-the-api"])
@@ -205,7 +208,7 @@ def test_crash_between_commit_and_enqueue(stack: Stack, direct: bool) -> None:
     its insert, README "Fair share") has no message, and the reaper finds its queue empty and
     marks it unsent, for the dispatcher."""
     stack.start_worker()
-    crashed = stack.python(SUBMIT.format(direct=direct, after="os._exit(1)"))
+    crashed = stack.python(SUBMIT.format(direct=direct, before=DIE_AFTER_COMMIT, inside="pass"))
     assert crashed.returncode == 1, crashed.stderr
     job_id = crashed.stdout.strip()
     assert stack.scalar("SELECT status FROM jobs WHERE id = :i", i=job_id) in ("queued", "running")
@@ -221,7 +224,7 @@ def test_crash_between_commit_and_enqueue(stack: Stack, direct: bool) -> None:
 def test_duplicate_delivery_runs_once(stack: Stack) -> None:
     worker = stack.start_worker()
     # Two messages for one job, sent at once.
-    sent = stack.python(SUBMIT.format(direct=True, after="after.send *= 2; after.run()"))
+    sent = stack.python(SUBMIT.format(direct=True, before="", inside="tx.after.send *= 2"))
     assert sent.returncode == 0, sent.stderr
     job_id = sent.stdout.strip()
     done = stack.wait_job(job_id, timeout=60)

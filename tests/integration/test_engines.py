@@ -591,7 +591,7 @@ def test_engine_processes_of_a_killed_vllm_worker_are_stopped_by_the_next_worker
     vllm_stack: tuple[Stack, int],
 ) -> None:
     """SIGKILL leaves the worker no chance to stop vLLM's engine core; the next worker that
-    starts on the host does (workers/children.py)."""
+    starts on the host does (workers/inference/children.py)."""
     stack, _ = vllm_stack
     worker = stack.start_worker(engine="vllm", timeout=600)
     engine = [c for c in psutil.Process(worker.pid).children(recursive=True) if c.is_running()]

@@ -15,8 +15,8 @@ import pytest
 import redis
 from sqlalchemy import select, text, update
 
-from app.core import db, dispatch
-from app.core.jobs import job_values
+from app.core import clients, db, jobs, transitions
+from app.core.changes import changes
 from app.core.models import Job, JobStatus, WebhookEvent
 from app.core.outbox import event_id_for_job
 from app.core.schemas import JobCreate
@@ -26,9 +26,11 @@ from tests.conftest import PostgresDatabases, database_url_for, fresh_redis_url
 from tests.support import wait_until
 from workers.engines.base import GenRequest
 from workers.engines.simulated import CostModel, SimulatedEngine
-from workers.executor import Executor, ending_of
-from workers.heartbeat import Heartbeat
-from workers.runner import GenResult, Runner
+from workers.inference.claims import ending_of
+from workers.inference.executor import Executor
+from workers.inference.heartbeat import Heartbeat
+from workers.inference.main import build_executor
+from workers.inference.runner import GenResult, Runner
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -43,13 +45,13 @@ def database(
     # Webhook events are announced on Redis: a database of this test's own, fresh clients.
     monkeypatch.setenv("INFERQ_REDIS_URL", fresh_redis_url())
     get_settings.cache_clear()
-    dispatch.reset()
+    clients.reset()
     db.dispose()
     db.migrate()
     yield url
     db.dispose()
     get_settings.cache_clear()
-    dispatch.reset()
+    clients.reset()
 
 
 @pytest.fixture
@@ -60,12 +62,25 @@ def runner() -> Iterator[Runner]:
     runner.shutdown()
 
 
+def insert(*bodies: JobCreate) -> list[str]:
+    """Jobs as the API submits them (one transaction, for the dispatcher): their ids."""
+    new = [jobs.new_job("t", body, get_settings().model_name) for body in bodies]
+    with changes("api") as tx:
+        transitions.create(tx, new)
+    return [job.id for job in new]
+
+
 def new_job(prompt: str = "hello", webhook_url: str | None = None) -> str:
-    with db.session_scope() as session:
-        body = JobCreate(prompt=prompt, params={"max_tokens": 4}, webhook_url=webhook_url)
-        job = Job(**job_values("t", body))
-        session.add(job)
-        return job.id
+    [job_id] = insert(JobCreate(prompt=prompt, params={"max_tokens": 4}, webhook_url=webhook_url))
+    return job_id
+
+
+def executor_on(runner: Runner, worker_id: str, kind: type[Executor] = Executor) -> Executor:
+    """A started executor of ``kind``, built as the worker's composition root builds one."""
+    built = build_executor(runner, worker_id, get_settings())
+    executor = kind(built.runner, built.recorder, built.intake, built.settings)
+    executor.start()
+    return executor
 
 
 def row(job_id: str) -> Job:
@@ -83,8 +98,8 @@ def events(job_id: str) -> list[tuple[str, str]]:
 
 def test_a_worker_that_lost_its_lease_changes_nothing(database: str, runner: Runner) -> None:
     job_id = new_job(webhook_url="https://8.8.8.8/hook")
-    a = Executor(runner, "worker-a", get_settings())
-    b = Executor(runner, "worker-b", get_settings())
+    a = executor_on(runner, "worker-a")
+    b = executor_on(runner, "worker-b")
     [claim_a] = a.claim([job_id])
     assert claim_a.token == 1
     # Worker A stalls; its job is handed back (what the reaper does when a lease expires).
@@ -107,24 +122,21 @@ def test_a_worker_that_lost_its_lease_changes_nothing(database: str, runner: Run
 
 
 def test_a_job_found_overdue_at_claim_expires_with_its_event(database: str, runner: Runner) -> None:
-    with db.session_scope() as session:
-        body = JobCreate(prompt="late", timeout_s=0.05, webhook_url="https://8.8.8.8/hook")
-        job = Job(**job_values("t", body))
-        session.add(job)
+    [late] = insert(JobCreate(prompt="late", timeout_s=0.05, webhook_url="https://8.8.8.8/hook"))
     plain = new_job()  # claimed in the same transaction; it has no webhook_url
     time.sleep(0.1)
-    assert Executor(runner, "w", get_settings()).execute([job.id, plain], "bulk") == {
+    assert executor_on(runner, "w").execute([late, plain], "bulk") == {
         "skipped": 1,
         "succeeded": 1,
     }
-    assert row(job.id).status == JobStatus.EXPIRED
-    assert events(job.id) == [(event_id_for_job(job.id), "job.expired")]
+    assert row(late).status == JobStatus.EXPIRED
+    assert events(late) == [(event_id_for_job(late), "job.expired")]
     assert events(plain) == []
 
 
 def test_duplicate_and_late_messages_claim_nothing(database: str, runner: Runner) -> None:
     job_id = new_job()
-    executor = Executor(runner, "w", get_settings())
+    executor = executor_on(runner, "w")
     assert executor.execute([job_id], "standard") == {"succeeded": 1}
     # The same message delivered again, and a message for a job that does not exist.
     assert executor.execute([job_id], "standard") == {"skipped": 1}
@@ -137,7 +149,7 @@ def test_a_chunk_is_claimed_together_and_each_job_recorded(database: str, runner
     ids = [new_job(f"chunk {i}") for i in range(20)]
     with db.session_scope() as session:  # one of them was cancelled while queued
         session.execute(update(Job).where(Job.id == ids[3]).values(status=JobStatus.CANCELLED))
-    executor = Executor(runner, "w", get_settings())
+    executor = executor_on(runner, "w")
     assert executor.execute(ids, "bulk") == {"succeeded": 19, "skipped": 1}
     with db.session_scope() as session:
         done = session.execute(
@@ -150,7 +162,7 @@ def test_a_chunk_is_claimed_together_and_each_job_recorded(database: str, runner
 
 def test_concurrent_claims_have_exactly_one_winner(database: str, runner: Runner) -> None:
     job_id = new_job()
-    executors = [Executor(runner, f"w{i}", get_settings()) for i in range(8)]
+    executors = [executor_on(runner, f"w{i}") for i in range(8)]
     claims: list[object] = []
     start = threading.Barrier(len(executors))
 
@@ -170,7 +182,7 @@ def test_concurrent_claims_have_exactly_one_winner(database: str, runner: Runner
 
 def test_engine_request_ids_are_unique_per_claim(database: str, runner: Runner) -> None:
     job_id = new_job()
-    [claim] = Executor(runner, "w", get_settings()).claim([job_id])
+    [claim] = executor_on(runner, "w").claim([job_id])
     assert isinstance(claim.request, GenRequest)
     assert claim.request.request_id == f"{job_id}.1"
     assert claim.request.priority == 1  # standard lane
@@ -182,7 +194,7 @@ def test_a_chunk_larger_than_the_worker_runs_within_its_slots(
     monkeypatch.setenv("INFERQ_WORKER_CONCURRENCY", "2")
     get_settings.cache_clear()
     ids = [new_job(f"small worker {i}") for i in range(6)]
-    executor = Executor(runner, "w", get_settings())
+    executor = executor_on(runner, "w")
     peak = 0
     stop = threading.Event()
 
@@ -206,7 +218,7 @@ def test_nul_in_model_output_is_stored_and_a_refused_row_fails_only_its_job(
     database: str, runner: Runner
 ) -> None:
     ok_id, bad_id = new_job("ok"), new_job("bad")
-    executor = Executor(runner, "w", get_settings())
+    executor = executor_on(runner, "w")
     ok_claim, bad_claim = executor.claim([ok_id, bad_id])
     nul = GenResult("a\x00b", "length", 1, 3, None)
     # An error code longer than its column is refused by PostgreSQL (SQLite stores it).
@@ -235,7 +247,7 @@ def test_every_choice_is_stored_alone_or_in_a_group_write(database: str, runner:
         {"index": 1, "text": "c", "finish_reason": "stop", "logprobs": []},
     ]
     result = GenResult("a\x00", "length", 1, 2, None, choices=choices)
-    executor = Executor(runner, "w", get_settings())
+    executor = executor_on(runner, "w")
     for group in (1, 3):
         claims = executor.claim([new_job(f"choices {group} {i}") for i in range(group)])
         written = [executor.recorder.put(c, ending_of(result, echo="> ")) for c in claims]
@@ -270,7 +282,7 @@ def test_one_heartbeat_renews_every_lease_and_spots_lost_and_cancelled_jobs(
     database: str, runner: Runner
 ) -> None:
     ids = [new_job(f"held {i}") for i in range(3)]
-    executor = RecordingExecutor(runner, "w", get_settings())
+    executor = executor_on(runner, "w", RecordingExecutor)
     for claim in executor.claim(ids):
         executor._held[claim.job_id] = claim.token
     before = row(ids[0]).lease_expires_at
@@ -289,14 +301,11 @@ def test_a_job_that_left_the_engine_is_not_taken_for_a_lost_lease(
     database: str, runner: Runner
 ) -> None:
     """A chunk's short job ends long before its long one; heartbeats meanwhile abort nothing."""
-    with db.session_scope() as session:
-        jobs = [
-            Job(**job_values("t", JobCreate(prompt="short", params={"max_tokens": 2}))),
-            Job(**job_values("t", JobCreate(prompt="long", params={"max_tokens": 3000}))),
-        ]
-        session.add_all(jobs)
-    short, long = (job.id for job in jobs)
-    executor = RecordingExecutor(runner, "w", get_settings())
+    short, long = insert(
+        JobCreate(prompt="short", params={"max_tokens": 2}),
+        JobCreate(prompt="long", params={"max_tokens": 3000}),
+    )
+    executor = executor_on(runner, "w", RecordingExecutor)
     worker = threading.Thread(target=executor.execute, args=([short, long], "bulk"))
     worker.start()
     try:

@@ -226,18 +226,18 @@ def test_two_dispatchers_never_send_a_job_twice(stack: Stack) -> None:
 
 CRASH = """
 import os
-from app.core import dispatch
+from app.core import broker, clients
 from app.dispatcher import refill
 
-send = dispatch.enqueue_messages
+send = broker.send_jobs
 
 def send_then_die(batch):
     send(batch)
     os._exit(1)  # after the messages went out, before the transaction committed
 
-dispatch.enqueue_messages = send_then_die
+broker.send_jobs = send_then_die
 refill.refill(refill.Route("standard", "m-crash"), 5, policy="fair", unit=1, weights={},
-              waited=set(), client=dispatch.redis_client())
+              waited=set(), client=clients.redis_client())
 """
 
 

@@ -16,7 +16,7 @@ from standardwebhooks import Webhook
 from app.core.settings import Settings
 from tests.conftest import PostgresDatabases, backend_stack_for, fresh_redis_url
 from tests.support import Receiver, Stack, running_stack, wait_until
-from workers import delivery
+from workers.ops import delivery
 
 
 def _secret() -> str:

@@ -42,8 +42,9 @@ def test_lines_are_numbered_blank_ones_skipped_and_long_ones_marked() -> None:
 
 
 def test_a_good_line_becomes_its_job_body() -> None:
-    custom_id, job = parse(line(chat(max_tokens=7, temperature=0.5), custom_id="q-1"), CHAT, 10_000)
-    assert custom_id == "q-1"
+    raw = line(chat(max_tokens=7, temperature=0.5), custom_id="q-1")
+    custom_id, job, model = parse(raw, CHAT, 10_000)
+    assert custom_id == "q-1" and model == DEMO_MODEL_NAME
     assert job.messages is not None and job.messages[0].content == "hi"
     assert job.params.max_tokens == 7 and job.params.temperature == 0.5
     assert job.lane.value == "realtime"  # the endpoint's default; a batch moves it to bulk

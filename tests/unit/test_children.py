@@ -1,5 +1,5 @@
-"""workers/children.py with real processes: a killed worker's engine children are found and
-stopped by the next worker on the host; a live worker's are left alone."""
+"""workers/inference/children.py with real processes: a killed worker's engine children are
+found and stopped by the next worker on the host; a live worker's are left alone."""
 
 from __future__ import annotations
 
@@ -12,14 +12,14 @@ from pathlib import Path
 import psutil
 
 from tests.support import wait_until
-from workers import children
+from workers.inference import children
 
 # A stand-in worker: starts a long-lived child (as vLLM starts its engine core), records it,
 # prints both pids, then waits to be killed.
 WORKER = """
 import subprocess, sys, time
 from pathlib import Path
-from workers import children
+from workers.inference import children
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
 children.record(Path(sys.argv[1]))
 print(child.pid, flush=True)

@@ -1,4 +1,4 @@
-"""The lane intake: the room rule, and the consumer changes it makes (workers/intake.py).
+"""The lane intake: the room rule, and the consumer changes it makes (workers/inference/intake.py).
 
 The consumer here is a stand-in for Celery's: it keeps a queue *selection* and a live consumer
 the way ``Consumer.add_task_queue`` / ``cancel_task_queue`` do (selection first, then the live
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 
-from workers.intake import Intake
+from workers.inference.intake import Intake
 
 MODEL = "m"
 

@@ -12,7 +12,7 @@ import pytest
 from app.core.settings import Settings
 from workers.engines.base import GenRequest
 from workers.engines.simulated import CostModel, SimulatedEngine
-from workers.runner import BulkPacer, GenResult, Runner
+from workers.inference.runner import BulkPacer, GenResult, Runner
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import pytest
 import redis
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-from app.core import tokens
+from app.core import names, tokens
 from app.core.errors import DomainError, Kind
 from app.core.schemas import JobCreate
 
@@ -88,5 +88,5 @@ def test_without_a_usable_card_nothing_is_refused(redis_url: str) -> None:
     assert tokens.check(store, [broken], [long]) == [1000]
     gone = model_name()
     card = tokens.publish(store, gone, 10, "{}")
-    store.delete(tokens.TOKENIZER_KEY + card.tokenizer.removeprefix("sha256:"))
+    store.delete(names.TOKENIZER_KEY_PREFIX + card.tokenizer.removeprefix("sha256:"))
     assert tokens.check(store, [gone], [long]) == [1000]

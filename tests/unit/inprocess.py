@@ -1,0 +1,93 @@
+"""The API and an inference worker in this process, for the fast layer: the real app called over
+``httpx.ASGITransport``, and the real executor, recorder and relay on a simulated engine fed
+from the real Redis lists (the part Celery's consumer plays in a worker process)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import httpx
+
+from app.api.main import create_app
+from app.core import broker, clients, names, tokens
+from app.core.settings import LANES, Settings
+from workers.engines.simulated import CostModel, SimulatedEngine
+from workers.inference.main import build_executor
+from workers.inference.runner import Runner
+from workers.presence import Presence
+
+T = TypeVar("T")
+BASE_URL = "http://inferq.test"
+
+
+def run(scenario: Callable[[httpx.AsyncClient], Awaitable[T]]) -> T:
+    """Run ``scenario`` against a fresh app in an event loop of its own."""
+
+    async def main() -> T:
+        transport = httpx.ASGITransport(app=create_app())
+        async with httpx.AsyncClient(transport=transport, base_url=BASE_URL) as client:
+            return await scenario(client)
+
+    return asyncio.run(main())
+
+
+def call(method: str, path: str, **kwargs: Any) -> httpx.Response:
+    """One request to the API, in process."""
+
+    async def scenario(client: httpx.AsyncClient) -> httpx.Response:
+        return await client.request(method, path, **kwargs)
+
+    return run(scenario)
+
+
+class Worker:
+    """An inference worker's executor on a simulated engine (SIMULATED), announced like a
+    worker, taking its model's messages from Redis in lane order on a thread of its own."""
+
+    def __init__(self, settings: Settings, max_model_len: int = 131_072) -> None:
+        engine = SimulatedEngine(
+            CostModel.from_settings(settings, base_ms=1.0),
+            model_name=settings.model_name,
+            max_model_len=max_model_len,
+        )
+        self.runner = Runner(engine)
+        self.executor = build_executor(self.runner, "in-process", settings)
+        self.queues = [names.queue_of(lane, settings.model_name) for lane in LANES]
+        record = {"model": settings.model_name, "lanes": list(LANES), "concurrency": 16}
+        self.presence = Presence("inference", "in-process", 60, lambda: record)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="in-process-worker", daemon=True)
+
+    def __enter__(self) -> Worker:
+        self.runner.start()
+        self.executor.start()
+        engine = self.runner.engine
+        # What a worker publishes for the API to count prompt tokens with (its model card).
+        tokens.publish(
+            clients.redis_client(),
+            engine.model_name,
+            engine.max_model_len,
+            engine.tokenizer_json(),
+            engine.tool_parser,
+        )
+        self.presence.announce()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        self.presence.withdraw()
+        self.runner.shutdown()
+
+    def _loop(self) -> None:
+        client = clients.redis_client()
+        while not self._stop.is_set():
+            popped = client.brpop(self.queues, timeout=0.1)
+            if popped is None:
+                continue
+            message = broker.RunJobs.of_stored(popped[1])
+            self.executor.execute(message.job_ids, message.lane)

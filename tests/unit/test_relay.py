@@ -1,0 +1,54 @@
+"""The relay (app/core/relay.py) over a real Redis: a worker's Publisher to the API's Replies.
+
+The first piece of a call goes out alone (it is the caller's time to first token), later ones
+merged while they queue up, and the end message carries the committed outcome after whatever
+was pending; a message for a call that has left, or one that is not a relay message, is
+dropped without stopping the reader.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from app.core import clients, relay
+from app.core.settings import Settings
+
+
+def test_pieces_and_the_end_reach_the_waiting_call_in_order(core: Settings) -> None:
+    publisher = relay.Publisher(clients.redis_client(), merge_ms=200)
+    publisher.start()
+
+    async def scenario() -> list[relay.Entry]:
+        replies = relay.replies()
+        waiter = await replies.register()
+        gone = await replies.register()
+        gone.close()  # a caller that left: its messages are dropped
+        publisher.piece(gone.reply_to, 1, "nobody listens")
+        await asyncio.to_thread(
+            clients.redis_client().publish, waiter.reply_to.rpartition("/")[0], "not json"
+        )
+        publisher.piece(waiter.reply_to, 3, "Once")
+        first = await waiter.next(timeout_s=5)
+        publisher.piece(waiter.reply_to, 3, " upon")
+        publisher.piece(waiter.reply_to, 3, " a")
+        publisher.end(waiter.reply_to, 3, {"status": "succeeded", "result_text": "Once upon a"})
+        entries = [first]
+        while entries[-1] is None or entries[-1].ended is None:
+            entries.append(await waiter.next(timeout_s=5))
+        waiter.close()
+        return [e for e in entries if e is not None]
+
+    entries = asyncio.run(scenario())
+    assert [(e.token, e.text) for e in entries[:-1]] == [(3, "Once"), (3, " upon a")]
+    assert entries[-1].ended == {"status": "succeeded", "result_text": "Once upon a"}
+
+
+def test_a_quiet_call_is_told_when_nothing_came(core: Settings) -> None:
+    async def scenario() -> relay.Entry | None:
+        waiter = await relay.replies().register()
+        try:
+            return await waiter.next(timeout_s=0.05)
+        finally:
+            waiter.close()
+
+    assert asyncio.run(scenario()) is None
