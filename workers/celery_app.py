@@ -75,6 +75,16 @@ def create(kind: Kind, settings: Settings) -> Celery:
     )
 
 
+def log_to_stderr() -> None:
+    """The log set-up of every worker process, before its parts are built."""
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    # An inference worker's intake cancels and re-adds lane consumers all the time
+    # (workers/inference/intake.py); Celery logs each at INFO.
+    logging.getLogger("celery.worker.consumer.consumer").setLevel(logging.WARNING)
+
+
 def run_worker(
     app: Celery,
     kind: Kind,
@@ -88,14 +98,8 @@ def run_worker(
     CUDA does not survive fork, and one process keeps one Prometheus registry (workers/metrics.py).
     ``queues`` are consumed in the order given (strict priority, app/core/broker.py).
     Per-process machinery starts and stops on Celery's signals, connected by each kind's
-    composition root, after the logging set-up here.
+    composition root (which set up the log first: :func:`log_to_stderr`).
     """
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    # An inference worker's intake cancels and re-adds lane consumers all the time
-    # (workers/inference/intake.py); Celery logs each at INFO.
-    logging.getLogger("celery.worker.consumer.consumer").setLevel(logging.WARNING)
     app.worker_main(
         [
             "worker",

@@ -10,9 +10,11 @@ with its reaper every second) against PostgreSQL and a Redis database of their o
   no second webhook event is made;
 - SIGTERM under load: the jobs it holds finish, it exits 0, nothing runs twice;
 - SIGTERM with jobs longer than the grace period: they are handed back and finished elsewhere;
-- a crash between a job's commit and its enqueue: the reaper sends it;
+- a crash between a job's commit and what follows it: a job left for the dispatcher is sent
+  by it; one the API meant to send itself is found by the reaper under an empty list, unsent,
+  and sent by the dispatcher;
 - a message taken off its lane by a worker that dies before claiming it (Redis keeps no
-  redelivery of its own): the reaper sends it again;
+  redelivery of its own): the reaper unsends its job and the dispatcher sends it again;
 - the same message delivered twice: the job runs once.
 
 Each prints a ``RECOVERY <scenario> <seconds>`` line (``pytest -s``) for the README.

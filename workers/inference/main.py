@@ -17,6 +17,7 @@ Nothing is started while the parts are built: the worker starts them on Celery's
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 
@@ -34,6 +35,8 @@ from workers.inference.recorder import Recorder
 from workers.inference.runner import Runner
 from workers.inference.worker import InferenceWorker, stop_this_worker
 from workers.presence import process_id
+
+log = logging.getLogger("inferq.worker")
 
 # Threads beyond the slots: the intake keeps jobs within worker_concurrency slots, and the
 # spare threads absorb the message or two fetched while a lane closes.
@@ -89,8 +92,13 @@ def build(settings: Settings) -> InferenceWorker:
 
 
 def main() -> None:
+    celery_app.log_to_stderr()
     settings = get_settings()
-    worker = build(settings)
+    try:
+        worker = build(settings)  # the engine's model found, or the demo model made
+    except Exception:
+        log.critical("the worker cannot start; exiting", exc_info=True)
+        raise SystemExit(1) from None
     worker.connect()
     app = celery_app.create("worker", settings)
     tasks.register(app, worker.executor)

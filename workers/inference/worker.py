@@ -1,10 +1,11 @@
 """One inference worker process's parts, started and stopped with Celery's own signals.
 
-The parts are built by the composition root (workers/inference/main.py) and handed to an
+The parts are built by the composition root (workers/inference/main.py: the engine's model
+found, or the demo model made, before Celery starts) and handed to an
 :class:`InferenceWorker`, which :meth:`~InferenceWorker.connect` s its methods to this
 process's Celery signals. ``worker_init`` runs before the consumer connects: the engine is
-started (and the demo model built, if needed) before the first message is taken, so a worker
-that cannot load its model never reserves jobs. On SIGTERM Celery stops taking messages (warm
+started before the first message is taken, so a worker that cannot load its model never
+reserves jobs. On SIGTERM Celery stops taking messages (warm
 shutdown) and ``worker_shutting_down`` gives the running jobs ``INFERQ_SHUTDOWN_GRACE_S`` to
 finish before the rest are handed back to the queue; ``worker_shutdown`` then runs after every
 task has returned, and only then is the engine shut down, which also stops vLLM's engine

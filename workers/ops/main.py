@@ -76,6 +76,7 @@ class OpsWorker:
 
 
 def main() -> None:
+    celery_app.log_to_stderr()
     settings = get_settings()
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     load_secret(settings)  # made now, not at the first delivery, so `inferq up` can show it
