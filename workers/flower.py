@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from app.core import catalog
-from app.core.names import OPS_QUEUES
+from app.core.names import OPS_QUEUES, TASKS
 from app.core.settings import Settings, get_settings
 
 # The task list's columns: the queue (routing_key: lane and model) and the job ids (args) next to
@@ -103,6 +103,10 @@ def list_every_queue() -> None:
     BaseHandler.get_active_queue_names = queue_names
 
 
+def _run_by_the_workers(*_: Any, **__: Any) -> None:
+    raise RuntimeError("inferq's tasks run in its workers, not in Flower")
+
+
 def main() -> None:
     settings = get_settings()
     logging.basicConfig(
@@ -119,6 +123,10 @@ def main() -> None:
     from workers import celery_app as apps
 
     celery_app = apps.create("flower", settings)
+    # Flower's task views (task types, apply) look tasks up by name on its own app: every
+    # inferq task is known there by name, run by the workers only.
+    for name in TASKS:
+        celery_app.task(name=name)(_run_by_the_workers)
 
     # Registered here, as flower's own `python -m flower` does, rather than relying on the
     # `celery.commands` entry point being present in the environment's metadata.

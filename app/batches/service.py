@@ -78,11 +78,10 @@ def create(session: Session, tenant: str, body: BatchCreate) -> Batch:
         )
     jobs.check_webhook_url(body.webhook_url)
     stamp = now()
-    batch_id = new_id("batch")
     with changes("api", session=session) as tx:
-        batch_transitions.create(
+        batch = batch_transitions.create(
             tx,
-            batch_id,
+            new_id("batch"),
             stamp,
             tenant=tenant,
             endpoint=body.endpoint,
@@ -92,8 +91,7 @@ def create(session: Session, tenant: str, body: BatchCreate) -> Batch:
             webhook_url=body.webhook_url,
             expires_at=stamp + window,
         )
-    batch = session.get(Batch, batch_id)
-    assert batch is not None
+    # What was committed, `validating` (a re-read could race the ops worker's start).
     return batch
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import insert, or_, update
+from sqlalchemy import or_, update
 
 from app.core import outbox
 from app.core.after import Tx
@@ -40,21 +40,24 @@ ENTERED_AT = {
 }
 
 
-def create(tx: Tx, batch_id: str, stamp: float, **values: Any) -> None:
-    """A new batch, ``validating``; the ops worker is asked to start it after the commit."""
-    tx.connection.execute(
-        insert(Batch).values(
-            id=batch_id,
-            status=BatchStatus.VALIDATING,
-            request_total=0,
-            request_completed=0,
-            request_failed=0,
-            created_at=stamp,
-            updated_at=stamp,
-            **values,
-        )
+def create(tx: Tx, batch_id: str, stamp: float, **values: Any) -> Batch:
+    """A new batch, ``validating``, in the caller's session (the API answers with it as it was
+    committed); the ops worker is asked to start it after the commit."""
+    if tx.session is None:
+        raise ValueError("a batch is created in the API's session: changes(session=...)")
+    batch = Batch(
+        id=batch_id,
+        status=BatchStatus.VALIDATING,
+        request_total=0,
+        request_completed=0,
+        request_failed=0,
+        created_at=stamp,
+        updated_at=stamp,
+        **values,
     )
+    tx.session.add(batch)
     tx.after.start.append(batch_id)
+    return batch
 
 
 def _move(

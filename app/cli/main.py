@@ -7,6 +7,7 @@ the benchmark as ``python -m bench``: nothing in ``app`` imports the workers or 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -168,7 +169,12 @@ def flower(address: str | None, port: int | None) -> None:
 @click.pass_context
 def bench(ctx: click.Context) -> None:
     """Run the benchmark scenarios (`inferq bench --help` for options)."""
-    # A package of its own beside app/ and workers/ (docs/architecture.md).
+    # A package of its own beside app/ and workers/ (docs/architecture.md), not in the images.
+    if importlib.util.find_spec("bench") is None:
+        raise click.ClickException(
+            "inferq bench runs from a checkout of inferq (bench/ is not installed here, "
+            "e.g. in the container images): .ci/install, then .venv/bin/inferq bench"
+        )
     argv = [sys.executable, "-m", "bench", *ctx.args]
     os.execv(sys.executable, argv)  # noqa: S606
 

@@ -30,6 +30,7 @@ from typing import Any, Literal
 
 from prometheus_client import Counter
 from sqlalchemy.engine import Connection
+from sqlalchemy.orm import Session
 
 from app.core import fairshare
 from app.core.models import TERMINAL, JobStatus
@@ -122,11 +123,13 @@ class After:
 
 @dataclass
 class Tx:
-    """One transaction of changes: its connection, and what follows once it commits. Made only
-    by ``app.core.changes.changes``, which commits it and then runs its :class:`After`."""
+    """One transaction of changes: its connection (and the ORM session it belongs to, when the
+    caller's session holds it), and what follows once it commits. Made only by
+    ``app.core.changes.changes``, which commits it and then runs its :class:`After`."""
 
     connection: Connection
     after: After
+    session: Session | None = None
 
 
 def emit(after: After) -> None:

@@ -169,7 +169,6 @@ def celery_app(name: str, settings: Settings, **config: Any) -> Celery:
     app.conf.update(
         task_queues=task_queues(),
         broker_transport_options=broker_transport_options(settings),
-        broker_connection_timeout=settings.dependency_timeout_s,
         task_serializer="json",
         accept_content=["json"],
         **config,
@@ -181,9 +180,12 @@ def _producer() -> Celery:
     """This process's producer (dropped by ``clients.reset``)."""
 
     def build() -> Celery:
+        settings = get_settings()
         return celery_app(
             "inferq-producer",
-            get_settings(),
+            settings,
+            # A caller waits on a send: no longer than on any dependency.
+            broker_connection_timeout=settings.dependency_timeout_s,
             # A task-sent event per message (a Redis PUBLISH, dropped when nobody listens):
             # the only event that carries the routing key, i.e. the lane, to Flower.
             task_send_sent_event=True,

@@ -54,7 +54,7 @@ def changes(
             tx = Tx(connection, after)
             yield tx
     else:
-        tx = Tx(session.connection(), after)
+        tx = Tx(session.connection(), after, session)
         try:
             yield tx
             session.commit()

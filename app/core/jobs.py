@@ -167,6 +167,7 @@ def submit(
 ) -> tuple[NewJob | Job, bool]:
     """Admit (``limits.admit``), commit and send a queued job on ``model``. Returns (job,
     created); created is False for an idempotent replay (the stored job), which sends nothing."""
+    limits.admit(session, tenant, caller, [body], [model])
     if idempotency_key is not None and not (
         0 < len(idempotency_key) <= MAX_IDEMPOTENCY_KEY and storable(idempotency_key)
     ):
@@ -176,7 +177,6 @@ def submit(
             f"Idempotency-Key must be 1 to {MAX_IDEMPOTENCY_KEY} characters",
             param="Idempotency-Key",
         )
-    limits.admit(session, tenant, caller, [body], [model])
     job = new_job(tenant, body, model, relay=relay, reply_to=reply_to)
     fingerprint = _fingerprint(body) if idempotency_key is not None else ""
     if idempotency_key is not None:

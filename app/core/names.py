@@ -21,6 +21,14 @@ SWEEP_WEBHOOKS_TASK = "inferq.sweep_webhooks"
 START_BATCH_TASK = "inferq.start_batch"
 SWEEP_BATCHES_TASK = "inferq.sweep_batches"
 REAP_TASK = "inferq.reap"
+TASKS = (
+    RUN_JOBS_TASK,
+    DELIVER_WEBHOOK_TASK,
+    SWEEP_WEBHOOKS_TASK,
+    START_BATCH_TASK,
+    SWEEP_BATCHES_TASK,
+    REAP_TASK,
+)
 
 # --- queues ------------------------------------------------------------------------------------
 # The ops worker's (`inferq ops`): deliveries, and the periodic sweeps beat sends. The job

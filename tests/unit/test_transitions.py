@@ -288,7 +288,8 @@ def test_a_move_the_status_machine_forbids_is_refused() -> None:
 
 def new_batch(settings: Settings, **values: Any) -> str:
     batch_id = f"batch_{time.monotonic_ns()}"
-    with tx() as t:
+    with db.session_scope() as session:  # the API creates a batch in its request's session
+        t = Tx(session.connection(), After("api"), session)
         batches.create(
             t,
             batch_id,

@@ -71,11 +71,15 @@ class InferenceWorker:
 
     def connect(self) -> None:
         """Start and stop with this process's Celery worker (its signals)."""
-        signals.worker_init.connect(self._on_init, weak=False)
-        signals.worker_ready.connect(self._on_ready, weak=False)
-        signals.task_received.connect(self._on_task_received, weak=False)
-        signals.worker_shutting_down.connect(self._on_shutting_down, weak=False)
-        signals.worker_shutdown.connect(self._on_shutdown, weak=False)
+        for signal_, handler in (
+            (signals.worker_init, self._on_init),
+            (signals.worker_ready, self._on_ready),
+            (signals.task_received, self._on_task_received),
+            (signals.worker_shutting_down, self._on_shutting_down),
+            (signals.worker_shutdown, self._on_shutdown),
+        ):
+            # One handler each, however often this is called: the uid names the process's.
+            signal_.connect(handler, weak=False, dispatch_uid=f"inferq.inference.{signal_.name}")
 
     def start(self) -> None:
         settings = self.settings

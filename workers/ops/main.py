@@ -41,8 +41,11 @@ class OpsWorker:
 
     def connect(self) -> None:
         """Start and stop with this process's Celery worker (its signals)."""
-        signals.worker_init.connect(self._on_init, weak=False)
-        signals.worker_shutdown.connect(self._on_shutdown, weak=False)
+        for signal_, handler in (
+            (signals.worker_init, self._on_init),
+            (signals.worker_shutdown, self._on_shutdown),
+        ):
+            signal_.connect(handler, weak=False, dispatch_uid=f"inferq.ops.{signal_.name}")
 
     def start(self) -> None:
         settings = self.settings
