@@ -8,7 +8,9 @@ only collects them once and draws them with rich.
 from __future__ import annotations
 
 import os
+import queue
 import sys
+import threading
 import time
 from datetime import datetime
 from typing import Any
@@ -242,9 +244,25 @@ def run(watch: bool = False, interval: float = 2.0) -> int:
 
 
 def _frame() -> RenderableType:
-    """The next frame; a dependency that went away is shown, and tried again next time."""
-    try:
-        return render(collect())
-    except Unavailable as exc:
-        stamp = datetime.now().strftime("%H:%M:%S")
-        return Text(f"inferq status at {stamp}: {exc} (retrying)", style="red")
+    """The next frame; a dependency that went away is shown, and tried again next time.
+
+    Read on a thread of its own while this one waits: a read that blocks in the driver (on
+    SQLite it waits, up to its busy timeout, for another process's write lock) would hold off
+    Ctrl-C until it returns, and Ctrl-C is how --watch ends. The thread is a daemon: an
+    interrupted read does not keep the process from exiting."""
+    done: queue.SimpleQueue[RenderableType | BaseException] = queue.SimpleQueue()
+
+    def read() -> None:
+        try:
+            done.put(render(collect()))
+        except Unavailable as exc:
+            stamp = datetime.now().strftime("%H:%M:%S")
+            done.put(Text(f"inferq status at {stamp}: {exc} (retrying)", style="red"))
+        except BaseException as exc:
+            done.put(exc)
+
+    threading.Thread(target=read, name="status-read", daemon=True).start()
+    frame = done.get()
+    if isinstance(frame, BaseException):
+        raise frame
+    return frame
