@@ -168,6 +168,9 @@ def test_watch_redraws_until_ctrl_c(busy_stack: Stack, terminal: bool) -> None:
         stdout=writer,
         stderr=writer,
         close_fds=True,
+        # Ctrl-C in a terminal: SIGINT acts, even where this run inherited it ignored (a
+        # background job of a non-interactive shell), which the command would inherit too.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     os.close(writer)
 
