@@ -106,17 +106,6 @@ class After:
     worker: str | None = None
     fields: dict[str, Any] = field(default_factory=dict)  # added to every log line
 
-    def __iadd__(self, other: After) -> After:
-        self.moved += other.moved
-        self.events += other.events
-        self.send += other.send
-        self.wake |= other.wake
-        self.usage += other.usage
-        self.charges += other.charges
-        self.start += other.start
-        self.abort += other.abort
-        return self
-
     def count(self, to: str, source: str | None = None) -> int:
         return sum(1 for t in self.moved if t.to == to and (source is None or t.source == source))
 

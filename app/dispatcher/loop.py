@@ -68,7 +68,8 @@ class Dispatcher:
         self.worker_id = f"{socket.gethostname()}-{os.getpid()}"
         self._announced = 0.0
         self._depths: dict[Route, int] = {}  # each list's length at the last look
-        self._wait = settings.dispatch_interval_ms / 1000
+        self._interval = settings.dispatch_interval_ms / 1000  # the wait while lists move
+        self._wait = self._interval
 
     def run(self, stop: threading.Event) -> None:
         while not stop.is_set():
@@ -133,10 +134,12 @@ class Dispatcher:
         depths = {route: int(n) for route, n in zip(routes, pipe.execute(), strict=True)}
         # Lists nobody takes from (a model with no worker, a full worker) need no look every
         # tick: the wait doubles, up to IDLE_WAIT_S, until a list moves or a refill is made.
-        interval = self.settings.dispatch_interval_ms / 1000
         moved = depths != self._depths
         self._depths = depths
-        self._wait = interval if moved else min(self._wait * 2, max(interval, IDLE_WAIT_S))
+        if moved:
+            self._wait = self._interval
+        else:
+            self._wait = min(self._wait * 2, max(self._interval, IDLE_WAIT_S))
         return depths
 
     def _recall(self, route: Route, messages: int) -> None:
@@ -144,7 +147,7 @@ class Dispatcher:
         if recalled:
             self.recalled += recalled
             self.backlog.add(route)
-            self._wait = self.settings.dispatch_interval_ms / 1000
+            self._wait = self._interval
 
     def _refill(self, route: Route, jobs: int, unit: int) -> None:
         done = refill(
@@ -156,7 +159,7 @@ class Dispatcher:
             waited=self.waited.get(route, set()),
             client=self.client,
         )
-        self._wait = self.settings.dispatch_interval_ms / 1000
+        self._wait = self._interval
         self.sent += done.sent
         self.expired += done.expired
         self.waited[route] = done.waiting

@@ -82,8 +82,6 @@ def build(settings: Settings) -> InferenceWorker:
     client = clients.redis_client()
     return InferenceWorker(
         settings,
-        runner,
-        executor.intake,
         executor,
         Heartbeat(executor, settings, info),
         ControlListener(executor, client),

@@ -33,8 +33,6 @@ from workers.inference import children
 from workers.inference.control import ControlListener
 from workers.inference.executor import Executor
 from workers.inference.heartbeat import Heartbeat
-from workers.inference.intake import Intake
-from workers.inference.runner import Runner
 
 log = logging.getLogger("inferq.worker")
 
@@ -47,23 +45,21 @@ def stop_this_worker() -> None:
 
 
 class InferenceWorker:
-    """Everything one inference worker process owns: runner, intake, executor, heartbeat,
-    control listener, and the Redis client they share."""
+    """Everything one inference worker process owns: its executor (and the executor's runner
+    and intake), heartbeat, control listener, and the Redis client they share."""
 
     def __init__(
         self,
         settings: Settings,
-        runner: Runner,
-        intake: Intake,
         executor: Executor,
         heartbeat: Heartbeat,
         control: ControlListener,
         client: redis.Redis,
     ) -> None:
         self.settings = settings
-        self.runner = runner
-        self.intake = intake
         self.executor = executor
+        self.runner = executor.runner
+        self.intake = executor.intake
         self.heartbeat = heartbeat
         self.control = control
         self.client = client
