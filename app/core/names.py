@@ -63,6 +63,9 @@ LIMIT_KEY_PREFIX = "inferq:limit:"
 # A model's card and the tokenizers cards name (app/core/tokens.py).
 CARD_KEY_PREFIX = "inferq:model:"
 TOKENIZER_KEY_PREFIX = "inferq:tokenizer:"
+# A model's measured worker rate (cost per second, app/core/backlog.py): a hint that lets a
+# restarted ops worker size a fleet before it has measured again.
+AUTOSCALE_RATE_PREFIX = "inferq:autoscale:rate:"
 # The reaper's marker: gone means Redis lost its data (workers/ops/reaper.py).
 EPOCH_KEY = "inferq:epoch"
 

@@ -202,6 +202,19 @@ class Settings(BaseSettings):
         "rest back to the queue.",
     )
 
+    # --- the backlog signal (the ops worker's /metrics, docs/kubernetes.md) -----------------
+    autoscale_target_s: dict[str, float] = Field(
+        default_factory=lambda: {"realtime": 10.0, "standard": 300.0, "bulk": 3600.0},
+        description="Seconds within which each lane's backlog should drain (JSON); the "
+        "desired-worker gauge asks for enough workers for this and for every job's deadline.",
+    )
+    autoscale_worker_rate: float = Field(
+        2000.0,
+        gt=0,
+        description="Cost (tokens, as the dispatcher charges them) one full worker ends per "
+        "second, until the ops worker has measured it.",
+    )
+
     # --- who runs next (`inferq dispatch`, docs/architecture.md "Fair share") ---------------
     dispatch_policy: Literal["fair", "arrival"] = Field(
         "fair",
@@ -317,6 +330,7 @@ class Settings(BaseSettings):
         for name, per_lane in (
             ("lane_max_queued", self.lane_max_queued),
             ("lane_default_timeout_s", self.lane_default_timeout_s),
+            ("autoscale_target_s", self.autoscale_target_s),
         ):
             if set(per_lane) - set(LANES) or any(v < 0 for v in per_lane.values()):
                 raise ValueError(f"{name} takes lanes {LANES} with values >= 0")

@@ -420,3 +420,25 @@ def test_a_taken_metrics_port_stops_the_worker_saying_so(
     assert " ready." not in log, "Celery must not start consuming"
     role = "ops" if argv[0] == "ops" else "inference"
     assert s.worker_record(proc.pid, role=role) is None
+
+
+def test_a_live_worker_is_healthy_and_beats_ops_worker_exports_its_backlog(stack: Stack) -> None:
+    health = httpx.get(worker_metrics_url(stack).replace("/metrics", "/healthz"), timeout=5)
+    assert health.status_code == 200, health.text
+    assert health.text.startswith("heartbeat")
+    # The worker consumes no bulk: these wait, and the ops worker (beat's) counts them.
+    for i in range(3):
+        stack.submit({"prompt": f"backlog {i}", "lane": "bulk", "params": {"max_tokens": 4}})
+    ops = next(p for p in stack.procs if p.name == "ops")
+    url = ops_metrics_url(stack, ops)
+
+    def counted() -> Samples | None:
+        found = scrape(url)
+        jobs = value(found, "inferq_backlog_jobs", model=DEMO_MODEL, lane="bulk")
+        return found if jobs >= 3 else None
+
+    found = wait_until(counted, 30, "the ops worker's backlog gauges")
+    assert value(found, "inferq_autoscale_desired_workers", model=DEMO_MODEL) >= 1
+    assert value(found, "inferq_autoscale_live_workers", model=DEMO_MODEL) == 1
+    assert value(found, "inferq_backlog_tokens", model=DEMO_MODEL, lane="bulk") > 0
+    assert value(found, "inferq_backlog_drain_seconds", model=DEMO_MODEL, lane="bulk") > 0

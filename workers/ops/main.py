@@ -7,6 +7,9 @@ in the database, so a duplicate sweep or message does no harm. Beat belongs in o
 (``inferq ops --no-beat`` for the others, ``INFERQ_OPS_BEAT``); its schedule file lives in
 ``data_dir``.
 
+The one that runs beat also exports the backlog signal an autoscaler scales inference workers
+on (workers/ops/autoscale.py).
+
 Like an inference worker, it serves /metrics and announces itself in Redis (workers/presence.py,
 role ``ops``) with that address, from Celery's ``worker_init`` until ``worker_shutdown``, so
 ``inferq up`` and the API's Prometheus service discovery find it.
@@ -18,12 +21,14 @@ import logging
 from typing import Any
 
 from celery import signals
+from prometheus_client import REGISTRY
 
 from app.core.names import MAINTENANCE_QUEUE, WEBHOOK_QUEUE
 from app.core.settings import Settings, get_settings
 from app.core.webhooks import load_secret
 from workers import celery_app, metrics
 from workers.ops import tasks
+from workers.ops.autoscale import BacklogSignal
 from workers.presence import Presence, process_id
 
 log = logging.getLogger("inferq.ops")
@@ -38,6 +43,7 @@ class OpsWorker:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.presence: Presence | None = None
+        self.signal: BacklogSignal | None = None
 
     def connect(self) -> None:
         """Start and stop with this process's Celery worker (its signals)."""
@@ -60,8 +66,17 @@ class OpsWorker:
         }
         self.presence = Presence("ops", process_id(), settings.heartbeat_s, lambda: record)
         self.presence.start()
+        if settings.ops_beat:
+            # The one ops worker per deployment (beat's) exports the backlog signal.
+            self.signal = BacklogSignal(settings)
+            REGISTRY.register(self.signal)
+            self.signal.start()
 
     def stop(self) -> None:
+        if self.signal is not None:
+            self.signal.stop()
+            REGISTRY.unregister(self.signal)
+            self.signal = None
         if self.presence is not None:
             self.presence.stop()
             self.presence = None
