@@ -16,12 +16,16 @@ import itertools
 import logging
 import socket
 import statistics
+import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import REGISTRY, Counter, Histogram, start_http_server
+from prometheus_client import REGISTRY, Counter, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from workers.engines.base import EngineStats
@@ -163,13 +167,42 @@ def advertised_host(bind_host: str, advertise: str = "") -> str:
     return socket.gethostname() if wildcard else bind_host
 
 
-def serve(host: str, port: int, advertise: str = "") -> str:
-    """Serve the default registry on ``host:port`` and return the URL to announce.
+Health = Callable[[], tuple[bool, str]]  # (healthy, why): what /healthz answers
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """No access log line per scrape or probe."""
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def serve(host: str, port: int, advertise: str = "", health: Health | None = None) -> str:
+    """Serve the default registry on ``host:port`` and return the URL to announce; with
+    ``health``, also ``/healthz``: 200 while it says healthy, else 503 (a Kubernetes liveness
+    probe, docs/kubernetes.md).
 
     Port 0 takes a free port the system picks; any other port is bound exactly, and a port
     already taken raises OSError (EADDRINUSE) for the caller to stop on.
     """
-    server, _ = start_http_server(port, addr=host, registry=REGISTRY)
+    scrape = make_wsgi_app(REGISTRY)
+
+    def app(environ: dict[str, Any], start_response: Any) -> Iterable[bytes]:
+        if health is not None and environ.get("PATH_INFO") == "/healthz":
+            ok, why = health()
+            start_response(
+                "200 OK" if ok else "503 Service Unavailable",
+                [("Content-Type", "text/plain; charset=utf-8")],
+            )
+            return [why.encode() + b"\n"]
+        served: Iterable[bytes] = scrape(environ, start_response)
+        return served
+
+    class Server(ThreadingWSGIServer):
+        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+    server = make_server(host, port, app, Server, handler_class=_QuietHandler)
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     name = advertised_host(host, advertise)
     netloc = f"[{name}]" if ":" in name else name  # an IPv6 literal (RFC 3986)
     url = f"http://{netloc}:{server.server_port}/metrics"

@@ -6,12 +6,17 @@ the job is aborted here to stop wasting the engine. The same pass reads cancel r
 backstop for a cancel broadcast this worker missed. The same beat rewrites the worker's presence
 record in Redis (workers/presence.py: engine, model, lanes, load, metrics address), which
 ``inferq up``, ``inferq status`` and the API's Prometheus service discovery read.
+
+Its beat is also the worker's liveness (``/healthz`` on the worker's metrics port, a
+Kubernetes liveness probe, docs/kubernetes.md): a worker whose heartbeat stopped keeps no lease
+and shows in no presence record, so it must not count as alive either.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any
 
 from sqlalchemy import tuple_, update
@@ -37,10 +42,24 @@ class Heartbeat:
         )
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="heartbeat", daemon=True)
+        self._beat: float | None = None  # monotonic time of the last beat
 
     def start(self) -> None:
         self.presence.announce()
+        self._beat = time.monotonic()
         self._thread.start()
+
+    def health(self) -> tuple[bool, str]:
+        """Alive while the heartbeat thread runs and has beaten within three intervals (one
+        slow renewal under a loaded database is not death; three are a lease in danger)."""
+        if self._beat is None:
+            return False, "starting: the engine is not up yet"
+        if not self._thread.is_alive():
+            return False, "the heartbeat thread has stopped"
+        age = time.monotonic() - self._beat
+        if age > 3 * self.settings.heartbeat_s:
+            return False, f"no heartbeat for {age:.0f} s"
+        return True, f"heartbeat {age:.1f} s ago"
 
     def stop(self) -> None:
         self._stop.set()
@@ -54,6 +73,7 @@ class Heartbeat:
             except SQLAlchemyError as exc:
                 log.warning("lease renewal failed (database): %s", exc)
             self.presence.announce()
+            self._beat = time.monotonic()
 
     def renew(self) -> None:
         held = self.executor.held()

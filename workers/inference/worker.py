@@ -82,7 +82,10 @@ class InferenceWorker:
         engine = self.runner.engine
         # Before the engine: a port already taken stops the worker at once, saying so.
         self.heartbeat.info["metrics_url"] = metrics.serve(
-            settings.metrics_host, settings.worker_metrics_port, settings.metrics_advertise_host
+            settings.metrics_host,
+            settings.worker_metrics_port,
+            settings.metrics_advertise_host,
+            health=self.heartbeat.health,
         )
         REGISTRY.register(
             metrics.WorkerCollector(
