@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from bench import report
+from bench.autoscale import autoscale
 from bench.fairness import fairness
 from bench.harness import environment, postgres_answers
 from bench.overhead import overhead
@@ -34,6 +35,8 @@ ALL = (
     "prefix",
     "fairness",
 )
+# Run by name only, not in "all": mostly idle on purpose, about 15 minutes (docs/benchmarks.md).
+ALONE = ("autoscale",)
 
 
 def _interrupt(signum: int, _frame: FrameType | None) -> None:
@@ -45,7 +48,7 @@ def _interrupt(signum: int, _frame: FrameType | None) -> None:
     "--scenario",
     default="all",
     show_default=True,
-    help=f"Comma-separated: {', '.join(ALL)}, or all.",
+    help=f"Comma-separated: {', '.join(ALL + ALONE)}, or all (all but {', '.join(ALONE)}).",
 )
 @click.option(
     "--engine",
@@ -100,9 +103,9 @@ def main(
     # SIGTERM unwinds like Ctrl-C, so every stack started so far is torn down.
     signal.signal(signal.SIGTERM, _interrupt)
     names = list(ALL) if scenario == "all" else [s.strip() for s in scenario.split(",")]
-    unknown = [n for n in names if n not in ALL]
+    unknown = [n for n in names if n not in ALL + ALONE]
     if unknown:
-        raise click.BadParameter(f"unknown scenario(s) {unknown}; choose from {ALL}")
+        raise click.BadParameter(f"unknown scenario(s) {unknown}; choose from {ALL + ALONE}")
     workdir.mkdir(parents=True, exist_ok=True)
     if database == "auto":
         database = "postgresql" if postgres_answers(postgres) else "sqlite"
@@ -146,6 +149,8 @@ def main(
                 results[name] = prefix(opts)
             elif name == "fairness":
                 results[name] = fairness(opts)
+            elif name == "autoscale":
+                results[name] = autoscale(opts)
             else:
                 results[name] = SCENARIOS[name](opts)
             results[name]["wall_s"] = round(time.monotonic() - started, 1)

@@ -45,6 +45,18 @@ TARGETS: dict[str, list[tuple[str, str, float | str, str]]] = {
         ("ttft_p99_over_alone_ms", "<=", 25.0, "B's TTFT p99, A's backlog - B alone (ms)"),
         ("misrouted", "<=", 0.0, "jobs that ran on a worker of another model"),
     ],
+    "autoscale": [
+        ("missed_deadlines", "<=", 0.0, "burst jobs that missed their deadline"),
+        (
+            "worker_seconds_ratio",
+            "<=",
+            0.6,
+            "worker-seconds, autoscaled / fixed fleet for the peak",
+        ),
+        ("lost", "<=", 0.0, "jobs lost"),
+        ("run_twice", "<=", 0.0, "jobs claimed twice (scale-in handed them back)"),
+        ("estimate_error_abs", "<=", 0.25, "|drain estimate at the burst's start / measured - 1|"),
+    ],
     "peer": [
         ("inferq_over_vllm_serve", ">=", 0.9, "output tok/s, inferq / vllm serve"),
         ("ttft_p50_over_vllm_serve_ms", "<=", 30.0, "TTFT p50, inferq - vllm serve (ms)"),
@@ -186,6 +198,7 @@ def markdown(results: dict[str, Any]) -> str:
             f"| {_fmt(batch['lines_per_s'])} | {_fmt(memory['api']['growth'])} "
             f"| {_fmt(memory['ops']['growth'])} |",
         ]
+    lines += _autoscale_table(results.get("autoscale"))
     lines += _prefix_table(results.get("prefix"))
     lines += _fairness_table(results.get("fairness"))
     machine = results.get("machine", {})
@@ -199,6 +212,33 @@ def markdown(results: dict[str, Any]) -> str:
         "Latencies in ms; ITL only where tokens are observed one by one.",
     ]
     return "\n".join(lines)
+
+
+def _autoscale_table(result: dict[str, Any] | None) -> list[str]:
+    if not result:
+        return []
+    drain = result.get("drain") or {}
+    rows = [
+        ("cold start: first job waiting -> first token (s)", result.get("cold_start_s")),
+        ("realtime TTFT p99 during the burst, autoscaled (ms)", result.get("realtime_ttft_p99_ms")),
+        ("the same on the fixed fleet (ms)", result.get("fixed_realtime_ttft_p99_ms")),
+        ("peak workers (= the fixed fleet)", result.get("peak_workers")),
+        (
+            "worker-seconds, autoscaled / fixed",
+            f"{_fmt(result.get('worker_seconds'))} / {_fmt(result.get('fixed_worker_seconds'))}",
+        ),
+        (
+            "burst drained in (s), autoscaled / fixed",
+            f"{_fmt(result.get('burst_drain_s'))} / "
+            f"{_fmt((result.get('fixed') or {}).get('drain_s'))}",
+        ),
+        (
+            "drain estimate / measured (s), taken at",
+            f"{_fmt(drain.get('estimate_s'))} / "
+            f"{_fmt(drain.get('measured_s'))}, {_fmt(drain.get('estimate_at_s'))} s into the burst",
+        ),
+    ]
+    return ["", "| autoscale | value |", "|---|---|", *(f"| {k} | {_fmt(v)} |" for k, v in rows)]
 
 
 def _prefix_table(result: dict[str, Any] | None) -> list[str]:
