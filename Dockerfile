@@ -30,8 +30,10 @@ COPY README.md ./
 COPY app app
 COPY workers workers
 COPY migrations migrations
+# The user's uid is fixed (1000): Kubernetes checks runAsNonRoot against a numeric uid, which the
+# Helm chart sets (docs/kubernetes.md).
 RUN /opt/venv/bin/pip install --no-deps -e . \
-    && useradd --create-home inferq \
+    && useradd --create-home --uid 1000 inferq \
     && mkdir -p /data /cache /files && chown inferq /data /cache /files
 
 USER inferq

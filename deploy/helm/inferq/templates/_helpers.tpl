@@ -1,0 +1,231 @@
+{{/*
+Shared definitions of the inferq chart: names, labels, images, the environment every process
+gets, and the pod-level settings every Deployment shares (docs/kubernetes.md).
+*/}}
+
+{{- define "inferq.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "inferq.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "inferq.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Selector labels: (dict "root" $ "component" "api"). They never change after install. */}}
+{{- define "inferq.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "inferq.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{/* Every object's labels: (dict "root" $ "component" "api"). */}}
+{{- define "inferq.labels" -}}
+{{ include "inferq.selectorLabels" . }}
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+app.kubernetes.io/part-of: inferq
+helm.sh/chart: {{ include "inferq.chart" .root }}
+{{- end }}
+
+{{/* An image reference: (dict "root" $ "image" .Values.image); the tag defaults to appVersion. */}}
+{{- define "inferq.image" -}}
+{{- printf "%s:%s" .image.repository (default .root.Chart.AppVersion .image.tag | toString) }}
+{{- end }}
+
+{{- define "inferq.secretName" -}}
+{{- default (printf "%s-secrets" (include "inferq.fullname" .)) .Values.secrets.existingSecret }}
+{{- end }}
+
+{{/* The name jobs use for a model: servedModelName, else the model id (as INFERQ_SERVED_MODEL_NAME). */}}
+{{- define "inferq.servedName" -}}
+{{- default .model .servedModelName }}
+{{- end }}
+
+{{/*
+INFERQ_ADAPTERS: every model's LoRA adapters in one JSON object, {"name": {"base", "path"}},
+the same value on every process (README, "Many models"). Also checks the models' names.
+*/}}
+{{- define "inferq.adapters" -}}
+{{- $adapters := dict }}
+{{- $names := dict }}
+{{- $served := dict }}
+{{- range $i, $m := .Values.models }}
+{{- if hasKey $names $m.name }}
+{{- fail (printf "models[%d].name %q is used twice" $i $m.name) }}
+{{- end }}
+{{- $_ := set $names $m.name true }}
+{{- $base := include "inferq.servedName" $m }}
+{{- if hasKey $served $base }}
+{{- fail (printf "models[%d]: served model name %q is used twice" $i $base) }}
+{{- end }}
+{{- $_ := set $served $base true }}
+{{- range (($m.lora | default dict).adapters | default list) }}
+{{- if hasKey $adapters .name }}
+{{- fail (printf "LoRA adapter %q is registered twice" .name) }}
+{{- end }}
+{{- $_ := set $adapters .name (dict "base" $base "path" .path) }}
+{{- end }}
+{{- end }}
+{{- range $name, $_ := $adapters }}
+{{- if hasKey $served $name }}
+{{- fail (printf "LoRA adapter %q has the name of a served model" $name) }}
+{{- end }}
+{{- end }}
+{{- $adapters | toJson }}
+{{- end }}
+
+{{/*
+The environment of a container, as a list of EnvVar: (dict "root" $ "set" DICT "extra" LIST).
+First the database and Redis URLs (from the Secret), then `config` (settings for every process),
+then "set" (name -> string: what the chart computes for this container, plus the models'
+catalog: INFERQ_ADAPTERS, INFERQ_ACCEPTED_MODELS, INFERQ_SERVED_MODEL_NAME, the same on every
+process), then "extra" (the component's own `env`, copied as given). A `config` key that the chart sets here is refused:
+the chart's value is tied to the pod spec (ports, grace period), so a second one could not win.
+*/}}
+{{- define "inferq.env" -}}
+{{- $root := .root }}
+{{- $set := .set | default dict }}
+{{- $_ := set $set "INFERQ_ADAPTERS" (include "inferq.adapters" $root) }}
+{{- $served := list }}
+{{- range $root.Values.models }}
+{{- $served = append $served (include "inferq.servedName" .) }}
+{{- end }}
+{{- if $served }}
+{{- /* Every model of the chart is known with or without a live worker (scaled to zero);
+the first is the default model of jobs that name none. A worker sets its own name. */}}
+{{- $_ := set $set "INFERQ_ACCEPTED_MODELS" (join "," $served) }}
+{{- if not (hasKey $set "INFERQ_SERVED_MODEL_NAME") }}
+{{- $_ := set $set "INFERQ_SERVED_MODEL_NAME" (first $served) }}
+{{- end }}
+{{- end }}
+{{- $secret := include "inferq.secretName" $root }}
+- name: INFERQ_DATABASE_URL
+  valueFrom:
+    secretKeyRef: {name: {{ $secret }}, key: {{ $root.Values.secrets.keys.databaseUrl }}}
+- name: INFERQ_REDIS_URL
+  valueFrom:
+    secretKeyRef: {name: {{ $secret }}, key: {{ $root.Values.secrets.keys.redisUrl }}}
+{{- range $name := keys $root.Values.config | sortAlpha }}
+{{- if or (hasKey $set $name) (has $name (list "INFERQ_DATABASE_URL" "INFERQ_REDIS_URL" "INFERQ_WEBHOOK_SECRET" "INFERQ_METRICS_ADVERTISE_HOST")) }}
+{{- fail (printf "config.%s: the chart sets this setting itself (docs/kubernetes.md, \"Models\")" $name) }}
+{{- end }}
+- name: {{ $name }}
+  value: {{ index $root.Values.config $name | quote }}
+{{- end }}
+{{- range $name := keys $set | sortAlpha }}
+- name: {{ $name }}
+  value: {{ index $set $name | quote }}
+{{- end }}
+{{- with .extra }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* INFERQ_METRICS_ADVERTISE_HOST: the pod's IP, what /metrics/targets lists for Prometheus. */}}
+{{- define "inferq.advertiseEnv" -}}
+- name: INFERQ_METRICS_ADVERTISE_HOST
+  valueFrom:
+    fieldRef: {fieldPath: status.podIP}
+{{- end }}
+
+{{/*
+Pod-level settings every inferq pod shares. enableServiceLinks is off: Kubernetes would
+otherwise put <SERVICE>_PORT=tcp://... variables in every container, and a Service named
+inferq-api (this chart's, for a release named inferq) becomes INFERQ_API_PORT, which inferq
+reads as a setting and refuses. No pod talks to the Kubernetes API: no token is mounted.
+*/}}
+{{- define "inferq.podSpecCommon" -}}
+enableServiceLinks: false
+automountServiceAccountToken: false
+{{- with .Values.serviceAccountName }}
+serviceAccountName: {{ . }}
+{{- end }}
+{{- with .Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.podSecurityContext }}
+securityContext:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/* Scheduling: (dict "nodeSelector" .. "tolerations" .. "affinity" ..). */}}
+{{- define "inferq.scheduling" -}}
+{{- with .nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/*
+Writable directories under a read-only root: /tmp, /data (INFERQ_DATA_DIR in the image: beat's
+schedule file, the API's multiprocess metrics) and the home directory (caches; a worker's vLLM,
+torch and Triton keep theirs there). Add (dict "root" $ "files" true) for /files, the batch
+files the API and the ops worker share.
+*/}}
+{{- define "inferq.volumes" -}}
+- name: tmp
+  emptyDir: {}
+- name: data
+  emptyDir: {}
+- name: home
+  emptyDir: {}
+{{- if .files }}
+- name: files
+  {{- if .root.Values.files.existingClaim }}
+  persistentVolumeClaim:
+    claimName: {{ .root.Values.files.existingClaim }}
+  {{- else }}
+  emptyDir: {}
+  {{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "inferq.volumeMounts" -}}
+- {name: tmp, mountPath: /tmp}
+- {name: data, mountPath: /data}
+- {name: home, mountPath: /home/inferq}
+{{- if .files }}
+- {name: files, mountPath: /files}
+{{- end }}
+{{- end }}
+
+{{/*
+Pod annotations, (dict "root" $ "extra" .podAnnotations): checksum/secret rolls the pods when
+the chart's Secret changes (env is read at start), then the component's own.
+*/}}
+{{- define "inferq.podAnnotations" -}}
+{{- $all := dict }}
+{{- if not .root.Values.secrets.existingSecret }}
+{{- $_ := set $all "checksum/secret" (include (print .root.Template.BasePath "/secret.yaml") .root | sha256sum) }}
+{{- end }}
+{{- range $k, $v := .extra }}
+{{- $_ := set $all $k $v }}
+{{- end }}
+{{- with $all }}
+annotations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}

@@ -1,0 +1,434 @@
+"""The Helm chart deploy/helm/inferq: linted and rendered by a real helm, every object validated.
+
+helm (.ci/install-helm) lints the chart with `--strict` and renders it with its default values
+and with ci/gpu-two-models.yaml. Every rendered object is validated in strict mode: Kubernetes'
+own kinds against Kubernetes' schemas (kubernetes-validate), KEDA's ScaledObject and the
+Prometheus Operator's ServiceMonitor and PodMonitor against models generated from their CRDs
+(cloudcoil), with unknown fields refused; a planted bad object shows each validator refuses.
+Then the chart's promises (docs/kubernetes.md): a misspelt value fails naming the key,
+migrations run as a pre-install/pre-upgrade hook, beat runs once, a worker's grace period is
+its drain time + 60 s, KEDA owns the replicas of the models it scales, and every variable the
+chart sets is a documented setting. Without helm (or the validators) the tests skip, and
+fail instead under INFERQ_TEST_REQUIRE_HELM=1, as .ci/run sets.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import tarfile
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, NoReturn
+
+import pydantic
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "deploy" / "helm" / "inferq"
+GPU_VALUES = CHART / "ci" / "gpu-two-models.yaml"
+DASHBOARD = REPO / "deploy" / "grafana" / "dashboards" / "inferq.json"
+RELEASE = "inferq"
+# The schemas of the Kubernetes that the pinned helm and kubectl target (1.35).
+KUBERNETES = "1.35.0"
+# The values each render uses: name -> values files (none: the chart's defaults).
+RENDERS: dict[str, list[Path]] = {"default": [], "gpu": [GPU_VALUES]}
+LABELS = {
+    "app.kubernetes.io/name",
+    "app.kubernetes.io/instance",
+    "app.kubernetes.io/version",
+    "app.kubernetes.io/component",
+    "app.kubernetes.io/managed-by",
+    "helm.sh/chart",
+}
+
+HELM_HOMES = ("HELM_CONFIG_HOME", "HELM_CACHE_HOME", "HELM_DATA_HOME")
+
+Obj = dict[str, Any]
+
+
+def missing(what: str) -> NoReturn:
+    """Skip for want of a tool, or fail where CI requires it."""
+    if os.environ.get("INFERQ_TEST_REQUIRE_HELM") == "1":
+        pytest.fail(f"{what} (INFERQ_TEST_REQUIRE_HELM=1: .ci/install-helm, .ci/install dev)")
+    pytest.skip(what)
+
+
+@pytest.fixture(scope="module")
+def helm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
+    """The helm command, with its config and cache in a temporary directory."""
+    found = shutil.which("helm") or shutil.which("helm", path=str(REPO / ".venv" / "bin"))
+    if not found:
+        missing("helm is not installed")
+    home = tmp_path_factory.mktemp("helm-home")
+    saved = {k: os.environ.get(k) for k in HELM_HOMES}
+    for key in saved:
+        os.environ[key] = str(home / key.lower())
+    yield [found]
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def run(command: list[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+
+
+def template(helm: list[str], *args: str) -> subprocess.CompletedProcess[str]:
+    return run([*helm, "template", RELEASE, str(CHART), "--namespace", "inferq", *args])
+
+
+def values_args(files: list[Path]) -> list[str]:
+    return [arg for path in files for arg in ("-f", str(path))]
+
+
+@pytest.fixture(scope="module")
+def renders(helm: list[str]) -> dict[str, list[Obj]]:
+    """Each render's objects, hooks included, rendered once for the module."""
+    out = {}
+    for name, files in RENDERS.items():
+        done = template(helm, *values_args(files))
+        assert done.returncode == 0, done.stderr
+        out[name] = [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+    return out
+
+
+@pytest.fixture(scope="module")
+def validators() -> SimpleNamespace:
+    """kubernetes-validate and the CRD models (the dev extra of pyproject.toml)."""
+    try:
+        kubernetes_validate = importlib.import_module("kubernetes_validate")
+        keda = importlib.import_module("cloudcoil.models.keda.v1alpha1")
+        monitoring = importlib.import_module("cloudcoil.models.prometheus_operator.v1")
+    except ImportError as exc:
+        missing(f"a validator is not installed: {exc}")
+    return SimpleNamespace(
+        kubernetes=kubernetes_validate,
+        custom={
+            ("keda.sh/v1alpha1", "ScaledObject"): keda.ScaledObject,
+            ("monitoring.coreos.com/v1", "ServiceMonitor"): monitoring.ServiceMonitor,
+            ("monitoring.coreos.com/v1", "PodMonitor"): monitoring.PodMonitor,
+        },
+    )
+
+
+def validate(validators: SimpleNamespace, obj: Obj) -> None:
+    """Raise unless ``obj`` is valid: strict (no unknown field, no wrong type)."""
+    model = validators.custom.get((obj["apiVersion"], obj["kind"]))
+    if model is not None:
+        # JSON mode, as the API server reads it; extra="forbid" refuses unknown fields, which
+        # the API server's strict field validation refuses too.
+        model.model_validate_json(json.dumps(obj), strict=True, extra="forbid")
+    else:
+        validators.kubernetes.validate(obj, KUBERNETES, strict=True)
+
+
+def of_kind(objs: list[Obj], kind: str) -> list[Obj]:
+    return [o for o in objs if o["kind"] == kind]
+
+
+def named(objs: list[Obj], kind: str, suffix: str) -> Obj:
+    """The one object of ``kind`` named <release>-<suffix> (<release> for an empty suffix)."""
+    name = f"{RELEASE}-{suffix}" if suffix else RELEASE
+    (found,) = [o for o in of_kind(objs, kind) if o["metadata"]["name"] == name]
+    return found
+
+
+def worker_pod(objs: list[Obj], model: Obj) -> Obj:
+    """The pod spec of a model's worker Deployment."""
+    spec: Obj = named(objs, "Deployment", f"worker-{model['name']}")["spec"]["template"]["spec"]
+    return spec
+
+
+def pod_specs(objs: list[Obj]) -> Iterator[tuple[str, Obj]]:
+    for o in objs:
+        if o["kind"] in ("Deployment", "Job"):
+            yield o["metadata"]["name"], o["spec"]["template"]["spec"]
+
+
+def env_of(container: Obj) -> dict[str, Obj]:
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+def models_of(files: list[Path]) -> list[Obj]:
+    """The models a render was given: the last values file that sets them, else the chart's."""
+    models: list[Obj] = yaml.safe_load((CHART / "values.yaml").read_text())["models"]
+    for path in files:
+        models = yaml.safe_load(path.read_text()).get("models", models)
+    return models
+
+
+@pytest.mark.parametrize("render", RENDERS)
+def test_helm_lint_strict(helm: list[str], render: str) -> None:
+    done = run([*helm, "lint", "--strict", str(CHART), *values_args(RENDERS[render])])
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_renders_the_expected_objects(renders: dict[str, list[Obj]]) -> None:
+    kinds = {name: sorted({o["kind"] for o in objs}) for name, objs in renders.items()}
+    assert kinds["default"] == [
+        "Deployment",
+        "HorizontalPodAutoscaler",
+        "Job",
+        "PodDisruptionBudget",
+        "Secret",
+        "Service",
+    ]
+    assert {"ScaledObject", "ServiceMonitor", "ConfigMap"} <= set(kinds["gpu"])
+    assert "Secret" not in kinds["gpu"]  # secrets.existingSecret
+    # API, ops with beat, dispatcher, one worker per model (+ ops without beat in the GPU file).
+    assert len(of_kind(renders["default"], "Deployment")) == 4
+    assert len(of_kind(renders["gpu"], "Deployment")) == 6
+
+
+@pytest.mark.parametrize("render", RENDERS)
+def test_every_object_validates_strictly(
+    renders: dict[str, list[Obj]], validators: SimpleNamespace, render: str
+) -> None:
+    for obj in renders[render]:
+        try:
+            validate(validators, obj)
+        except Exception as exc:
+            pytest.fail(f"{obj['kind']} {obj['metadata']['name']}: {exc}")
+
+
+def test_pod_monitor_validates_strictly(helm: list[str], validators: SimpleNamespace) -> None:
+    done = template(helm, "--set", "metrics.podMonitor.enabled=true")
+    assert done.returncode == 0, done.stderr
+    monitors = [o for o in yaml.safe_load_all(done.stdout) if o and o["kind"] == "PodMonitor"]
+    assert len(monitors) == 1
+    validate(validators, monitors[0])
+    ports = {e["port"] for e in monitors[0]["spec"]["podMetricsEndpoints"]}
+    assert ports == {"http", "metrics"}
+
+
+def planted(obj: Obj, path: str, value: Any) -> Obj:
+    """A copy of ``obj`` with ``value`` at ``path`` (dotted; digits index lists); DROP removes."""
+    obj = copy.deepcopy(obj)
+    *parents, last = path.split(".")
+    node: Any = obj
+    for part in parents:
+        node = node[int(part)] if part.isdigit() else node[part]
+    if value is DROP:
+        del node[last]
+    else:
+        node[last] = value
+    return obj
+
+
+DROP = object()
+CONTAINER = "spec.template.spec.containers.0"
+# Mistakes planted in rendered objects: an unknown field, a wrong type, a missing field.
+PLANTED = [
+    ("Deployment", "worker-llama-8b", f"{CONTAINER}.imagePullPolcy", "Always"),
+    ("Deployment", "worker-llama-8b", "spec.progressDeadlineSeconds", "9"),
+    ("ScaledObject", "worker-qwen-small", "spec.fallback.replica", 1),
+    ("ScaledObject", "worker-qwen-small", "spec.triggers.0.metdata", {}),
+    ("ScaledObject", "worker-qwen-small", "spec.minReplicaCount", "0"),
+    ("ScaledObject", "worker-qwen-small", "spec.triggers.0.metadata.threshold", 1),
+    ("ScaledObject", "worker-qwen-small", "spec.scaleTargetRef", DROP),
+    ("ServiceMonitor", "", "spec.endpoints.0.intervl", "1s"),
+    ("ServiceMonitor", "", "spec.endpoints", {"port": "http"}),
+]
+
+
+def test_the_validators_refuse_planted_bad_objects(
+    renders: dict[str, list[Obj]], validators: SimpleNamespace
+) -> None:
+    refused = (pydantic.ValidationError, validators.kubernetes.ValidationError)
+    for kind, name, path, value in PLANTED:
+        obj = named(renders["gpu"], kind, name)
+        validate(validators, obj)  # as rendered: valid
+        bad = planted(obj, path, value)
+        with pytest.raises(refused) as caught:
+            validate(validators, bad)
+        # The error points at the planted field (kubernetes-validate keeps the path apart).
+        where = f"{caught.value} {list(getattr(caught.value, 'path', []))}"
+        assert path.rsplit(".", 1)[-1] in where, (kind, path, where)
+
+
+@pytest.mark.parametrize(
+    ("args", "key"),
+    [
+        (["--set", "api.replica=3"], "replica"),
+        (["--set", "keda.pollingIntervall=10"], "pollingIntervall"),
+        (["--set-json", 'models=[{"name": "a", "model": "m", "gpus": {"cuont": 1}}]'], "cuont"),
+        (
+            ["--set-json", 'models=[{"name": "a", "model": "m", "lanes": ["bulk"], "drain": 1}]'],
+            "drain",
+        ),
+    ],
+)
+def test_a_misspelt_value_fails_naming_the_key(helm: list[str], args: list[str], key: str) -> None:
+    for command in (
+        [*helm, "template", RELEASE, str(CHART), *args],
+        [*helm, "lint", "--strict", str(CHART), *args],
+    ):
+        done = run(command)
+        assert done.returncode != 0, command
+        assert f"'{key}'" in done.stdout + done.stderr, done.stdout + done.stderr
+
+
+def test_a_setting_the_chart_owns_is_refused_in_config(helm: list[str]) -> None:
+    done = template(helm, "--set-string", "config.INFERQ_SHUTDOWN_GRACE_S=5")
+    assert done.returncode != 0
+    assert "config.INFERQ_SHUTDOWN_GRACE_S" in done.stderr
+
+
+def test_migrations_run_before_the_new_code(renders: dict[str, list[Obj]]) -> None:
+    for objs in renders.values():
+        (job,) = of_kind(objs, "Job")
+        annotations = job["metadata"]["annotations"]
+        assert annotations["helm.sh/hook"] == "pre-install,pre-upgrade"
+        assert set(annotations["helm.sh/hook-delete-policy"].split(",")) == {
+            "before-hook-creation",
+            "hook-succeeded",
+        }
+        assert job["spec"]["template"]["spec"]["containers"][0]["command"] == ["inferq", "migrate"]
+        # The chart's own Secret exists before the Job that reads it: a hook of lower weight.
+        for secret in of_kind(objs, "Secret"):
+            hooks = secret["metadata"]["annotations"]
+            assert hooks["helm.sh/hook"] == "pre-install,pre-upgrade"
+            assert int(hooks["helm.sh/hook-weight"]) < int(annotations["helm.sh/hook-weight"])
+
+
+def test_beat_runs_once(renders: dict[str, list[Obj]]) -> None:
+    for name, objs in renders.items():
+        ops = named(objs, "Deployment", "ops")
+        assert ops["spec"]["replicas"] == 1
+        assert ops["spec"]["strategy"] == {"type": "Recreate"}
+        env = env_of(ops["spec"]["template"]["spec"]["containers"][0])
+        assert env["INFERQ_OPS_BEAT"]["value"] == "true"
+        extra = [o for o in of_kind(objs, "Deployment") if o["metadata"]["name"].endswith("-extra")]
+        for deployment in extra:
+            env = env_of(deployment["spec"]["template"]["spec"]["containers"][0])
+            assert env["INFERQ_OPS_BEAT"]["value"] == "false"
+        assert len(extra) == (1 if name == "gpu" else 0)
+
+
+@pytest.mark.parametrize("render", RENDERS)
+def test_worker_grace_period_is_its_drain_time_plus_60(
+    renders: dict[str, list[Obj]], render: str
+) -> None:
+    models = models_of(RENDERS[render])
+    assert models
+    for model in models:
+        pod = worker_pod(renders[render], model)
+        (container,) = pod["containers"]
+        drain = model.get("drainSeconds", 120)
+        assert env_of(container)["INFERQ_SHUTDOWN_GRACE_S"]["value"] == str(drain)
+        assert pod["terminationGracePeriodSeconds"] == drain + 60
+        startup = container["startupProbe"]
+        assert startup["httpGet"]["path"] == "/healthz"
+        assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+        waited = startup["failureThreshold"] * startup["periodSeconds"]
+        assert model.get("startupSeconds", 1800) <= waited < model.get("startupSeconds", 1800) + 10
+
+
+def test_keda_scales_the_models_of_the_gpu_file(renders: dict[str, list[Obj]]) -> None:
+    objs = renders["gpu"]
+    for model in models_of(RENDERS["gpu"]):
+        deployment = named(objs, "Deployment", f"worker-{model['name']}")
+        assert "replicas" not in deployment["spec"]  # KEDA's HPA owns it
+        scaled = named(objs, "ScaledObject", f"worker-{model['name']}")["spec"]
+        assert scaled["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
+        assert scaled["minReplicaCount"] == model["minReplicas"]
+        assert scaled["maxReplicaCount"] == model["maxReplicas"]
+        assert scaled["fallback"] == {"failureThreshold": 3, "replicas": model["replicas"]}
+        assert (scaled["pollingInterval"], scaled["cooldownPeriod"]) == (30, 300)
+        (trigger,) = scaled["triggers"]
+        assert trigger["type"] == "prometheus"
+        assert trigger["metricType"] == "AverageValue"
+        served = model.get("servedModelName") or model["model"]
+        assert trigger["metadata"]["query"] == (
+            f'max(inferq_autoscale_desired_workers{{model="{served}"}})'
+        )
+        assert trigger["metadata"]["threshold"] == "1"
+        assert trigger["metadata"]["activationThreshold"] == "0"
+        assert ("advanced" in scaled) == ("autoscaling" in model)
+    for model in models_of(RENDERS["default"]):
+        deployment = named(renders["default"], "Deployment", f"worker-{model['name']}")
+        assert deployment["spec"]["replicas"] == model["replicas"]
+
+
+def test_gpu_requests_follow_tensor_parallelism(renders: dict[str, list[Obj]]) -> None:
+    for model in models_of(RENDERS["gpu"]):
+        pod = worker_pod(renders["gpu"], model)
+        (container,) = pod["containers"]
+        tp = model.get("vllmConfig", {}).get("tensorParallelSize", 1)
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == model["gpus"].get("count", tp)
+        engine_args = env_of(container).get("INFERQ_VLLM_ENGINE_ARGS", {"value": "{}"})
+        args = json.loads(engine_args["value"])
+        assert args.get("tensor_parallel_size", 1) == tp
+        assert pod["nodeSelector"]["nvidia.com/gpu.product"] == model["gpus"]["type"]
+        assert {v["name"] for v in pod["volumes"]} >= {"dshm", "model-storage"}
+
+
+def test_every_variable_the_chart_sets_is_a_documented_setting(
+    renders: dict[str, list[Obj]],
+) -> None:
+    readme = (REPO / "README.md").read_text()
+    documented = set(re.findall(r"^\| `(INFERQ_[A-Z0-9_]+)` \|", readme, re.M))
+    assert documented
+    # Variables a values file adds itself (a model's `env`, e.g. HF_TOKEN) are the user's.
+    given = set()
+    for path in RENDERS["gpu"]:
+        values = yaml.safe_load(path.read_text())
+        parts = [*values.get("models", []), *(v for v in values.values() if isinstance(v, dict))]
+        given |= {e["name"] for part in parts for e in part.get("env", [])}
+    unknown = {
+        (name, env)
+        for objs in renders.values()
+        for name, pod in pod_specs(objs)
+        for container in pod["containers"]
+        for env in env_of(container)
+        if env not in documented | given
+    }
+    assert unknown == set()
+
+
+def test_every_pod_is_locked_down(renders: dict[str, list[Obj]]) -> None:
+    for objs in renders.values():
+        for name, pod in pod_specs(objs):
+            # Service links would set INFERQ_API_PORT=tcp://... from this chart's own Service.
+            assert pod["enableServiceLinks"] is False, name
+            assert pod["automountServiceAccountToken"] is False, name
+            # The Dockerfile's USER inferq is uid 1000; a numeric uid lets runAsNonRoot be checked.
+            assert pod["securityContext"]["runAsNonRoot"] is True, name
+            assert pod["securityContext"]["runAsUser"] == 1000, name
+            for container in pod["containers"]:
+                assert container["securityContext"]["allowPrivilegeEscalation"] is False, name
+
+
+def test_every_object_carries_the_standard_labels(renders: dict[str, list[Obj]]) -> None:
+    for objs in renders.values():
+        for obj in objs:
+            assert set(obj["metadata"]["labels"]) >= LABELS, obj["metadata"]["name"]
+
+
+def test_the_dashboard_is_the_one_copy(renders: dict[str, list[Obj]]) -> None:
+    linked = CHART / "dashboards" / "inferq.json"
+    assert linked.is_symlink()
+    assert linked.resolve() == DASHBOARD.resolve()
+    (config_map,) = of_kind(renders["gpu"], "ConfigMap")
+    assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(config_map["data"]["inferq.json"]) == json.loads(DASHBOARD.read_text())
+
+
+def test_the_packaged_chart_carries_the_dashboard(helm: list[str], tmp_path: Path) -> None:
+    done = run([*helm, "package", str(CHART), "--destination", str(tmp_path)])
+    assert done.returncode == 0, done.stderr
+    (archive,) = tmp_path.glob("inferq-*.tgz")
+    with tarfile.open(archive) as tar:
+        member = tar.extractfile("inferq/dashboards/inferq.json")
+        assert member is not None
+        assert json.loads(member.read()) == json.loads(DASHBOARD.read_text())
