@@ -144,8 +144,11 @@ class BenchStack:
         return child
 
     def add_ops(self) -> Child:
-        """The ops worker (batches, webhooks, beat); ready once its Celery worker says so."""
-        child = self.spawn("ops", [sys.executable, "-m", "app.cli", "ops"])
+        """The ops worker (batches, webhooks, beat); ready once its Celery worker says so. Its
+        dispatcher's loop is off: :meth:`start` runs a dispatcher of its own."""
+        child = self.spawn(
+            "ops", [sys.executable, "-m", "app.cli", "ops"], {"INFERQ_OPS_DISPATCH": "false"}
+        )
         wait_ready("ops", 120, lambda: " ready." in child.tail(200), child, poll_s=POLL_S)
         return child
 

@@ -28,7 +28,11 @@ from sqlalchemy import Engine, create_engine, text
 REPO = Path(__file__).resolve().parents[1]
 TERMINAL = {"succeeded", "failed", "cancelled", "expired"}
 # Written out rather than imported: a test must notice when the keys workers write change.
-PRESENCE_PREFIXES = {"inference": "inferq:worker:", "ops": "inferq:ops:"}
+PRESENCE_PREFIXES = {
+    "inference": "inferq:worker:",
+    "ops": "inferq:ops:",
+    "dispatcher": "inferq:dispatcher:",
+}
 DEMO_MODEL = "inferq-demo"  # the model a stack's workers serve unless a test names another
 
 
@@ -241,7 +245,10 @@ class Stack:
         return proc
 
     def start_ops(self, **settings: Any) -> Proc:
-        """The ops worker (webhooks, sweeps, beat); ready once its Celery worker is up."""
+        """The ops worker (webhooks, sweeps, beat); ready once its Celery worker is up. Its
+        dispatcher's loop is off unless ``ops_dispatch=True``: :meth:`start_api` starts a
+        dispatcher of its own, and the tests time what one dispatcher does."""
+        settings.setdefault("ops_dispatch", False)
         env = {f"INFERQ_{k.upper()}": str(v) for k, v in settings.items()}
         proc = self.spawn("ops", "ops", env=env)
 
@@ -257,7 +264,8 @@ class Stack:
         return proc
 
     def worker_record(self, pid: int, role: str = "inference") -> dict[str, Any] | None:
-        """The presence record of the process ``pid`` (an inference worker, or ``role="ops"``),
+        """The presence record of the process ``pid`` (an inference worker; ``role="ops"`` or
+        ``"dispatcher"`` for the others),
         read straight from Redis; None if it has none."""
         client = redis.Redis.from_url(self.redis_url)
         for key in client.scan_iter(f"{PRESENCE_PREFIXES[role]}*"):

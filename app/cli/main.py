@@ -131,9 +131,18 @@ def worker(
 @click.option(
     "--beat/--no-beat", default=None, help="Run Celery beat here (default INFERQ_OPS_BEAT: yes)."
 )
-def ops(concurrency: int | None, beat: bool | None) -> None:
-    """Run the ops worker: webhook delivery, periodic sweeps and Celery beat."""
-    _set_env(ops_concurrency=concurrency, ops_beat=None if beat is None else str(beat).lower())
+@click.option(
+    "--dispatch/--no-dispatch",
+    default=None,
+    help="Run the dispatcher's loop here (default INFERQ_OPS_DISPATCH: yes).",
+)
+def ops(concurrency: int | None, beat: bool | None, dispatch: bool | None) -> None:
+    """Run the ops worker: webhook delivery, periodic sweeps, Celery beat and the dispatcher."""
+    _set_env(
+        ops_concurrency=concurrency,
+        ops_beat=None if beat is None else str(beat).lower(),
+        ops_dispatch=None if dispatch is None else str(dispatch).lower(),
+    )
     get_settings()
     os.execv(sys.executable, [sys.executable, "-m", "workers.ops"])  # noqa: S606
 

@@ -2,10 +2,11 @@
 
 It starts a private ``redis-server`` when nothing answers at ``INFERQ_REDIS_URL`` (and says so),
 migrates the database, makes a dev API key, starts the API, the ops worker (webhooks, sweeps,
-beat), the dispatcher (the order of waiting jobs) and one inference worker, waits until the API
-is ready and the others have announced themselves in Redis (their presence records,
-app/core/snapshot.py), prints how to reach them, and stops every child - process groups
-included, so vLLM's engine processes go too - on Ctrl-C, SIGTERM, or when any child dies.
+beat, and the dispatcher's loop: the order of waiting jobs) and one inference worker, waits
+until the API is ready and the others have announced themselves in Redis (their presence
+records, app/core/snapshot.py), prints how to reach them, and stops every child - process
+groups included, so vLLM's engine processes go too - on Ctrl-C, SIGTERM, or when any child
+dies.
 """
 
 from __future__ import annotations
@@ -203,14 +204,6 @@ class Stack:
             return "INFERQ_WEBHOOK_SECRET"
         return str(self.data_dir / SECRET_FILE)
 
-    def start_dispatcher(self) -> Child:
-        """The dispatcher (waited for with the others' records: :meth:`_announced`)."""
-        child = Child(
-            "dispatch", [sys.executable, "-m", "app.cli", "dispatch"], self.logs / "dispatch.log"
-        )
-        self._spawn(child)
-        return child
-
     def ops_ready(self) -> dict[str, object]:
         """The ops worker's presence record, once it has announced itself."""
         assert self._ops is not None
@@ -283,10 +276,12 @@ class Stack:
             key = self.dev_key() if self.settings.require_auth else "(auth disabled)"
             api = self.start_api()
             secret = self.start_ops()
-            dispatcher = self.start_dispatcher()
             worker = self.start_worker()
             ops = self.ops_ready()
-            self._announced("dispatcher", "the dispatcher", 60, dispatcher)
+            # The ops worker runs the dispatcher's loop (INFERQ_OPS_DISPATCH): its record
+            # carries the ops worker's pid.
+            assert self._ops is not None
+            self._announced("dispatcher", "the dispatcher", 60, self._ops)
             self._banner(api, key, worker, ops, redis_line, secret)
             while all(child.alive() for child in self.children):
                 time.sleep(0.5)

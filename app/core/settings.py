@@ -285,6 +285,11 @@ class Settings(BaseSettings):
         2.0, gt=0, description="How often the ops worker finalizes finished and expired batches."
     )
     ops_beat: bool = Field(True, description="The ops worker runs beat (one per deployment).")
+    ops_dispatch: bool = Field(
+        True,
+        description="The ops worker runs the dispatcher's loop, so a deployment with an ops "
+        "worker always sends its waiting jobs (`inferq dispatch` runs more dispatchers).",
+    )
 
     # --- observability: metrics, Flower ------------------------------------------------------
     metrics_host: str = Field(

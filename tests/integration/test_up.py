@@ -172,7 +172,7 @@ def test_up_runs_the_whole_stack_and_stops_every_child(tmp_path: Path) -> None:
         reader.join(5)
         # The last line says that everything stopped, and how long the stop took.
         assert re.fullmatch(
-            r"inferq stopped: redis, api, ops, dispatch, worker \(\d+\.\d s\)", lines[-1].strip()
+            r"inferq stopped: redis, api, ops, worker \(\d+\.\d s\)", lines[-1].strip()
         ), lines[-3:]
         wait_until(
             lambda: (

@@ -84,7 +84,6 @@ def test_services_and_their_guarantees() -> None:
         "migrate",
         "api",
         "ops",
-        "dispatch",
         "worker",
         "worker-gpu",
         "worker-gpu-b",
@@ -117,9 +116,10 @@ def test_services_and_their_guarantees() -> None:
         services["worker-gpu"], "model"
     )
     assert default_services_reserving_devices(load()) == []
+    # Jobs the API leaves waiting are sent by the dispatcher's loop, which the ops worker runs
+    # unless told not to (README, "Fair share"): nothing here tells it not to.
     assert services["ops"]["command"] == ["inferq", "ops"]
-    # Jobs the API leaves waiting are sent by the dispatcher (README, "Fair share").
-    assert services["dispatch"]["command"] == ["inferq", "dispatch"]
+    assert "INFERQ_OPS_DISPATCH" not in str(services["ops"])
     assert any(v.endswith(":/data") for v in services["ops"]["volumes"])
     # Uploaded batch files are written by the API and read by the ops worker.
     files_volume = {v for v in services["api"]["volumes"] if v.endswith(":/files")}

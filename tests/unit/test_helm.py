@@ -185,8 +185,9 @@ def test_renders_the_expected_objects(renders: dict[str, list[Obj]]) -> None:
     ]
     assert {"ScaledObject", "ServiceMonitor", "ConfigMap"} <= set(kinds["gpu"])
     assert "Secret" not in kinds["gpu"]  # secrets.existingSecret
-    # API, ops with beat, dispatcher, one worker per model (+ ops without beat in the GPU file).
-    assert len(of_kind(renders["default"], "Deployment")) == 4
+    # API, ops with beat (and the dispatcher's loop), one worker per model; the GPU file adds
+    # ops without beat and more dispatchers.
+    assert len(of_kind(renders["default"], "Deployment")) == 3
     assert len(of_kind(renders["gpu"], "Deployment")) == 6
 
 

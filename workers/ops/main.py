@@ -7,8 +7,10 @@ in the database, so a duplicate sweep or message does no harm. Beat belongs in o
 (``inferq ops --no-beat`` for the others, ``INFERQ_OPS_BEAT``); its schedule file lives in
 ``data_dir``.
 
-The one that runs beat also exports the backlog signal an autoscaler scales inference workers
-on (workers/ops/autoscale.py).
+Unless told not to (``inferq ops --no-dispatch``, ``INFERQ_OPS_DISPATCH``) it also runs the
+dispatcher's loop on a thread: the safe deployment is the default one, and ``inferq dispatch``
+stays for running more dispatchers. The one that runs beat also exports the backlog signal an
+autoscaler scales inference workers on (workers/ops/autoscale.py).
 
 Like an inference worker, it serves /metrics and announces itself in Redis (workers/presence.py,
 role ``ops``) with that address, from Celery's ``worker_init`` until ``worker_shutdown``, so
@@ -18,14 +20,17 @@ role ``ops``) with that address, from Celery's ``worker_init`` until ``worker_sh
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 from celery import signals
 from prometheus_client import REGISTRY
 
+from app.core import clients
 from app.core.names import MAINTENANCE_QUEUE, WEBHOOK_QUEUE
 from app.core.settings import Settings, get_settings
 from app.core.webhooks import load_secret
+from app.dispatcher.loop import Dispatcher
 from workers import celery_app, metrics
 from workers.ops import tasks
 from workers.ops.autoscale import BacklogSignal
@@ -44,6 +49,9 @@ class OpsWorker:
         self.settings = settings
         self.presence: Presence | None = None
         self.signal: BacklogSignal | None = None
+        self.dispatcher: Dispatcher | None = None
+        self._dispatching: threading.Thread | None = None
+        self._stop = threading.Event()
 
     def connect(self) -> None:
         """Start and stop with this process's Celery worker (its signals)."""
@@ -66,6 +74,14 @@ class OpsWorker:
         }
         self.presence = Presence("ops", process_id(), settings.heartbeat_s, lambda: record)
         self.presence.start()
+        if settings.ops_dispatch:
+            # The dispatcher's loop on a thread: every deployment runs an ops worker, so none
+            # can be left without something that sends its waiting jobs (README, "Fair share").
+            self.dispatcher = Dispatcher(settings, clients.redis_client())
+            self._dispatching = threading.Thread(
+                target=self._dispatch, name="dispatcher", daemon=True
+            )
+            self._dispatching.start()
         if settings.ops_beat:
             # The one ops worker per deployment (beat's) exports the backlog signal.
             self.signal = BacklogSignal(settings)
@@ -73,6 +89,10 @@ class OpsWorker:
             self.signal.start()
 
     def stop(self) -> None:
+        self._stop.set()
+        if self._dispatching is not None:
+            self._dispatching.join(timeout=10)
+            self._dispatching = None
         if self.signal is not None:
             self.signal.stop()
             REGISTRY.unregister(self.signal)
@@ -80,6 +100,17 @@ class OpsWorker:
         if self.presence is not None:
             self.presence.stop()
             self.presence = None
+
+    def _dispatch(self) -> None:
+        # A loop that died here would leave jobs waiting with nobody told: it starts again
+        # (the missing-dispatcher signal shows while it is down, docs/architecture.md).
+        assert self.dispatcher is not None
+        while not self._stop.is_set():
+            try:
+                self.dispatcher.run(self._stop)
+            except Exception:
+                log.exception("the dispatcher's loop failed; it starts again in 1 s")
+                self._stop.wait(1.0)
 
     def _on_init(self, **_: Any) -> None:
         try:
