@@ -8,7 +8,7 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app import __version__
-from app.api import errors, handlers
+from app.api import errors, handlers, watch
 from app.api.routes import batches, health, jobs, openai
 from app.core.settings import get_settings
 
@@ -94,6 +94,7 @@ def create_app() -> FastAPI:
         title="inferq",
         version=__version__,
         description="Durable, prioritised LLM inference jobs in front of vLLM.",
+        lifespan=watch.lifespan,
     )
     handlers.install(app)
     app.include_router(health.router)

@@ -30,8 +30,9 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from app.core import catalog, clients, snapshot
+from app.core import catalog, clients, missing, snapshot
 from app.core.db import session_scope
+from app.core.settings import get_settings
 
 log = logging.getLogger("inferq.metrics")
 
@@ -85,6 +86,32 @@ class LaneCollector(Collector):
             oldest.add_metric([lane, model], jobs.oldest_queued_age_s)
         yield from (queued, running, oldest)
         yield from _tenant_gauges(tenants)
+        yield from _missing_gauge(models)
+
+
+def _missing_gauge(models: list[str]) -> Iterator[GaugeMetricFamily]:
+    """What waits for a missing part (app/core/missing.py): one series for the dispatcher and
+    one for the ops worker, one per known model for its workers; 0 when nothing does."""
+    try:
+        with session_scope() as session:
+            found = missing.find(session, clients.redis_client(), get_settings())
+    except Exception as exc:
+        log.warning("metrics: could not read the missing parts: %s", exc)
+        return
+    family = GaugeMetricFamily(
+        "inferq_missing_part_waiting",
+        "Jobs, webhook events and batches that wait for a part of the deployment with no live "
+        "process (dispatcher, ops, a model's worker); 0 when nothing does.",
+        labels=["part", "model"],
+    )
+    waiting = {(m.part, m.model or ""): 0 for m in found}
+    for m in found:
+        waiting[(m.part, m.model or "")] += m.waiting
+    for key in [("dispatcher", ""), ("ops", ""), *(("worker", model) for model in models)]:
+        waiting.setdefault(key, 0)
+    for (part, model), count in sorted(waiting.items()):
+        family.add_metric([part, model], count)
+    yield family
 
 
 def _tenant_gauges(

@@ -21,8 +21,9 @@ from rich.table import Table
 from rich.text import Text
 from sqlalchemy.exc import SQLAlchemyError
 
-from app.core import catalog, clients, snapshot
+from app.core import catalog, clients, missing, snapshot
 from app.core.db import session_scope
+from app.core.settings import get_settings
 
 THROUGHPUT_WINDOW_S = 60.0
 
@@ -47,11 +48,16 @@ def collect() -> snapshot.Snapshot:
             lanes = snapshot.lane_jobs(session, now, models)
             throughput = snapshot.throughput(session, now, THROUGHPUT_WINDOW_S)
             tenants = snapshot.tenant_jobs(session, now, THROUGHPUT_WINDOW_S)
+            warnings = [m.message() for m in missing.find(session, client, get_settings())]
+    except redis.RedisError as exc:
+        raise Unavailable(f"cannot read Redis (INFERQ_REDIS_URL): {exc}") from None
     except SQLAlchemyError as exc:
         # The driver's own message is the useful line; SQLAlchemy's adds the SQL and a link.
         reason = str(getattr(exc, "orig", None) or exc).splitlines()[0]
         raise Unavailable(f"cannot read the database (INFERQ_DATABASE_URL): {reason}") from None
-    return snapshot.Snapshot(now, messages, lanes, workers, throughput, ops, tenants, dispatchers)
+    return snapshot.Snapshot(
+        now, messages, lanes, workers, throughput, ops, tenants, dispatchers, warnings
+    )
 
 
 def _age(seconds: float) -> str:
@@ -195,6 +201,7 @@ def render(snap: snapshot.Snapshot) -> RenderableType:
     stamp = datetime.fromtimestamp(snap.taken_at).strftime("%Y-%m-%d %H:%M:%S")
     return Group(
         Text(f"inferq status at {stamp}", style="bold"),
+        *(Text(f"warning: {line}", style="bold yellow") for line in snap.warnings),
         _lanes_table(snap),
         _tenants_table(snap),
         _workers_table(snap),

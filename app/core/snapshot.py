@@ -84,6 +84,8 @@ class Snapshot:
     ops: list[dict[str, Any]] = field(default_factory=list)
     tenants: dict[TenantRoute, TenantJobs] = field(default_factory=dict)
     dispatchers: list[dict[str, Any]] = field(default_factory=list)
+    # Parts of the deployment whose work waits with no live process (app/core/missing.py).
+    warnings: list[str] = field(default_factory=list)
 
 
 def queue_messages(client: redis.Redis, routes: Sequence[Route]) -> dict[Route, int]:

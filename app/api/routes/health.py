@@ -10,9 +10,10 @@ from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
 
 from app.api.metrics import api_exposition
-from app.core import clients, snapshot
+from app.core import clients, missing, snapshot
 from app.core.db import session_scope
 from app.core.errors import unavailable
+from app.core.settings import get_settings
 
 router = APIRouter(tags=["health"])
 
@@ -33,8 +34,13 @@ def database_ok() -> bool:
 
 
 @router.get("/readyz")
-def readyz() -> dict[str, str]:
-    """The database and Redis both answer."""
+def readyz() -> dict[str, object]:
+    """The database and Redis both answer (503 when not). A part of the deployment whose work
+    waits with no live process to do it (app/core/missing.py) makes the answer ``degraded``
+    and is listed under ``missing``, still with 200: readiness takes an API pod out of its
+    Service, and an API that cannot be reached does not bring a dispatcher or a worker back;
+    it only stops submissions, polls and cancels too (docs/architecture.md, "No silent
+    waits")."""
     checks = {
         "database": "ok" if database_ok() else "unavailable",
         "redis": "ok" if clients.redis_ok() else "unavailable",
@@ -42,7 +48,16 @@ def readyz() -> dict[str, str]:
     down = [name for name, state in checks.items() if state != "ok"]
     if down:
         raise unavailable("not_ready", f"unavailable: {', '.join(down)}")
-    return {"status": "ready", **checks}
+    try:
+        with session_scope() as session:
+            found = missing.find(session, clients.redis_client(), get_settings())
+    except (SQLAlchemyError, redis.RedisError):
+        raise unavailable("not_ready", "unavailable: database or redis") from None
+    return {
+        "status": "degraded" if found else "ready",
+        **checks,
+        "missing": [m.as_dict() for m in found],
+    }
 
 
 @router.get("/metrics", include_in_schema=False)
