@@ -22,8 +22,11 @@ from typing import Any
 
 import httpx
 import redis
+import redis.sentinel
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import Engine, create_engine, text
+
+from app.core.settings import Settings
 
 REPO = Path(__file__).resolve().parents[1]
 TERMINAL = {"succeeded", "failed", "cancelled", "expired"}
@@ -263,11 +266,20 @@ class Stack:
             raise AssertionError(f"{exc}\n{proc.tail()}") from exc
         return proc
 
+    def redis(self) -> redis.Redis:
+        """A client of the stack's Redis: through its sentinels for a ``sentinel://`` URL."""
+        sentinel = Settings(redis_url=self.redis_url).redis_sentinel
+        if sentinel is None:
+            return redis.Redis.from_url(self.redis_url)
+        found = redis.sentinel.Sentinel(sentinel.sentinels, socket_timeout=2)  # type: ignore[no-untyped-call]
+        master: redis.Redis = found.master_for(sentinel.master, db=sentinel.db)  # type: ignore[no-untyped-call]
+        return master
+
     def worker_record(self, pid: int, role: str = "inference") -> dict[str, Any] | None:
         """The presence record of the process ``pid`` (an inference worker; ``role="ops"`` or
         ``"dispatcher"`` for the others),
         read straight from Redis; None if it has none."""
-        client = redis.Redis.from_url(self.redis_url)
+        client = self.redis()
         for key in client.scan_iter(f"{PRESENCE_PREFIXES[role]}*"):
             raw = client.get(key)
             record = json.loads(raw) if raw else {}

@@ -1,6 +1,8 @@
-"""The API's log of missing parts: a warning when a part of the deployment whose work waits
-has no live process (app/core/missing.py), repeated once a minute while it lasts, and a line
-when it is back. Runs in each API process for its lifetime (``lifespan`` in app/api/main.py).
+"""The API's log of what the deployment lacks: at start, what in Redis's configuration can
+lose a message (``clients.durability_warnings``); then a warning when a part of the deployment
+whose work waits has no live process (app/core/missing.py), repeated once a minute while it
+lasts, and a line when it is back. Runs in each API process for its lifetime (``lifespan`` in
+app/api/main.py).
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ async def watch(check_s: float = CHECK_S, repeat_s: float = REPEAT_S) -> None:
 
 @contextlib.asynccontextmanager
 async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+    """At start, what in Redis's configuration can lose a message; then the watcher."""
+    await asyncio.to_thread(clients.warn_if_not_durable)
     task = asyncio.create_task(watch())
     try:
         yield

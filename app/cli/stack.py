@@ -137,6 +137,8 @@ class Stack:
         url = self.settings.redis_url
         if clients.redis_ok():
             return f"{url} (already running)"
+        if self.settings.redis_sentinel is not None:
+            raise StackError(f"no Redis master answers through the sentinels of {url}")
         parsed = urlparse(url)
         host, port = parsed.hostname or "127.0.0.1", parsed.port or 6379
         server = shutil.which("redis-server")

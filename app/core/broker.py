@@ -138,6 +138,17 @@ class RedisTransport(kombu_redis.Transport):  # type: ignore[misc]
     Channel = _RedisChannel
 
 
+class _SentinelChannel(_RedisChannel, kombu_redis.SentinelChannel):  # type: ignore[misc]
+    """kombu's Sentinel channel (each connection asks the sentinels for the master) with
+    :class:`_RedisChannel`'s one client."""
+
+
+class SentinelTransport(kombu_redis.SentinelTransport):  # type: ignore[misc]
+    """kombu's Sentinel transport with :class:`_SentinelChannel` (``sentinel://`` URLs)."""
+
+    Channel = _SentinelChannel
+
+
 def broker_transport_options(settings: Settings) -> dict[str, Any]:
     return {
         # BRPOP the queues in strict lane order instead of kombu's default round robin.
@@ -162,13 +173,20 @@ def broker_transport_options(settings: Settings) -> dict[str, Any]:
 def celery_app(name: str, settings: Settings, **config: Any) -> Celery:
     """A Celery app on ``settings``' Redis with inferq's queues and broker options; ``config``
     adds to (or overrides) them. kombu picks a transport by the broker URL's scheme, so the
-    scheme ``redis`` is pointed at :class:`RedisTransport` here, before the app connects; URLs
-    stay as they are (Flower reads its broker's kind from the scheme)."""
+    schemes ``redis`` and ``sentinel`` are pointed at :class:`RedisTransport` and
+    :class:`SentinelTransport` here, before the app connects; URLs keep their scheme (Flower
+    reads its broker's kind from it). A ``sentinel://`` setting becomes kombu's form of it."""
     TRANSPORT_ALIASES["redis"] = f"{__name__}:RedisTransport"
-    app = Celery(name, broker=settings.redis_url, set_as_current=False)
+    TRANSPORT_ALIASES["sentinel"] = f"{__name__}:SentinelTransport"
+    sentinel = settings.redis_sentinel
+    options = broker_transport_options(settings)
+    if sentinel is not None:
+        options["master_name"] = sentinel.master
+    broker = settings.redis_url if sentinel is None else sentinel.kombu_url()
+    app = Celery(name, broker=broker, set_as_current=False)
     app.conf.update(
         task_queues=task_queues(),
-        broker_transport_options=broker_transport_options(settings),
+        broker_transport_options=options,
         task_serializer="json",
         accept_content=["json"],
         **config,

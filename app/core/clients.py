@@ -12,14 +12,19 @@ that change ``INFERQ_REDIS_URL`` or ``INFERQ_DATABASE_URL`` call it, after
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
 import redis
 import redis.asyncio
+import redis.asyncio.sentinel
+import redis.sentinel
 
 from app.core.settings import get_settings
+
+_log = logging.getLogger("inferq.redis")
 
 T = TypeVar("T")
 
@@ -47,12 +52,23 @@ def redis_client() -> redis.Redis:
     def build() -> redis.Redis:
         settings = get_settings()
         timeout = settings.dependency_timeout_s
-        return redis.Redis.from_url(
-            settings.redis_url,
-            socket_connect_timeout=timeout,
-            socket_timeout=timeout,
-            health_check_interval=30,
-        )
+        options: dict[str, Any] = {
+            "socket_connect_timeout": timeout,
+            "socket_timeout": timeout,
+            "health_check_interval": 30,
+        }
+        sentinel = settings.redis_sentinel
+        if sentinel is not None:
+            # Each new connection asks the sentinels for the master: after a failover the
+            # next command reaches the new one, with no restart (README, "Redis").
+            sentinels = redis.sentinel.Sentinel(  # type: ignore[no-untyped-call]
+                sentinel.sentinels, socket_connect_timeout=timeout, socket_timeout=timeout
+            )
+            master: redis.Redis = sentinels.master_for(  # type: ignore[no-untyped-call]
+                sentinel.master, db=sentinel.db, password=sentinel.password, **options
+            )
+            return master
+        return redis.Redis.from_url(settings.redis_url, **options)
 
     return held("redis", build)
 
@@ -62,11 +78,18 @@ def async_redis() -> redis.asyncio.Redis:
 
     def build() -> redis.asyncio.Redis:
         settings = get_settings()
-        return redis.asyncio.Redis.from_url(
-            settings.redis_url,
-            socket_connect_timeout=settings.dependency_timeout_s,
-            health_check_interval=30,
-        )
+        timeout = settings.dependency_timeout_s
+        options: dict[str, Any] = {"socket_connect_timeout": timeout, "health_check_interval": 30}
+        sentinel = settings.redis_sentinel
+        if sentinel is not None:
+            found = redis.asyncio.sentinel.Sentinel(  # type: ignore[no-untyped-call]
+                sentinel.sentinels, socket_connect_timeout=timeout, socket_timeout=timeout
+            )
+            master: redis.asyncio.Redis = found.master_for(
+                sentinel.master, db=sentinel.db, password=sentinel.password, **options
+            )
+            return master
+        return redis.asyncio.Redis.from_url(settings.redis_url, **options)
 
     return held("redis-async", build)
 
@@ -76,3 +99,37 @@ def redis_ok() -> bool:
         return bool(redis_client().ping())
     except redis.RedisError:
         return False
+
+
+def durability_warnings(client: redis.Redis) -> list[str]:
+    """What in Redis's configuration can lose a message: an eviction policy (an evicted list
+    is a queue gone) or no persistence at all (a restart empties every list). Either way the
+    database keeps every job and the reaper sends them again, but only after its grace
+    (README, "Redis"). Nothing is said where CONFIG is refused (managed Redis services)."""
+    try:
+        config = {
+            **client.config_get("maxmemory-policy"),
+            **client.config_get("appendonly"),
+            **client.config_get("save"),
+        }
+    except redis.RedisError:
+        return []
+    found = []
+    policy = config.get("maxmemory-policy", "noeviction")
+    if policy != "noeviction":
+        found.append(
+            f"Redis's maxmemory-policy is {policy}, not noeviction: under memory pressure it "
+            "drops queued messages, whose jobs then wait for the reaper"
+        )
+    if config.get("appendonly", "no") != "yes" and not config.get("save"):
+        found.append(
+            "Redis keeps nothing on disk (appendonly no, save empty): a restart loses every "
+            "queued message, whose jobs then wait for the reaper; set appendonly yes"
+        )
+    return found
+
+
+def warn_if_not_durable() -> None:
+    """Log :func:`durability_warnings` once, at a process's start."""
+    for line in durability_warnings(redis_client()):
+        _log.warning("%s", line)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 from pydantic import BaseModel, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -17,6 +18,44 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 DEMO_MODEL_NAME = "inferq-demo"
 DEMO_ADAPTER_NAME = "inferq-demo-lora"  # `inferq up`'s second model: a LoRA adapter of the demo
 LANES: tuple[str, ...] = ("realtime", "standard", "bulk")
+
+
+class Sentinel(BaseModel):
+    """A Redis reached through Sentinel: ``INFERQ_REDIS_URL`` in the form
+    ``sentinel://[:password@]host:port[,host:port...]/db?master_name=NAME`` (README,
+    "Redis"). The password is the master's; every client asks the sentinels for the current
+    master, and again after a failover."""
+
+    sentinels: list[tuple[str, int]]
+    master: str
+    db: int = 0
+    password: str | None = None
+
+    @classmethod
+    def parse(cls, url: str) -> Sentinel:
+        parts = urlsplit(url)
+        userinfo, _, hosts = parts.netloc.rpartition("@")
+        password = unquote(userinfo.partition(":")[2]) if userinfo else ""
+        sentinels = []
+        for item in hosts.split(","):
+            host, _, port = item.strip().rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"{url!r}: each sentinel is host:port, not {item!r}")
+            sentinels.append((host.strip("[]"), int(port)))
+        master = parse_qs(parts.query).get("master_name", [""])[0]
+        if not master:
+            raise ValueError(f"{url!r} names no master: add ?master_name=NAME")
+        db = parts.path.strip("/") or "0"
+        if not db.isdigit():
+            raise ValueError(f"{url!r}: the database is a number, not {db!r}")
+        return cls(sentinels=sentinels, master=master, db=int(db), password=password or None)
+
+    def kombu_url(self) -> str:
+        """The same for kombu's sentinel transport: one ``sentinel://`` URL per sentinel,
+        joined by ``;`` (the master's name goes in the transport options)."""
+        auth = f":{quote(self.password, safe='')}@" if self.password else ""
+        hosts = [(f"[{host}]" if ":" in host else host, port) for host, port in self.sentinels]
+        return ";".join(f"sentinel://{auth}{host}:{port}/{self.db}" for host, port in hosts)
 
 
 class Adapter(BaseModel):
@@ -38,7 +77,11 @@ class Settings(BaseSettings):
     database_url: str = Field(
         "", description="SQLAlchemy URL; empty means a SQLite file in data_dir (WAL mode)."
     )
-    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Celery broker and signals.")
+    redis_url: str = Field(
+        "redis://127.0.0.1:6379/0",
+        description="Celery broker and signals: redis://host:port/db, or "
+        "sentinel://host:port,host:port/db?master_name=NAME for a Redis behind Sentinel.",
+    )
     cache_dir: Path = Field(
         Path.home() / ".cache" / "inferq", description="Where the demo model is built."
     )
@@ -321,6 +364,7 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _check(self) -> Settings:
         self._check_timing()
+        self.redis_sentinel  # noqa: B018 - parses a sentinel:// URL, raising on a bad one
         for name, adapter in self.adapters.items():
             if adapter.base in self.adapters or adapter.base == name:
                 raise ValueError(f"adapter {name!r} must name a base model that is no adapter")
@@ -341,6 +385,11 @@ class Settings(BaseSettings):
                 raise ValueError(f"{name} takes lanes {LANES} with values >= 0")
         self.webhook_retry_delays  # noqa: B018 - parses the schedule, raising on a bad one
         return self
+
+    @property
+    def redis_sentinel(self) -> Sentinel | None:
+        """The sentinels and the master's name when ``redis_url`` is a ``sentinel://`` URL."""
+        return Sentinel.parse(self.redis_url) if self.redis_url.startswith("sentinel://") else None
 
     def _check_timing(self) -> None:
         """Refuse timings under which a live job could be taken for a lost one: a lease must

@@ -247,6 +247,7 @@ def main() -> None:
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
+    clients.warn_if_not_durable()
     dispatcher = Dispatcher(settings, clients.redis_client())
     log.info(
         "dispatcher %s: policy %s, queues %s deep (share of the workers' slots), ready.",

@@ -38,8 +38,14 @@ class RedisServer:
     """
 
     def __init__(
-        self, directory: Path, host: str = "127.0.0.1", prefix: Sequence[str] = ()
+        self,
+        directory: Path,
+        host: str = "127.0.0.1",
+        prefix: Sequence[str] = (),
+        extra: Sequence[str] = (),
     ) -> None:
+        """``extra``: more redis-server arguments (``--replicaof HOST PORT`` for a replica)."""
+        self.extra = list(extra)
         self.dir = directory
         self.dir.mkdir(parents=True, exist_ok=True)
         self.host = host
@@ -63,6 +69,7 @@ class RedisServer:
             *self.prefix,
             *redis_server_argv(REDIS_SERVER, self.port, self.dir),
             *elsewhere,
+            *self.extra,
             "--protected-mode",
             "no" if self.prefix else "yes",
             "--daemonize",
@@ -110,6 +117,86 @@ class RedisServer:
 
     def tail(self, n: int = 30) -> str:
         return log_tail(self.log, n)
+
+
+class SentinelSet:
+    """A Redis master, one replica and three sentinels (Debian's ``redis-sentinel``) on
+    loopback, all of their own: the set a production Redis with failover is. The sentinels
+    call the master down after ``down_ms`` without an answer and, two of them agreeing,
+    promote the replica; ``url`` is what inferq is given (README, "Redis")."""
+
+    MASTER = "inferq"
+
+    def __init__(self, directory: Path, down_ms: int = 1000) -> None:
+        self.master = RedisServer(directory / "master")
+        self.replica = RedisServer(
+            directory / "replica", extra=["--replicaof", "127.0.0.1", str(self.master.port)]
+        )
+        self.dir = directory
+        self.down_ms = down_ms
+        self.ports = [free_port() for _ in range(3)]
+        self.sentinels: list[subprocess.Popen[bytes]] = []
+
+    @property
+    def url(self) -> str:
+        hosts = ",".join(f"127.0.0.1:{port}" for port in self.ports)
+        return f"sentinel://{hosts}/0?master_name={self.MASTER}"
+
+    def start(self) -> None:
+        binary = shutil.which("redis-sentinel")
+        assert binary is not None, "redis-sentinel is not installed (.ci/run installs it)"
+        self.master.start()
+        self.replica.start()
+        wait_until(
+            lambda: self.replica.client().info("replication")["master_link_status"] == "up",
+            20,
+            "the replica to sync",
+        )
+        for i, port in enumerate(self.ports):
+            conf = self.dir / f"sentinel{i}.conf"  # a sentinel rewrites its own file
+            conf.write_text(
+                f"port {port}\nbind 127.0.0.1\ndir {self.dir}\n"
+                f"logfile {self.dir / f'sentinel{i}.log'}\n"
+                f"sentinel monitor {self.MASTER} 127.0.0.1 {self.master.port} 2\n"
+                f"sentinel down-after-milliseconds {self.MASTER} {self.down_ms}\n"
+                f"sentinel failover-timeout {self.MASTER} 10000\n"
+                f"sentinel parallel-syncs {self.MASTER} 1\n"
+            )
+            self.sentinels.append(
+                subprocess.Popen(
+                    [binary, str(conf)],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
+            )
+
+        def watching() -> bool:
+            for port in self.ports:
+                with contextlib.closing(redis.Redis(port=port, socket_timeout=1)) as client:
+                    state = client.sentinel_master(self.MASTER)
+                    if int(state.get("num-other-sentinels", 0)) < 2:
+                        return False
+                    if int(state.get("num-slaves", 0)) < 1:
+                        return False
+            return True
+
+        wait_until(watching, 30, "the sentinels to know each other and the replica", every=0.2)
+
+    def master_port(self) -> int:
+        """The master the sentinels name now."""
+        with contextlib.closing(redis.Redis(port=self.ports[0], socket_timeout=1)) as client:
+            _host, port = client.sentinel_get_master_addr_by_name(self.MASTER)
+        return int(port)
+
+    def close(self) -> None:
+        for popen in self.sentinels:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(popen.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                popen.wait(10)
+        self.replica.close()
+        self.master.close()
 
 
 class PostgresServer:

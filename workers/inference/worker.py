@@ -25,7 +25,7 @@ import redis
 from celery import signals
 from prometheus_client import REGISTRY
 
-from app.core import broker, tokens
+from app.core import broker, clients, tokens
 from app.core.names import RUN_JOBS_TASK
 from app.core.settings import Settings
 from workers import metrics
@@ -94,6 +94,7 @@ class InferenceWorker:
                 {"worker": self.worker_id, "engine": engine.name, "model": engine.model_name},
             )
         )
+        clients.warn_if_not_durable()
         killed = children.reap_orphans(settings.data_dir)
         if killed:
             log.warning("killed %d engine process(es) left behind by dead workers", killed)

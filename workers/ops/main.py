@@ -63,6 +63,7 @@ class OpsWorker:
 
     def start(self) -> None:
         settings = self.settings
+        clients.warn_if_not_durable()
         url = metrics.serve(
             settings.metrics_host, settings.ops_metrics_port, settings.metrics_advertise_host
         )
