@@ -80,6 +80,10 @@ def test_services_and_their_guarantees() -> None:
     services = load()["services"]
     assert set(services) == {
         "redis",
+        "redis-replica",
+        "sentinel-1",
+        "sentinel-2",
+        "sentinel-3",
         "postgres",
         "migrate",
         "api",
@@ -94,6 +98,13 @@ def test_services_and_their_guarantees() -> None:
     redis_cmd = services["redis"]["command"]
     assert redis_cmd[redis_cmd.index("--appendonly") + 1] == "yes"
     assert redis_cmd[redis_cmd.index("--maxmemory-policy") + 1] == "noeviction"
+    # Failover is a profile: a replica of `redis` and three sentinels watching it.
+    replica = services["redis-replica"]["command"]
+    assert replica[replica.index("--replicaof") + 1 :][:2] == ["redis", "6379"]
+    for name in ("redis-replica", "sentinel-1", "sentinel-2", "sentinel-3"):
+        assert services[name]["profiles"] == ["sentinel"]
+    for name in ("sentinel-1", "sentinel-2", "sentinel-3"):
+        assert "sentinel monitor inferq redis 6379 2" in services[name]["command"][2]
     assert services["migrate"]["command"] == ["inferq", "migrate"]
     assert services["api"]["depends_on"]["migrate"] == {
         "condition": "service_completed_successfully"
