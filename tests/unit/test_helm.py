@@ -279,6 +279,12 @@ def test_a_misspelt_value_fails_naming_the_key(helm: list[str], args: list[str],
         assert f"'{key}'" in done.stdout + done.stderr, done.stdout + done.stderr
 
 
+def test_the_ops_workers_dispatcher_cannot_be_turned_off_in_config(helm: list[str]) -> None:
+    done = template(helm, "--set-string", "config.INFERQ_OPS_DISPATCH=false")
+    assert done.returncode != 0
+    assert "config.INFERQ_OPS_DISPATCH" in done.stderr
+
+
 def test_a_setting_the_chart_owns_is_refused_in_config(helm: list[str]) -> None:
     done = template(helm, "--set-string", "config.INFERQ_SHUTDOWN_GRACE_S=5")
     assert done.returncode != 0
@@ -309,6 +315,8 @@ def test_beat_runs_once(renders: dict[str, list[Obj]]) -> None:
         assert ops["spec"]["strategy"] == {"type": "Recreate"}
         env = env_of(ops["spec"]["template"]["spec"]["containers"][0])
         assert env["INFERQ_OPS_BEAT"]["value"] == "true"
+        # ... and the dispatcher's loop, so the install always sends its waiting jobs.
+        assert env["INFERQ_OPS_DISPATCH"]["value"] == "true"
         extra = [o for o in of_kind(objs, "Deployment") if o["metadata"]["name"].endswith("-extra")]
         for deployment in extra:
             env = env_of(deployment["spec"]["template"]["spec"]["containers"][0])
