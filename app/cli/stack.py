@@ -333,7 +333,7 @@ class Stack:
             "Try:\n"
             f"  curl -s {api}/v1/jobs -H 'Authorization: Bearer {key}' "
             "-H 'Content-Type: application/json' "
-            '-d \'{"prompt": "Hello", "lane": "realtime"}\'\n'
+            '-d \'{"prompt": "Write a haiku about queues", "lane": "realtime"}\'\n'
             "Ctrl-C stops everything."
         )
 
