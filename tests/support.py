@@ -22,11 +22,10 @@ from typing import Any
 
 import httpx
 import redis
-import redis.sentinel
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import Engine, create_engine, text
 
-from app.core.settings import Settings
+from app.core import clients
 
 REPO = Path(__file__).resolve().parents[1]
 TERMINAL = {"succeeded", "failed", "cancelled", "expired"}
@@ -268,12 +267,7 @@ class Stack:
 
     def redis(self) -> redis.Redis:
         """A client of the stack's Redis: through its sentinels for a ``sentinel://`` URL."""
-        sentinel = Settings(redis_url=self.redis_url).redis_sentinel
-        if sentinel is None:
-            return redis.Redis.from_url(self.redis_url)
-        found = redis.sentinel.Sentinel(sentinel.sentinels, socket_timeout=2)  # type: ignore[no-untyped-call]
-        master: redis.Redis = found.master_for(sentinel.master, db=sentinel.db)  # type: ignore[no-untyped-call]
-        return master
+        return clients.connect(self.redis_url)
 
     def worker_record(self, pid: int, role: str = "inference") -> dict[str, Any] | None:
         """The presence record of the process ``pid`` (an inference worker; ``role="ops"`` or

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import Counter
 from collections.abc import Iterable, Iterator
 
 from prometheus_client import (
@@ -32,7 +33,6 @@ from prometheus_client.registry import Collector
 
 from app.core import catalog, clients, missing, snapshot
 from app.core.db import session_scope
-from app.core.settings import get_settings
 
 log = logging.getLogger("inferq.metrics")
 
@@ -93,8 +93,7 @@ def _missing_gauge(models: list[str]) -> Iterator[GaugeMetricFamily]:
     """What waits for a missing part (app/core/missing.py): one series for the dispatcher and
     one for the ops worker, one per known model for its workers; 0 when nothing does."""
     try:
-        with session_scope() as session:
-            found = missing.find(session, clients.redis_client(), get_settings())
+        found = missing.current()
     except Exception as exc:
         log.warning("metrics: could not read the missing parts: %s", exc)
         return
@@ -104,11 +103,10 @@ def _missing_gauge(models: list[str]) -> Iterator[GaugeMetricFamily]:
         "process (dispatcher, ops, a model's worker); 0 when nothing does.",
         labels=["part", "model"],
     )
-    waiting = {(m.part, m.model or ""): 0 for m in found}
+    waiting = Counter({("dispatcher", ""): 0, ("ops", ""): 0})
+    waiting.update({("worker", model): 0 for model in models})
     for m in found:
         waiting[(m.part, m.model or "")] += m.waiting
-    for key in [("dispatcher", ""), ("ops", ""), *(("worker", model) for model in models)]:
-        waiting.setdefault(key, 0)
     for (part, model), count in sorted(waiting.items()):
         family.add_metric([part, model], count)
     yield family

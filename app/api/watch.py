@@ -18,8 +18,6 @@ from fastapi import FastAPI
 from sqlalchemy.exc import SQLAlchemyError
 
 from app.core import clients, missing
-from app.core.db import session_scope
-from app.core.settings import get_settings
 
 log = logging.getLogger("inferq.missing")
 
@@ -27,17 +25,12 @@ CHECK_S = 5.0  # how often it looks: a missing part is logged within seconds of 
 REPEAT_S = 60.0  # ... and again once a minute while it lasts
 
 
-def _find() -> list[missing.Missing]:
-    with session_scope() as session:
-        return missing.find(session, clients.redis_client(), get_settings())
-
-
 async def watch(check_s: float = CHECK_S, repeat_s: float = REPEAT_S) -> None:
     logged: dict[tuple[str, str | None], float] = {}  # (part, model) -> when last logged
     while True:
         await asyncio.sleep(check_s)
         try:
-            found = await asyncio.to_thread(_find)
+            found = await asyncio.to_thread(missing.current)
         except (SQLAlchemyError, redis.RedisError) as exc:  # /readyz says which is down
             log.debug("could not look for missing parts: %s", exc)
             continue

@@ -22,7 +22,7 @@ import redis.asyncio
 import redis.asyncio.sentinel
 import redis.sentinel
 
-from app.core.settings import get_settings
+from app.core.settings import Sentinel, get_settings
 
 _log = logging.getLogger("inferq.redis")
 
@@ -46,29 +46,37 @@ def reset() -> None:
         _held.clear()
 
 
+def _connect(url: str, kind: Any, sentinels: Any, options: dict[str, Any]) -> Any:
+    """A client of the Redis at ``url`` (``kind``: redis-py's sync or asyncio class, with its
+    ``Sentinel``). Through Sentinel, each new connection asks the sentinels for the master:
+    after a failover the next command reaches the new one, with no restart (README, "Redis in
+    production")."""
+    sentinel = Sentinel.of(url)
+    if sentinel is None:
+        return kind.from_url(url, **options)
+    timeout = options.get("socket_connect_timeout")
+    found = sentinels(sentinel.sentinels, socket_connect_timeout=timeout, socket_timeout=timeout)
+    return found.master_for(sentinel.master, db=sentinel.db, password=sentinel.password, **options)
+
+
+def connect(url: str, **options: Any) -> redis.Redis:
+    """A new synchronous client of the Redis at ``url`` (``redis://`` or ``sentinel://``)."""
+    client: redis.Redis = _connect(url, redis.Redis, redis.sentinel.Sentinel, options)
+    return client
+
+
 def redis_client() -> redis.Redis:
     """The synchronous client, for every thread of this process."""
 
     def build() -> redis.Redis:
         settings = get_settings()
         timeout = settings.dependency_timeout_s
-        options: dict[str, Any] = {
-            "socket_connect_timeout": timeout,
-            "socket_timeout": timeout,
-            "health_check_interval": 30,
-        }
-        sentinel = settings.redis_sentinel
-        if sentinel is not None:
-            # Each new connection asks the sentinels for the master: after a failover the
-            # next command reaches the new one, with no restart (README, "Redis").
-            sentinels = redis.sentinel.Sentinel(  # type: ignore[no-untyped-call]
-                sentinel.sentinels, socket_connect_timeout=timeout, socket_timeout=timeout
-            )
-            master: redis.Redis = sentinels.master_for(  # type: ignore[no-untyped-call]
-                sentinel.master, db=sentinel.db, password=sentinel.password, **options
-            )
-            return master
-        return redis.Redis.from_url(settings.redis_url, **options)
+        return connect(
+            settings.redis_url,
+            socket_connect_timeout=timeout,
+            socket_timeout=timeout,
+            health_check_interval=30,
+        )
 
     return held("redis", build)
 
@@ -78,18 +86,14 @@ def async_redis() -> redis.asyncio.Redis:
 
     def build() -> redis.asyncio.Redis:
         settings = get_settings()
-        timeout = settings.dependency_timeout_s
-        options: dict[str, Any] = {"socket_connect_timeout": timeout, "health_check_interval": 30}
-        sentinel = settings.redis_sentinel
-        if sentinel is not None:
-            found = redis.asyncio.sentinel.Sentinel(  # type: ignore[no-untyped-call]
-                sentinel.sentinels, socket_connect_timeout=timeout, socket_timeout=timeout
-            )
-            master: redis.asyncio.Redis = found.master_for(
-                sentinel.master, db=sentinel.db, password=sentinel.password, **options
-            )
-            return master
-        return redis.asyncio.Redis.from_url(settings.redis_url, **options)
+        options = {
+            "socket_connect_timeout": settings.dependency_timeout_s,
+            "health_check_interval": 30,
+        }
+        client: redis.asyncio.Redis = _connect(
+            settings.redis_url, redis.asyncio.Redis, redis.asyncio.sentinel.Sentinel, options
+        )
+        return client
 
     return held("redis-async", build)
 

@@ -21,10 +21,11 @@ import redis
 from sqlalchemy import Connection, func, select
 from sqlalchemy.orm import Session
 
-from app.core import catalog, snapshot
+from app.core import catalog, clients, snapshot
+from app.core.db import session_scope
 from app.core.models import BATCH_TERMINAL, UNSENT, Batch, Job, JobStatus, WebhookEvent
 from app.core.models import WebhookStatus as Hook
-from app.core.settings import Settings
+from app.core.settings import Settings, get_settings
 
 PARTS = ("dispatcher", "ops", "worker")
 
@@ -82,3 +83,10 @@ def find(db: Session | Connection, client: redis.Redis, settings: Settings) -> l
         if not live.get(model):
             found.append(Missing("worker", count, "jobs", model))
     return found
+
+
+def current() -> list[Missing]:
+    """:func:`find` now, with this process's clients (``/readyz``, the API's /metrics and its
+    log)."""
+    with session_scope() as session:
+        return find(session, clients.redis_client(), get_settings())

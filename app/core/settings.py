@@ -32,6 +32,11 @@ class Sentinel(BaseModel):
     password: str | None = None
 
     @classmethod
+    def of(cls, url: str) -> Sentinel | None:
+        """The sentinels of a ``sentinel://`` URL; None for any other Redis URL."""
+        return cls.parse(url) if url.startswith("sentinel://") else None
+
+    @classmethod
     def parse(cls, url: str) -> Sentinel:
         parts = urlsplit(url)
         userinfo, _, hosts = parts.netloc.rpartition("@")
@@ -389,7 +394,7 @@ class Settings(BaseSettings):
     @property
     def redis_sentinel(self) -> Sentinel | None:
         """The sentinels and the master's name when ``redis_url`` is a ``sentinel://`` URL."""
-        return Sentinel.parse(self.redis_url) if self.redis_url.startswith("sentinel://") else None
+        return Sentinel.of(self.redis_url)
 
     def _check_timing(self) -> None:
         """Refuse timings under which a live job could be taken for a lost one: a lease must

@@ -13,7 +13,6 @@ from app.api.metrics import api_exposition
 from app.core import clients, missing, snapshot
 from app.core.db import session_scope
 from app.core.errors import unavailable
-from app.core.settings import get_settings
 
 router = APIRouter(tags=["health"])
 
@@ -49,8 +48,7 @@ def readyz() -> dict[str, object]:
     if down:
         raise unavailable("not_ready", f"unavailable: {', '.join(down)}")
     try:
-        with session_scope() as session:
-            found = missing.find(session, clients.redis_client(), get_settings())
+        found = missing.current()
     except (SQLAlchemyError, redis.RedisError):
         raise unavailable("not_ready", "unavailable: database or redis") from None
     return {
