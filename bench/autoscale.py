@@ -43,6 +43,7 @@ from app.core import snapshot
 from app.core.models import TERMINAL, Job, JobStatus
 from bench.harness import BenchStack
 from bench.metrics import percentile
+from bench.scenarios import Options
 
 POLLING_S = 30.0  # KEDA pollingInterval (default)
 COOLDOWN_S = 300.0  # KEDA cooldownPeriod (default)
@@ -270,7 +271,7 @@ def _burst_ids(stack: BenchStack) -> list[str]:
         return list(conn.execute(select(Job.id).where(Job.lane == "bulk")).scalars())
 
 
-def autoscaled(opts: Any, n: int) -> dict[str, Any]:
+def autoscaled(opts: Options, n: int) -> dict[str, Any]:
     with BenchStack(opts.database, opts.stack_env(engine="simulated"), opts.workdir) as stack:
         stack.start(workers=0)
         stack.add_ops()
@@ -278,7 +279,6 @@ def autoscaled(opts: Any, n: int) -> dict[str, Any]:
         fleet, load, controller = Fleet(stack), Load(stack), Controller()
         began = time.time()
         timeline: list[dict[str, Any]] = []
-        marks: dict[str, float] = {}
         phase = "idle"
         burst_at = drained_at = zero_at = None
         try:
@@ -312,12 +312,10 @@ def autoscaled(opts: Any, n: int) -> dict[str, Any]:
                 )
                 if phase == "idle" and t >= IDLE_S:
                     phase = "trickle"
-                    marks["trickle"] = time.time()
                     load.start_trickle()
                 elif phase == "trickle" and t >= IDLE_S + TRICKLE_S:
                     phase = "burst"
                     burst_at = load.burst(n)
-                    marks["burst"] = burst_at
                 elif phase == "burst" and row["bulk_left"] == 0 and t > IDLE_S + TRICKLE_S + 5:
                     phase = "tail"
                     drained_at = time.time()
@@ -385,7 +383,7 @@ def estimate(run: dict[str, Any]) -> dict[str, Any]:
     return {"estimate_error": None}
 
 
-def fixed(opts: Any, n: int, workers: int) -> dict[str, Any]:
+def fixed(opts: Options, n: int, workers: int) -> dict[str, Any]:
     """The trickle and the burst on ``workers`` workers started beforehand."""
     with BenchStack(opts.database, opts.stack_env(engine="simulated"), opts.workdir) as stack:
         stack.start(workers=0)
@@ -409,7 +407,7 @@ def fixed(opts: Any, n: int, workers: int) -> dict[str, Any]:
     }
 
 
-def autoscale(opts: Any) -> dict[str, Any]:
+def autoscale(opts: Options) -> dict[str, Any]:
     n = opts.n(BURST_JOBS)
     run = autoscaled(opts, n)
     peak = run["peak_workers"]
