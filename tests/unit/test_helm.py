@@ -300,7 +300,7 @@ def test_migrations_run_before_the_new_code(renders: dict[str, list[Obj]]) -> No
             "before-hook-creation",
             "hook-succeeded",
         }
-        assert job["spec"]["template"]["spec"]["containers"][0]["command"] == ["inferq", "migrate"]
+        assert job["spec"]["template"]["spec"]["containers"][0]["args"] == ["inferq", "migrate"]
         # The chart's own Secret exists before the Job that reads it: a hook of lower weight.
         for secret in of_kind(objs, "Secret"):
             hooks = secret["metadata"]["annotations"]
@@ -416,6 +416,22 @@ def test_every_pod_is_locked_down(renders: dict[str, list[Obj]]) -> None:
             assert pod["securityContext"]["runAsUser"] == 1000, name
             for container in pod["containers"]:
                 assert container["securityContext"]["allowPrivilegeEscalation"] is False, name
+
+
+def test_every_container_keeps_the_images_init(renders: dict[str, list[Obj]]) -> None:
+    """The image's ENTRYPOINT (tini, PID 1) hands SIGTERM to inferq: a container's `command`
+    would replace it, so the chart sets `args` (the image's CMD) only."""
+    entrypoint = next(
+        line
+        for line in (REPO / "Dockerfile").read_text().splitlines()
+        if line.startswith("ENTRYPOINT")
+    )
+    assert "tini" in entrypoint, entrypoint
+    for objs in renders.values():
+        for name, pod in pod_specs(objs):
+            for container in pod["containers"]:
+                assert "command" not in container, name
+                assert container["args"][0] == "inferq", name
 
 
 def test_every_object_carries_the_standard_labels(renders: dict[str, list[Obj]]) -> None:
