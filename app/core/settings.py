@@ -207,6 +207,12 @@ class Settings(BaseSettings):
     sim_max_num_seqs: int = Field(256, description="Simulated: most running sequences.")
     sim_max_num_batched_tokens: int = Field(8192, description="Simulated: token budget per step.")
     sim_time_scale: float = Field(1.0, description="Simulated: multiplies every step's cost.")
+    sim_kv_cache_tokens: int = Field(
+        0,
+        ge=0,
+        description="Simulated: KV cache size in tokens; a running sequence holds its prompt and "
+        "max_tokens, so long sequences lower how many run at once (0: unbounded).",
+    )
 
     # --- workers and reliability ----------------------------------------------------------
     worker_lanes: str = Field("realtime,standard,bulk", description="Lanes a worker consumes.")

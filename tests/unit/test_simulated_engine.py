@@ -169,3 +169,41 @@ def test_abort_finishes_a_running_sequence() -> None:
     reason, tokens = asyncio.run(main())
     assert reason == "abort"
     assert 0 < tokens < 10_000
+
+
+def test_the_kv_cache_bounds_how_many_run_at_once() -> None:
+    """Each sequence holds prompt + max_tokens of the cache: with room for two (2 x 50 of 120),
+    the third waits though max_num_seqs would take all five, and every one still finishes."""
+
+    async def main() -> tuple[int, int, list[tuple[str, str | None, int]]]:
+        engine = SimulatedEngine(_fast(kv_cache_tokens=120, max_num_seqs=256))
+        await engine.start()
+        prompt = " ".join(["word"] * 10)
+        reqs = [GenRequest(f"r{i}", prompt=prompt, max_tokens=40) for i in range(5)]
+        tasks = [asyncio.create_task(_collect(engine, r)) for r in reqs]
+        most_running, most_waiting = 0, 0
+        while not all(t.done() for t in tasks):
+            stats = engine.stats()
+            most_running = max(most_running, stats.running)
+            most_waiting = max(most_waiting, stats.waiting)
+            assert stats.kv_cache_usage <= 1.0
+            await asyncio.sleep(0.0005)
+        out = [t.result() for t in tasks]
+        await engine.shutdown()
+        return most_running, most_waiting, out
+
+    most_running, most_waiting, out = asyncio.run(main())
+    assert most_running == 2
+    assert most_waiting >= 3
+    assert all(reason == "length" and tokens == 40 for _, reason, tokens in out)
+
+
+def test_a_sequence_larger_than_the_kv_cache_runs_alone() -> None:
+    async def main() -> tuple[str, str | None, int]:
+        engine = SimulatedEngine(_fast(kv_cache_tokens=20))
+        await engine.start()
+        out = await _collect(engine, GenRequest("big", prompt="a b c", max_tokens=30))
+        await engine.shutdown()
+        return out
+
+    assert asyncio.run(main())[1:] == ("length", 30)

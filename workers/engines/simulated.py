@@ -8,6 +8,19 @@ real wall-clock time (times ``time_scale``), and emits one token per decoding se
 sequence whose prefill completes in a step emits its first token in that step, as vLLM does.
 Like vLLM's priority policy, a waiting request never preempts a running one.
 
+The KV cache (``kv_cache_tokens``, 0 for unbounded) bounds the running set as a GPU's memory
+does: a sequence holds the cache for its prompt and its ``max_tokens`` from the step it is
+admitted, and the waiting head is admitted only while what the running sequences hold plus its
+own fits::
+
+    admit(head)  iff  running < max_num_seqs  and  Σ_running (prompt + max_tokens)
+                      + head.prompt + head.max_tokens <= kv_cache_tokens
+
+(a sequence larger than the whole cache runs alone). vLLM allocates blocks as tokens are
+generated and preempts the newest sequence when they run out; reserving the whole sequence up
+front gives the same number running at once for sequences that run to max_tokens, without
+modelling recomputation.
+
 Calibration of the defaults (docs/engines.md has the derivation): LambdaLabsML/vllm-benchmark
 ``benchmark_v0.md`` reports vLLM 0.5.4 serving Meta-Llama-3.1-8B (FP8) on one H100-80GB-SXM
 at 3400.4 output tok/s with 19.75 ms inter-token latency (320 ShareGPT prompts, rate inf),
@@ -71,6 +84,7 @@ class CostModel:
     max_num_seqs: int
     max_num_batched_tokens: int
     time_scale: float = 1.0
+    kv_cache_tokens: int = 0
 
     @classmethod
     def from_settings(cls, settings: Settings, **overrides: float) -> CostModel:
@@ -81,6 +95,7 @@ class CostModel:
             "max_num_seqs": settings.sim_max_num_seqs,
             "max_num_batched_tokens": settings.sim_max_num_batched_tokens,
             "time_scale": settings.sim_time_scale,
+            "kv_cache_tokens": settings.sim_kv_cache_tokens,
             **overrides,
         }
         return cls(**values)  # type: ignore[arg-type]
@@ -101,6 +116,12 @@ class _Seq:
     rng: random.Random
     out: asyncio.Queue[GenChunk] = field(default_factory=asyncio.Queue)
     generated: int = 0
+
+    @property
+    def kv_held(self) -> int:
+        """The KV cache this sequence holds while it runs: its prompt and its max_tokens."""
+        return self.prompt_tokens + self.req.max_tokens
+
     text: str = ""
     done: bool = False
 
@@ -201,11 +222,17 @@ class SimulatedEngine:
             self._emitted.popleft()
         tokens = sum(n for _, n in self._emitted)
         span = max(1.0, min(5.0, now - self._emitted[0][0])) if self._emitted else 5.0
-        kv = sum(s.prompt_tokens + s.generated for s in self._running)
+        running = [s for s in self._running if not s.done]
+        if self.cost.kv_cache_tokens:
+            kv = sum(s.kv_held for s in running) / self.cost.kv_cache_tokens
+        else:
+            kv = sum(s.prompt_tokens + s.generated for s in running) / (
+                self.cost.max_num_batched_tokens * 64
+            )
         return EngineStats(
-            running=len(self._running),
-            waiting=len(self._waiting),
-            kv_cache_usage=min(1.0, kv / (self.cost.max_num_batched_tokens * 64)),
+            running=len(running),
+            waiting=sum(1 for _, _, s in self._waiting if not s.done),
+            kv_cache_usage=min(1.0, kv),
             generated_tokens_per_s=tokens / span,
             extra={
                 "simulated": True,
@@ -243,10 +270,17 @@ class SimulatedEngine:
                 prefill += take
                 if seq.prefill_left == 0:
                     emitting.append(seq)
+        held = sum(s.kv_held for s in self._running)
         while self._waiting and len(self._running) < cost.max_num_seqs and budget > 0:
-            _, _, seq = heapq.heappop(self._waiting)
-            if seq.done:
+            head = self._waiting[0][2]
+            if head.done:
+                heapq.heappop(self._waiting)
                 continue
+            full = cost.kv_cache_tokens and held + head.kv_held > cost.kv_cache_tokens
+            if full and self._running:
+                break  # the head waits for cache, and so does everything behind it
+            _, _, seq = heapq.heappop(self._waiting)
+            held += seq.kv_held
             take = min(seq.prefill_left, budget)
             seq.prefill_left -= take
             budget -= take
