@@ -222,7 +222,15 @@ class Settings(BaseSettings):
         "each seeing only its own (CUDA_VISIBLE_DEVICES); empty: one worker, every GPU visible.",
     )
     worker_concurrency: int = Field(
-        256, description="Job slots per worker; set it to the engine's max_num_seqs."
+        256,
+        description="Most jobs a worker holds; an upper bound: the engine's own queue decides "
+        "how many it takes (INFERQ_WORKER_ENGINE_QUEUE).",
+    )
+    worker_engine_queue: int = Field(
+        4,
+        ge=1,
+        description="Standard and bulk jobs a worker lets wait inside its engine: it takes "
+        "the next one only while fewer wait there (realtime is taken at once).",
     )
     lane_reserved_share: dict[str, float] = Field(
         default_factory=lambda: {"realtime": 0.0625, "standard": 0.03125, "bulk": 0.125},

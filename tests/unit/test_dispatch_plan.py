@@ -53,6 +53,23 @@ def test_target(lane: str, slots: int, above: bool, expected: int) -> None:
 
 def test_a_unit_is_a_chunk_for_bulk_and_one_job_otherwise() -> None:
     assert [unit(lane, CHUNK) for lane in ("realtime", "standard", "bulk")] == [1, 1, CHUNK]
+    # At most a quarter of the smallest worker's slots, at least one job.
+    assert [unit("bulk", CHUNK, slots) for slots in (256, 128, 20, 3)] == [CHUNK, CHUNK, 5, 1]
+    assert unit("standard", CHUNK, 20) == 1
+
+
+def test_a_worker_counts_what_its_engine_runs_not_its_slots() -> None:
+    """The intake's capacity (the engine's running sequences when full) and the jobs it lets
+    wait in the engine bound the slots the dispatcher counts; the setting is an upper bound."""
+    record = {
+        "model": "m",
+        "lanes": ["bulk"],
+        "concurrency": 256,
+        "intake": {"reserved": {}, "capacity": 16, "engine_queue": 4},
+    }
+    assert LiveWorker.of(record).slots == 20
+    assert LiveWorker.of({**record, "concurrency": 8}).slots == 8
+    assert LiveWorker.of({**record, "intake": {"reserved": {}}}).slots == 256
 
 
 @pytest.mark.parametrize(
@@ -97,8 +114,23 @@ CASES: dict[str, Case] = {
         Refill(2 + 16 - 4, 1),
     ),
     "a full queue gets nothing": ("standard", 10, True, set(), [worker()], None),
-    "bulk is refilled in whole messages": ("bulk", 0, True, set(), [worker()], Refill(40, CHUNK)),
-    "less room than a message: bulk waits": ("bulk", 1, True, set(), [worker()], None),
+    "bulk is refilled in whole messages": (
+        "bulk",
+        0,
+        True,
+        set(),
+        [worker(slots=128)],
+        Refill(CHUNK + 64, CHUNK),
+    ),
+    "less room than a message: bulk waits": ("bulk", 3, True, set(), [worker(slots=128)], None),
+    "a worker of 16 slots gets messages of a quarter of them": (
+        "bulk",
+        0,
+        True,
+        set(),
+        [worker(slots=128), worker()],
+        Refill(4 + 72, 4),  # the smallest worker's quarter; the margin is one such message
+    ),
     "no jobs waiting: nothing to send": ("realtime", 0, False, set(), [worker()], None),
     "workers of another model do not count": (
         "realtime",
@@ -137,8 +169,8 @@ CASES: dict[str, Case] = {
         0,
         True,
         {"realtime"},
-        [worker(lanes="bulk")],
-        Refill(CHUNK + 8, CHUNK),
+        [worker(lanes="bulk", slots=128)],
+        Refill(CHUNK + 64, CHUNK),
     ),
 }
 

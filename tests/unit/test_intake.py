@@ -112,3 +112,70 @@ def test_changes_from_other_threads_go_through_the_consumer_loop() -> None:
     assert len(calls) == 1
     calls[0]()  # type: ignore[operator]
     assert consumer.live == {"realtime", "standard"}
+
+
+class Engine:
+    """What the intake reads from the engine at each step: (running, waiting)."""
+
+    def __init__(self) -> None:
+        self.running = 0
+        self.waiting = 0
+
+    def load(self) -> tuple[int, int]:
+        return self.running, self.waiting
+
+
+def watched(slots: int = 64, engine_queue: int = 2) -> tuple[Intake, Consumer, Engine, list[int]]:
+    intake = Intake(LANES, slots, SHARE, 2, MODEL, engine_queue)
+    consumer = Consumer(LANES)
+    intake.bind(consumer)
+    engine, announced = Engine(), []
+    intake.watch(engine.load, lambda: announced.append(intake.capacity))
+    return intake, consumer, engine, announced
+
+
+def test_standard_and_bulk_wait_while_the_engines_own_queue_is_full() -> None:
+    """engine_room = engine_queue - waiting_in_engine - taken_not_yet_in_engine: plenty of
+    slots, but a message is taken only while fewer than engine_queue jobs wait in the engine;
+    realtime is taken at once."""
+    intake, consumer, engine, _ = watched()
+    intake.take("bulk", 2)  # taken, not yet in the engine: the engine's queue is spoken for
+    assert consumer.live == {"realtime"}
+    intake.entered(2)  # in the engine, and the engine ran them
+    engine.running = 2
+    intake.on_step(2, 2)
+    assert consumer.live == set(LANES)
+    engine.waiting = 2  # two more taken and waiting in the engine: full again
+    intake.take("standard", 1)
+    intake.take("standard", 1)
+    intake.entered(2)
+    intake.on_step(2, 2)
+    assert consumer.live == {"realtime"}
+    intake.take("realtime", 1)
+    assert "realtime" in consumer.live, "realtime is not held back by the engine's queue"
+    engine.waiting = 1  # one of them started
+    intake.on_step(3, 3)
+    assert consumer.live == {"realtime"}, "the realtime job taken is not in the engine yet"
+    intake.entered(1)
+    intake.on_step(3, 3)
+    assert consumer.live == set(LANES)
+
+
+def test_the_capacity_is_what_runs_while_jobs_wait_through_a_step() -> None:
+    intake, _, engine, announced = watched(slots=64)
+    assert intake.capacity == 64, "at the start, the slots"
+    engine.running, engine.waiting = 16, 3
+    intake.on_step(16, 16)
+    assert intake.capacity == 64, "jobs that arrived during the step do not make it full"
+    intake.on_step(16, 16)
+    assert intake.capacity == 16 and announced == [16]
+    engine.waiting = 0
+    intake.on_step(16, 16)
+    engine.running = 17  # one more: less than a tenth, not announced
+    intake.on_step(17, 17)
+    assert intake.capacity == 17 and announced == [16]
+    engine.running = 24  # shorter sequences: more fit
+    intake.on_step(24, 24)
+    assert intake.capacity == 24 and announced == [16, 24]
+    snapshot = intake.snapshot()
+    assert (snapshot["capacity"], snapshot["engine_queue"]) == (24, 2)

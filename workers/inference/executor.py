@@ -109,6 +109,7 @@ class Executor:
                     done, running = concurrent.futures.wait(
                         running, return_when=concurrent.futures.FIRST_COMPLETED
                     )
+                    self.intake.left(len(done))
                     slots.release(len(done))
                     with self._lock:
                         # Out of the engine: no lease to renew (the outcome write is fenced by
@@ -170,6 +171,7 @@ class Executor:
             if reason is not None:  # cancelled (or expired) before it reached the engine
                 self.runner.abort(claim.request.request_id, reason)
         futures.update(zip(started, claims, strict=True))
+        self.intake.entered(len(started))
         return set(started)
 
     def _relay_pieces(self, claim: Claim) -> Callable[[str, int], None] | None:

@@ -41,6 +41,7 @@ class Heartbeat:
             "inference", executor.worker_id, settings.heartbeat_s, self._describe
         )
         self._stop = threading.Event()
+        self._poked = threading.Event()  # announce now (the intake's capacity moved)
         self._thread = threading.Thread(target=self._loop, name="heartbeat", daemon=True)
         self._beat: float | None = None  # monotonic time of the last beat
 
@@ -61,13 +62,28 @@ class Heartbeat:
             return False, f"no heartbeat for {age:.0f} s"
         return True, f"heartbeat {age:.1f} s ago"
 
+    def poke(self) -> None:
+        """Announce the presence record now, not at the next beat (any thread)."""
+        self._poked.set()
+
     def stop(self) -> None:
         self._stop.set()
+        self._poked.set()
         self._thread.join(timeout=5)
         self.presence.withdraw()
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.settings.heartbeat_s):
+        due = time.monotonic() + self.settings.heartbeat_s
+        while True:
+            self._poked.wait(max(0.0, due - time.monotonic()))
+            if self._stop.is_set():
+                return
+            if self._poked.is_set():
+                self._poked.clear()
+                self.presence.announce()
+            if time.monotonic() < due:
+                continue
+            due += self.settings.heartbeat_s
             try:
                 self.renew()
             except SQLAlchemyError as exc:

@@ -11,6 +11,25 @@ So a bulk backlog can never take the slots kept for realtime and standard, and a
 realtime work can never take the slots kept for bulk (bulk's guaranteed share); when a lane is
 idle its reservation is not lost, and the other lanes share everything else.
 
+The slots are an upper bound; the engine decides how many it runs at once (its
+``max_num_seqs``, and on a GPU how many sequences its KV cache holds). A job the engine cannot
+start waits inside it in arrival order, outside the dispatcher's fair share, deadlines and
+lanes. So standard and bulk take a message only while the engine's own queue is short::
+
+    engine_room = engine_queue - waiting_in_engine - taken_not_yet_in_engine
+    open(lane)  = room(lane) >= need(lane)  and  (lane == realtime  or  engine_room >= 1)
+
+``waiting_in_engine`` is read from the engine at every step (its stats' ``waiting``), and
+``engine_queue`` is ``INFERQ_WORKER_ENGINE_QUEUE`` (a few jobs: enough that a freed sequence
+is refilled at the next step, few enough that what waits there is a moment's work). Realtime
+is taken at once within its slots: vLLM's priority scheduling runs it before waiting bulk.
+
+The same look gives the engine's capacity, what the dispatcher's queue depth is a share of
+(app/dispatcher/plan.py): ``capacity`` = the sequences running at a step where some waited
+through the whole step (the engine is full), else the most seen running, starting at the
+slots. A change of a tenth or more is announced at once (the heartbeat's presence record),
+not at the next beat.
+
 Celery fetches whatever its free threads can hold, from any queue. To make the rule bind before
 a message is fetched, the worker stops consuming a lane's queue when the lane has no room (and
 resumes when it has): Celery's ``cancel_task_queue`` / ``add_task_queue`` on the consumer.
@@ -27,6 +46,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
@@ -44,8 +64,17 @@ class Intake:
         reserved_share: dict[str, float],
         bulk_chunk: int,
         model: str,
+        engine_queue: int = 0,
     ) -> None:
         self.lanes = list(lanes)
+        # 0: no bound from the engine's queue (the slots alone decide).
+        self.engine_queue = engine_queue
+        self.waiting_in_engine = 0
+        self.in_engine = 0
+        self.capacity = slots
+        self._announced = slots
+        self._engine_load: Callable[[], tuple[int, int]] = lambda: (0, 0)
+        self._on_capacity: Callable[[], None] = lambda: None
         self.model = model  # the lanes are this model's queues (app/core/names.py)
         self.slots = slots
         self.reserved = {lane: int(slots * reserved_share.get(lane, 0.0)) for lane in self.lanes}
@@ -67,6 +96,7 @@ class Intake:
             settings.lane_reserved_share,
             settings.bulk_chunk_size,
             settings.model_name,
+            settings.worker_engine_queue,
         )
 
     def bind(self, consumer: Any) -> None:
@@ -75,6 +105,46 @@ class Intake:
             self._consumer = consumer
             self._loop_thread = threading.get_ident()  # worker_ready runs on the loop's thread
         self._reconcile()
+
+    def watch(self, load: Callable[[], tuple[int, int]], on_capacity: Callable[[], None]) -> None:
+        """Read the engine's (running, waiting) with ``load`` at every engine step
+        (:meth:`on_step`, on the engine's thread); ``on_capacity`` when the capacity moves."""
+        self._engine_load = load
+        self._on_capacity = on_capacity
+
+    def on_step(self, _decoding: int, _emitted: int) -> None:
+        """The engine took a step: what waits in it may have started."""
+        running, waiting = self._engine_load()
+        # Full only if jobs waited through a whole step: a job that arrived during the step
+        # waits at its end without the engine being full.
+        full = waiting > 0 and self.waiting_in_engine > 0
+        self.waiting_in_engine = waiting
+        capacity = running if full else max(self.capacity, running)
+        self.capacity = max(1, min(self.slots, capacity))
+        if abs(self.capacity - self._announced) * 10 >= self._announced:
+            self._announced = self.capacity
+            self._on_capacity()
+        self._reconcile()
+
+    def entered(self, n: int) -> None:
+        """``n`` taken jobs went into the engine."""
+        with self._lock:
+            self.in_engine += n
+        self._reconcile()
+
+    def left(self, n: int) -> None:
+        """``n`` jobs left the engine (their slots are given back separately)."""
+        with self._lock:
+            self.in_engine = max(0, self.in_engine - n)
+
+    def engine_room(self) -> int:
+        pending = max(0, sum(self.used.values()) - self.in_engine)
+        return self.engine_queue - self.waiting_in_engine - pending
+
+    def is_open(self, lane: str) -> bool:
+        if self.room(lane) < self._need[lane]:
+            return False
+        return lane == "realtime" or not self.engine_queue or self.engine_room() >= 1
 
     def room(self, lane: str) -> int:
         held_back = sum(max(0, self.reserved[m] - self.used[m]) for m in self.lanes if m != lane)
@@ -117,11 +187,15 @@ class Intake:
                 "used": dict(self.used),
                 "reserved": dict(self.reserved),
                 "open": [lane for lane in self.lanes if lane in self.open],
+                "engine_queue": self.engine_queue,
+                "capacity": self.capacity,
+                "waiting_in_engine": self.waiting_in_engine,
+                "in_engine": self.in_engine,
             }
 
     def _reconcile(self) -> None:
         with self._lock:
-            wanted = {lane for lane in self.lanes if self.room(lane) >= self._need[lane]}
+            wanted = {lane for lane in self.lanes if self.is_open(lane)}
             if wanted == self.open:
                 return
             self.open = wanted

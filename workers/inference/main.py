@@ -67,9 +67,21 @@ def build_executor(
 def build(settings: Settings) -> InferenceWorker:
     """Every part of an inference worker process, built and wired, none started."""
     engine = create_engine(settings)
-    engine.on_step = metrics.observe_step
     runner = Runner.from_settings(engine, settings)
     executor = build_executor(runner, process_id(), settings, on_engine_dead=stop_this_worker)
+    # Each engine step: the metrics, and the intake's look at what waits in the engine
+    # (workers/inference/intake.py), on the engine's own thread.
+    intake = executor.intake
+
+    def load() -> tuple[int, int]:
+        stats = engine.stats()
+        return stats.running, stats.waiting
+
+    def on_step(decoding: int, emitted: int) -> None:
+        metrics.observe_step(decoding, emitted)
+        intake.on_step(decoding, emitted)
+
+    engine.on_step = on_step
     info = {
         "engine": engine.name,
         "model": engine.model_name,
@@ -79,11 +91,14 @@ def build(settings: Settings) -> InferenceWorker:
         # The GPUs this worker sees (`inferq worker --gpus` pins one per worker).
         "devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
     }
+    heartbeat = Heartbeat(executor, settings, info)
+    # A new capacity reaches the dispatcher at once: the heartbeat announces it.
+    intake.watch(load, heartbeat.poke)
     client = clients.redis_client()
     return InferenceWorker(
         settings,
         executor,
-        Heartbeat(executor, settings, info),
+        heartbeat,
         ControlListener(executor, client),
         client,
     )
