@@ -18,6 +18,20 @@ stack of its own, with the same workload and engine:
   waits behind A's whole backlog. ``throughput_vs_arrival`` = ``equal``'s output tokens/s over
   this run's, in the same stretch after B's submission (target >= 0.97): the fair order costs
   the engine nothing.
+
+Two more cases where the engine runs fewer sequences than the worker has slots
+(``INFERQ_WORKER_CONCURRENCY`` left at its default), so whatever the worker admits beyond the
+engine's capacity waits inside the engine, outside fair share (docs/architecture.md, "Fair
+share"):
+
+- ``full_seqs``: the engine's ``max_num_seqs`` is ``FULL_SEQS``;
+- ``full_kv``: ``max_num_seqs`` stays 256 but the KV cache holds ``FULL_SEQS`` of the case's
+  long sequences (``INFERQ_SIM_KV_CACHE_TOKENS``; a prompt of ``LONG_PROMPT`` words).
+
+In each, B's ``FULL_B`` jobs run first alone, then again ``FULL_DELAY_S`` after A has submitted
+``FULL_A``: ``b_slowdown`` = B's completion time (submission to its last job's end) behind the
+backlog over alone (target <= 2.5: half an engine's share would give about 2), and ``b_share``
+= B's share of the tokens from its submission to its end (target >= 0.45).
 """
 
 from __future__ import annotations
@@ -38,11 +52,17 @@ SLOTS = 16
 # Small bulk messages: a worker of 16 slots holds four; with the default 32 one message would
 # be more than the worker holds.
 CHUNK = 4
+FULL_A = 3_000
+FULL_B = 100
+FULL_DELAY_S = 1.0
+FULL_SEQS = 16
+LONG_PROMPT = 200  # words (the simulated engine's tokens)
+FULL_TIMEOUT_S = 300.0
 
 
-def _body(tenant: str, i: int) -> dict[str, Any]:
+def _body(tenant: str, i: int, pad: int = 0) -> dict[str, Any]:
     return {
-        "prompt": f"fair share {tenant} {i}",
+        "prompt": f"fair share {tenant} {i}" + " context" * pad,
         "lane": "bulk",
         "params": {"max_tokens": MAX_TOKENS},
     }
@@ -128,6 +148,68 @@ def _run(opts: Options, what: str, policy: str, weights: tuple[float, float]) ->
     }
 
 
+def _finished_by(stack: BenchStack, tenant: str, n: int, what: str, opts: Options) -> float:
+    """When the last of ``tenant``'s ``n`` jobs ended, once they all have."""
+    deadline = time.monotonic() + FULL_TIMEOUT_S
+    while time.monotonic() < deadline:
+        rows = stack.rows(tenant=tenant)
+        done = [r["finished_at"] for r in rows if r["finished_at"] is not None]
+        opts.progress(what, len(done), n)
+        if len(done) >= n:
+            return float(max(done))
+        time.sleep(0.2)
+    raise RuntimeError(f"{what}: {tenant}'s {n} jobs did not finish in {FULL_TIMEOUT_S:.0f}s")
+
+
+def _engine_full(opts: Options, what: str, engine: dict[str, Any], pad: int) -> dict[str, Any]:
+    """B alone, then B behind A's backlog, on an engine smaller than the worker's slots."""
+    n_a, n_b = opts.n(FULL_A), opts.n(FULL_B)
+    env = opts.stack_env(engine="simulated", require_auth="true", **engine)
+    with BenchStack(opts.database, env, opts.workdir) as stack:
+        stack.start(workers=1)
+        key_alone = stack.create_key("b-alone")
+        key_a, key_b = stack.create_key("tenant-a"), stack.create_key("tenant-b")
+        at = stack.submit([_body("b", i, pad) for i in range(n_b)], key=key_alone)
+        alone_s = _finished_by(stack, "b-alone", n_b, f"{what}: B alone", opts) - at
+        a_at = stack.submit([_body("a", i, pad) for i in range(n_a)], key=key_a)
+        time.sleep(max(0.0, a_at + FULL_DELAY_S - time.time()))
+        b_at = stack.submit([_body("b", i, pad) for i in range(n_b)], key=key_b)
+        b_end = _finished_by(stack, "tenant-b", n_b, f"{what}: B behind A", opts)
+        rows = stack.rows()
+    a_rows = [r for r in rows if r["tenant"] == "tenant-a"]
+    b_rows = [r for r in rows if r["tenant"] == "tenant-b"]
+    a_tokens, b_tokens = _tokens(a_rows, b_at, b_end), _tokens(b_rows, b_at, b_end)
+    return {
+        **engine,
+        "jobs_a": n_a,
+        "jobs_b": n_b,
+        "b_alone_s": round(alone_s, 2),
+        "b_behind_s": round(b_end - b_at, 2),
+        "b_slowdown": (b_end - b_at) / alone_s if alone_s > 0 else 0.0,
+        "b_share": b_tokens / (a_tokens + b_tokens) if a_tokens + b_tokens else 0.0,
+        "a_jobs_done_meanwhile": sum(
+            1 for r in a_rows if r["finished_at"] is not None and r["finished_at"] <= b_end
+        ),
+    }
+
+
+def engine_full(opts: Options) -> dict[str, Any]:
+    """The two cases where the engine is smaller than the worker's slots (module docstring)."""
+    kv_per_seq = LONG_PROMPT + 4 + MAX_TOKENS  # the prompt's words, "fair share b i", output
+    seqs = _engine_full(opts, "engine full: max_num_seqs", {"sim_max_num_seqs": FULL_SEQS}, 0)
+    kv = _engine_full(
+        opts,
+        "engine full: KV cache",
+        {"sim_kv_cache_tokens": FULL_SEQS * kv_per_seq},
+        LONG_PROMPT,
+    )
+    return {
+        "full_seqs": seqs,
+        "full_kv": kv,
+        "targets": {"b_share": ">= 0.45", "b_slowdown": "<= 2.5"},
+    }
+
+
 def fairness(opts: Options) -> dict[str, Any]:
     equal = _run(opts, "fairness: equal weights", "fair", (1.0, 1.0))
     weighted = _run(opts, "fairness: weights 3:1", "fair", (3.0, 1.0))
@@ -140,6 +222,7 @@ def fairness(opts: Options) -> dict[str, Any]:
     for side in (equal, weighted, arrival):
         del side["_t0_end"], side["_rows"]
     arrival["output_throughput_same_span"] = arrival_tp
+    full = engine_full(opts)
     return {
         "engine": "simulated",
         "worker_concurrency": SLOTS,
@@ -152,7 +235,10 @@ def fairness(opts: Options) -> dict[str, Any]:
         "jain_min": equal["jain_min"],
         "weighted_share_a": weighted["share_a"],
         "throughput_vs_arrival": equal["output_throughput"] / arrival_tp if arrival_tp else 0.0,
+        "full_seqs": full["full_seqs"],
+        "full_kv": full["full_kv"],
         "targets": {
+            **{f"full_*.{k}": v for k, v in full["targets"].items()},
             "b_share": ">= 0.45",
             "jain_min": ">= 0.95",
             "weighted_share_a": "0.75 +- 0.05",
