@@ -89,6 +89,22 @@ class RunJobs:
         return cls.of_args(args)
 
 
+MESSAGES_PER_WORKER = 4  # a bulk message is at most a quarter of what a worker holds
+
+
+def jobs_per_message(lane: str, bulk_chunk: int, holds: int = 0) -> int:
+    """The jobs in one ``run_jobs`` message of ``lane``, for workers that hold at most
+    ``holds`` jobs now (0: not known): one for realtime and standard; for bulk a chunk, but at
+    most a quarter of ``holds``, so a worker whose engine runs few sequences takes bulk in
+    steps of the fair order (docs/architecture.md, "Fair share"). The dispatcher sizes its
+    messages with it for the smallest worker, and a worker its room for one with its own."""
+    if lane != "bulk":
+        return 1
+    if holds <= 0:
+        return bulk_chunk
+    return max(1, min(bulk_chunk, holds // MESSAGES_PER_WORKER))
+
+
 # --- queues, lane order and the transport: every Celery app of inferq ------------------------
 
 

@@ -3,13 +3,13 @@ back. Pure: what the loop saw goes in, a decision comes out (app/dispatcher/loop
 
 A queue (a lane of a model) is kept just deep enough to keep that model's workers full::
 
-    unit(lane)     = min(bulk_chunk_size, smallest worker's slots / 4) for bulk, else 1
-                                                                 (jobs per message)
+    unit(lane)     = jobs per message: 1, or for bulk min(bulk_chunk_size, the smallest
+                     worker's slots / 4) (app/core/broker.py, jobs_per_message)
     target(queue)  = margin + ceil(INFERQ_DISPATCH_DEPTH * slots)
                      (0 when a lane above waits and slots = 0)
                      slots = the job slots of the live workers that may take the queue's jobs
-                             now: all of a worker's slots (at most its engine's capacity and
-                             the jobs it lets wait there), but only its reserved share of this
+                             now: all that a worker holds (its engine's capacity and the jobs it
+                             lets wait there, within its slots), but only its reserved share of this
                              lane (lane_reserved_share) while it consumes a lane above that
                              has jobs waiting
                      margin = 2 jobs (realtime, standard) or one message (bulk)
@@ -34,6 +34,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from app.core.broker import jobs_per_message
 from app.core.models import LANE_PRIORITY
 from app.core.settings import LANES
 
@@ -59,12 +60,10 @@ class LiveWorker:
     def of(cls, record: Mapping[str, Any]) -> LiveWorker:
         intake = record.get("intake") or {}
         reserved = intake.get("reserved") or {}
-        slots = int(record.get("concurrency") or 0)
-        if intake.get("capacity"):
-            # What the engine runs, and the few jobs let wait in it (workers/inference/intake.py):
-            # a queue deeper than that is a wait outside the fair order.
-            capacity = int(intake["capacity"]) + int(intake.get("engine_queue") or 0)
-            slots = min(slots, capacity)
+        # What the worker holds at most now: its engine's capacity and the few jobs it lets
+        # wait there, within its slots (workers/inference/intake.py); a queue deeper than that
+        # is a wait outside the fair order.
+        slots = int(intake.get("holds") or record.get("concurrency") or 0)
         return cls(
             str(record["model"]),
             frozenset(str(lane) for lane in record.get("lanes") or []),
@@ -96,26 +95,11 @@ class Recall:
     messages: int
 
 
-MESSAGES_PER_WORKER = 4  # a bulk message is at most a quarter of the smallest worker's slots
-
-
-def unit(lane: str, bulk_chunk: int, smallest: int = 0) -> int:
-    """Jobs per message: a bulk message carries a chunk, the others one job. On a worker whose
-    engine runs few sequences (``smallest`` slots), a chunk is a quarter of them at most: a
-    tenant that arrives behind a backlog waits for whole messages, so a message is a step of
-    the fair order (docs/architecture.md, "Fair share")."""
-    if lane != "bulk":
-        return 1
-    if smallest <= 0:
-        return bulk_chunk
-    return max(1, min(bulk_chunk, smallest // MESSAGES_PER_WORKER))
-
-
 def target(lane: str, slots: int, above: bool, *, depth: float, bulk_chunk: int) -> int:
     """The jobs a queue of ``lane`` should hold for ``slots`` (``above``: a lane above waits)."""
     if above and not slots:
         return 0
-    margin = unit(lane, bulk_chunk) if lane == "bulk" else MARGIN_JOBS
+    margin = jobs_per_message(lane, bulk_chunk) if lane == "bulk" else MARGIN_JOBS
     return margin + math.ceil(depth * slots)
 
 
@@ -134,7 +118,7 @@ def decide(
     ``waiting`` to be sent or not, while the lanes ``above`` (of the same model) have jobs
     waiting, given the live ``workers``."""
     takers = [w for w in workers if w.model == model and lane in w.lanes]
-    size = unit(lane, bulk_chunk, min((w.slots for w in takers), default=0))
+    size = jobs_per_message(lane, bulk_chunk, min((w.slots for w in takers), default=0))
     slots = sum(w.slots_for(lane, above) for w in takers)
     goal = target(lane, slots, bool(above), depth=depth, bulk_chunk=size)
     if above and messages > math.ceil(goal / size):

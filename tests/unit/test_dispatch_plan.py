@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from app.dispatcher.plan import LiveWorker, Recall, Refill, decide, lanes_above, target, unit
+from app.core.broker import jobs_per_message
+from app.dispatcher.plan import LiveWorker, Recall, Refill, decide, lanes_above, target
 
 CHUNK = 32  # bulk_chunk_size
 DEPTH = 0.5  # INFERQ_DISPATCH_DEPTH
@@ -51,25 +52,20 @@ def test_target(lane: str, slots: int, above: bool, expected: int) -> None:
     assert target(lane, slots, above, depth=DEPTH, bulk_chunk=CHUNK) == expected
 
 
-def test_a_unit_is_a_chunk_for_bulk_and_one_job_otherwise() -> None:
+def test_a_message_is_a_chunk_for_bulk_and_one_job_otherwise() -> None:
+    unit = jobs_per_message
     assert [unit(lane, CHUNK) for lane in ("realtime", "standard", "bulk")] == [1, 1, CHUNK]
     # At most a quarter of the smallest worker's slots, at least one job.
     assert [unit("bulk", CHUNK, slots) for slots in (256, 128, 20, 3)] == [CHUNK, CHUNK, 5, 1]
     assert unit("standard", CHUNK, 20) == 1
 
 
-def test_a_worker_counts_what_its_engine_runs_not_its_slots() -> None:
-    """The intake's capacity (the engine's running sequences when full) and the jobs it lets
-    wait in the engine bound the slots the dispatcher counts; the setting is an upper bound."""
-    record = {
-        "model": "m",
-        "lanes": ["bulk"],
-        "concurrency": 256,
-        "intake": {"reserved": {}, "capacity": 16, "engine_queue": 4},
-    }
-    assert LiveWorker.of(record).slots == 20
-    assert LiveWorker.of({**record, "concurrency": 8}).slots == 8
-    assert LiveWorker.of({**record, "intake": {"reserved": {}}}).slots == 256
+def test_a_worker_counts_what_it_holds_not_its_slots() -> None:
+    """A worker announces what it holds at most (its engine's capacity and the jobs it lets
+    wait there, workers/inference/intake.py); the setting's slots count only without it."""
+    record = {"model": "m", "lanes": ["bulk"], "concurrency": 256, "intake": {"reserved": {}}}
+    assert LiveWorker.of(record).slots == 256
+    assert LiveWorker.of({**record, "intake": {"reserved": {}, "holds": 20}}).slots == 20
 
 
 @pytest.mark.parametrize(

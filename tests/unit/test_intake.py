@@ -178,4 +178,20 @@ def test_the_capacity_is_what_runs_while_jobs_wait_through_a_step() -> None:
     intake.on_step(24, 24)
     assert intake.capacity == 24 and announced == [16, 24]
     snapshot = intake.snapshot()
-    assert (snapshot["capacity"], snapshot["engine_queue"]) == (24, 2)
+    assert (snapshot["capacity"], snapshot["engine_queue"], snapshot["holds"]) == (24, 2, 26)
+
+
+def test_a_bulk_message_needs_room_for_what_the_dispatcher_sends_this_worker() -> None:
+    """The dispatcher sends bulk in messages of a quarter of what the smallest worker holds
+    (app/core/broker.py): the room a worker wants for one follows what it holds, so an engine of
+    16 sequences does not wait for room for a whole chunk of 32."""
+    intake = Intake(LANES, 256, SHARE, 32, MODEL, 4)
+    engine = Engine()
+    intake.watch(engine.load, lambda: None)
+    assert intake.need("bulk") == 32
+    engine.running, engine.waiting = 16, 4
+    intake.on_step(16, 16)
+    intake.on_step(16, 16)
+    assert intake.holds() == 20
+    assert intake.need("bulk") == 5
+    assert intake.need("standard") == 1

@@ -28,7 +28,9 @@ The same look gives the engine's capacity, what the dispatcher's queue depth is 
 (app/dispatcher/plan.py): ``capacity`` = the sequences running at a step where some waited
 through the whole step (the engine is full), else the most seen running, starting at the
 slots. A change of a tenth or more is announced at once (the heartbeat's presence record),
-not at the next beat.
+not at the next beat. What the worker holds at most, ``holds = min(slots, capacity +
+engine_queue)``, is what the dispatcher counts it as, and sizes bulk messages by: a quarter of
+it at most (app/core/broker.py, ``jobs_per_message``), the room a bulk message needs here.
 
 Celery fetches whatever its free threads can hold, from any queue. To make the rule bind before
 a message is fetched, the worker stops consuming a lane's queue when the lane has no room (and
@@ -50,6 +52,7 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
+from app.core.broker import jobs_per_message
 from app.core.names import queue_of
 from app.core.settings import Settings
 
@@ -121,6 +124,7 @@ class Intake:
         self.waiting_in_engine = waiting
         capacity = running if full else max(self.capacity, running)
         self.capacity = max(1, min(self.slots, capacity))
+        self._need = {lane: self.need(lane) for lane in self.lanes}
         if abs(self.capacity - self._announced) * 10 >= self._announced:
             self._announced = self.capacity
             self._on_capacity()
@@ -150,10 +154,18 @@ class Intake:
         held_back = sum(max(0, self.reserved[m] - self.used[m]) for m in self.lanes if m != lane)
         return self.slots - sum(self.used.values()) - held_back
 
+    def holds(self) -> int:
+        """The most jobs this worker holds now: what its engine runs and the few it lets wait
+        there, within the slots (the dispatcher's count of this worker, app/dispatcher/plan.py)."""
+        if not self.engine_queue:
+            return self.slots
+        return min(self.slots, self.capacity + self.engine_queue)
+
     def need(self, lane: str) -> int:
-        """Slots a message of ``lane`` may bring: a bulk message carries a chunk of jobs."""
+        """Slots a message of ``lane`` may bring: a bulk message carries a chunk of jobs, sized
+        by what the worker holds (app/core/broker.py, jobs_per_message)."""
         ceiling = self.slots - sum(self.reserved[m] for m in self.lanes if m != lane)
-        wanted = self.bulk_chunk if lane == "bulk" else 1
+        wanted = jobs_per_message(lane, self.bulk_chunk, self.holds())
         return max(1, min(wanted, ceiling))
 
     def take(self, lane: str, n: int, key: str | None = None) -> None:
@@ -189,6 +201,7 @@ class Intake:
                 "open": [lane for lane in self.lanes if lane in self.open],
                 "engine_queue": self.engine_queue,
                 "capacity": self.capacity,
+                "holds": self.holds(),
                 "waiting_in_engine": self.waiting_in_engine,
                 "in_engine": self.in_engine,
             }
