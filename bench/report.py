@@ -267,27 +267,51 @@ def _prefix_table(result: dict[str, Any] | None) -> list[str]:
 
 
 def _fairness_table(result: dict[str, Any] | None) -> list[str]:
-    """The ``fairness`` scenario: the shares of two backlogged tenants, and what it cost."""
+    """The ``fairness`` scenario: the shares of two backlogged tenants, and what it cost; then
+    the engine-full cases, B behind A's backlog against B alone."""
     if not result:
         return []
-    lines = [
-        "",
-        "| fairness (simulated) | weights | B's share | A's share | Jain, lowest window "
-        "| out tok/s | measured s |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for side in ("equal", "weighted", "arrival"):
-        r = result[side]
+    lines: list[str] = []
+    if "equal" in result:
+        lines += [
+            "",
+            "| fairness (simulated) | weights | B's share | A's share | Jain, lowest window "
+            "| out tok/s | measured s |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for side in ("equal", "weighted", "arrival"):
+            r = result[side]
+            lines.append(
+                f"| {side} ({r['policy']}) | {r['weights'][0]:g}:{r['weights'][1]:g} "
+                f"| {_fmt(r['share_b'])} | {_fmt(r['share_a'])} | {_fmt(r['jain_min'])} "
+                f"| {_fmt(r['output_throughput'])} | {_fmt(r['measured_s'])} |"
+            )
         lines.append(
-            f"| {side} ({r['policy']}) | {r['weights'][0]:g}:{r['weights'][1]:g} "
-            f"| {_fmt(r['share_b'])} | {_fmt(r['share_a'])} | {_fmt(r['jain_min'])} "
-            f"| {_fmt(r['output_throughput'])} | {_fmt(r['measured_s'])} |"
+            f"\nb_share {_fmt(result['b_share'])} (>= 0.45), jain_min "
+            f"{_fmt(result['jain_min'])} (>= 0.95), weighted_share_a "
+            f"{_fmt(result['weighted_share_a'])} (0.75 +- 0.05), throughput_vs_arrival "
+            f"{_fmt(result['throughput_vs_arrival'])} (>= 0.97)"
         )
-    lines.append(
-        f"\nb_share {_fmt(result['b_share'])} (>= 0.45), jain_min {_fmt(result['jain_min'])} "
-        f"(>= 0.95), weighted_share_a {_fmt(result['weighted_share_a'])} (0.75 +- 0.05), "
-        f"throughput_vs_arrival {_fmt(result['throughput_vs_arrival'])} (>= 0.97)"
-    )
+    cases = {
+        "full_seqs": "simulated, max_num_seqs 16",
+        "full_kv": "simulated, KV cache for 16",
+        "full_vllm": "vLLM CPU, KV cache of blocks",
+    }
+    present = [name for name in cases if isinstance(result.get(name), dict)]
+    if present:
+        lines += [
+            "",
+            "| engine full | engine | B alone s | B behind A s | b_slowdown (<= 2.5) "
+            "| b_share to B's end (>= 0.45) | b_share while backlogged | A's jobs done meanwhile |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for name in present:
+            r = result[name]
+            lines.append(
+                f"| {name} | {cases[name]} | {_fmt(r['b_alone_s'])} | {_fmt(r['b_behind_s'])} "
+                f"| {_fmt(r['b_slowdown'])} | {_fmt(r['b_share'])} "
+                f"| {_fmt(r['b_share_backlogged'])} | {r['a_jobs_done_meanwhile']:,} |"
+            )
     return lines
 
 
