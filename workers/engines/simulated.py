@@ -16,7 +16,9 @@ own fits::
     admit(head)  iff  running < max_num_seqs  and  Σ_running (prompt + max_tokens)
                       + head.prompt + head.max_tokens <= kv_cache_tokens
 
-(a sequence larger than the whole cache runs alone). vLLM allocates blocks as tokens are
+(a sequence larger than the whole cache runs alone). Its stats are the last step's schedule,
+as vLLM's ``SchedulerStats``: ``running`` the sequences that step ran (those that finished in
+it included), ``waiting`` those it left waiting. vLLM allocates blocks as tokens are
 generated and preempts the newest sequence when they run out; reserving the whole sequence up
 front gives the same number running at once for sequences that run to max_tokens, without
 modelling recomputation.
@@ -166,6 +168,9 @@ class SimulatedEngine:
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._emitted: deque[tuple[float, int]] = deque()
+        # The last step's schedule, as vLLM's SchedulerStats reports it: the sequences it ran
+        # (those that finished in it included) and those left waiting after it was planned.
+        self._scheduled: tuple[list[_Seq], int] = ([], 0)
         self.steps = 0
         self.batch_sizes: deque[int] = deque(maxlen=1024)
         self.on_step: StepObserver = ignore_step
@@ -222,7 +227,7 @@ class SimulatedEngine:
             self._emitted.popleft()
         tokens = sum(n for _, n in self._emitted)
         span = max(1.0, min(5.0, now - self._emitted[0][0])) if self._emitted else 5.0
-        running = [s for s in self._running if not s.done]
+        running, waiting = self._scheduled
         if self.cost.kv_cache_tokens:
             kv = sum(s.kv_held for s in running) / self.cost.kv_cache_tokens
         else:
@@ -231,7 +236,7 @@ class SimulatedEngine:
             )
         return EngineStats(
             running=len(running),
-            waiting=sum(1 for _, _, s in self._waiting if not s.done),
+            waiting=waiting,
             kv_cache_usage=min(1.0, kv),
             generated_tokens_per_s=tokens / span,
             extra={
@@ -288,6 +293,7 @@ class SimulatedEngine:
             self._running.append(seq)
             if seq.prefill_left == 0:
                 emitting.append(seq)
+        self._scheduled = (list(self._running), sum(1 for *_, w in self._waiting if not w.done))
         return emitting, prefill
 
     def _emit(self, seq: _Seq) -> None:
@@ -319,6 +325,7 @@ class SimulatedEngine:
             heapq.heapify(self._waiting)
             if not self._waiting and not any(not s.done for s in self._running):
                 self._running = []
+                self._scheduled = ([], 0)
                 self._wake.clear()
                 await self._wake.wait()
                 next_at = time.monotonic()
