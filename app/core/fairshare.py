@@ -58,10 +58,13 @@ TOKENS_SERVED = Counter(
 )
 
 
-def cost(body: JobCreate) -> int:
-    """What a job is expected to cost its tenant: prompt tokens (about four characters each;
-    its end settles the real count) and every token it may generate."""
-    return tokens.estimate(body) + body.params.most_output_tokens()
+def cost(body: JobCreate, prompt_tokens: int | None = None) -> int:
+    """What a job is expected to cost its tenant: its prompt tokens (as the model counts them,
+    ``prompt_tokens``; else about four characters each) and every token it may generate. Its
+    end settles the real count; the closer the charge, the less a tenant's share moves when
+    its jobs settle after another tenant has joined at its level (:func:`join`)."""
+    prompt = tokens.estimate(body) if prompt_tokens is None else prompt_tokens
+    return prompt + body.params.most_output_tokens()
 
 
 def prefix_of(body: JobCreate) -> str:
@@ -165,8 +168,8 @@ def join(
     before: set[str],
     weight: Mapping[str, float],
 ) -> dict[str, float]:
-    """Lift the tenants that start waiting now (not in ``before``) to the level of those
-    already waiting (or, when none was, to the highest among themselves). Changes ``charged``
+    """Lift the tenants that start waiting now (not in ``before``) to just below the level of
+    those already waiting (or, when none was, to the highest among themselves). Changes ``charged``
     in place and returns the lifted counters, to be written back."""
     waiting = list(waiting)
     old = [t for t in waiting if t in before]
@@ -180,7 +183,13 @@ def join(
     level = min(v(t) for t in old) if old else max(v(t) for t in new)
     lifted: dict[str, float] = {}
     for tenant in new:
-        floor = level * weight.get(tenant, 1.0)
+        # A token below the level: among equals, the tenant that has had nothing yet goes
+        # first (a tie would otherwise go by name).
+        floor = (
+            max(0.0, level * weight.get(tenant, 1.0) - 1.0)
+            if old
+            else level * weight.get(tenant, 1.0)
+        )
         if charged.get(tenant, 0.0) < floor:
             charged[tenant] = lifted[tenant] = floor
     return lifted

@@ -86,11 +86,13 @@ def new_job(
     reply_to: str | None = None,
     created: float | None = None,
     line: BatchLine | None = None,
+    prompt_tokens: int | None = None,
 ) -> NewJob:
     """The row of a new job for ``body``, on ``model`` (resolved by the caller). The jobs of one
     request share ``created``, so that with one timeout they share a deadline too (and the
     dispatcher sends those of one prompt prefix together). A batch ``line`` runs on the bulk
-    lane until the batch's deadline."""
+    lane until the batch's deadline. ``prompt_tokens``: as ``limits.admit`` counted them (the
+    job's charge in the fair share); none, an estimate."""
     settings = get_settings()
     check_webhook_url(body.webhook_url, checked)
     created = now() if created is None else created
@@ -125,7 +127,7 @@ def new_job(
         reply_to=reply_to,
         timeout_s=timeout_s,
         deadline_at=deadline_at,
-        cost=fairshare.cost(body),
+        cost=fairshare.cost(body, prompt_tokens),
         prefix=fairshare.prefix_of(body),
         created_at=created,
         batch_id=batch[0],
@@ -167,7 +169,7 @@ def submit(
 ) -> tuple[NewJob | Job, bool]:
     """Admit (``limits.admit``), commit and send a queued job on ``model``. Returns (job,
     created); created is False for an idempotent replay (the stored job), which sends nothing."""
-    limits.admit(session, tenant, caller, [body], [model])
+    [prompt_tokens] = limits.admit(session, tenant, caller, [body], [model])
     if idempotency_key is not None and not (
         0 < len(idempotency_key) <= MAX_IDEMPOTENCY_KEY and storable(idempotency_key)
     ):
@@ -177,7 +179,7 @@ def submit(
             f"Idempotency-Key must be 1 to {MAX_IDEMPOTENCY_KEY} characters",
             param="Idempotency-Key",
         )
-    job = new_job(tenant, body, model, relay=relay, reply_to=reply_to)
+    job = new_job(tenant, body, model, relay=relay, reply_to=reply_to, prompt_tokens=prompt_tokens)
     fingerprint = _fingerprint(body) if idempotency_key is not None else ""
     if idempotency_key is not None:
         existing = _replay(session, tenant, idempotency_key, fingerprint)
@@ -218,13 +220,22 @@ def submit_many(
 ) -> list[NewJob]:
     """Admit, then commit many queued jobs in one transaction (all of them or none), then wake
     their dispatcher. ``models``: each body's, resolved."""
-    limits.admit(session, tenant, caller, bodies, models, "jobs")
+    counted = limits.admit(session, tenant, caller, bodies, models, "jobs")
     jobs: list[NewJob] = []
     checked: set[str] = set()
     created = now()
-    for i, (body, model) in enumerate(zip(bodies, models, strict=True)):
+    for i, (body, model, prompt_tokens) in enumerate(zip(bodies, models, counted, strict=True)):
         try:
-            jobs.append(new_job(tenant, body, model, checked=checked, created=created))
+            jobs.append(
+                new_job(
+                    tenant,
+                    body,
+                    model,
+                    checked=checked,
+                    created=created,
+                    prompt_tokens=prompt_tokens,
+                )
+            )
         except DomainError as exc:
             raise exc.within(f"jobs[{i}]") from None
     with changes("api", session=session) as tx:

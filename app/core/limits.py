@@ -84,9 +84,10 @@ def admit(
     bodies: Sequence[JobCreate] = (),
     models: Sequence[str] = (),
     field: str | None = None,
-) -> None:
+) -> list[int]:
     """Refuse (invalid, over limit, unavailable) or let through a call that submits ``bodies``
-    (none: a batch) on ``models`` (each body's, as ``catalog.resolve`` resolved it).
+    (none: a batch) on ``models`` (each body's, as ``catalog.resolve`` resolved it). Returns
+    each body's prompt tokens, as its model counts them (app/core/tokens.py).
 
     ``field``: the list the bodies came in, for naming one in an error (``jobs``).
     """
@@ -98,6 +99,7 @@ def admit(
         _check_queued(session, tenant, limits.max_queued, len(bodies))
     cost = sum(prompt_tokens) + sum(body.params.most_output_tokens() for body in bodies)
     _take(tenant, limits, cost)
+    return prompt_tokens
 
 
 _queued_lock = threading.Lock()

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from collections import Counter
 
-from app.core import fairshare
+from app.core import clients, db, fairshare, jobs, limits, tokens
 from app.core.schemas import JobCreate
+from app.core.settings import Settings
 from app.dispatcher.loop import LiveWorker
 
 
@@ -36,8 +37,11 @@ def test_turns_start_from_what_was_charged_and_stop_at_what_waits() -> None:
 def test_a_tenant_joining_starts_at_the_level_of_those_waiting() -> None:
     charged = {"a": 5000.0, "b": 10.0}
     lifted = fairshare.join(charged, ["a", "b"], {"a"}, {"b": 2.0})
-    # b (weight 2) joins at a's virtual tokens (5000), i.e. 10000 charged tokens.
-    assert lifted == {"b": 10000.0} and charged["b"] == 10000.0
+    # b (weight 2) joins at a's virtual tokens (5000), i.e. 10000 charged tokens, less one:
+    # among equals the newcomer goes first.
+    assert lifted == {"b": 9999.0} and charged["b"] == 9999.0
+    turns = fairshare.allocate(2, {"a": (5, 10.0), "b": (5, 10.0)}, charged, {"b": 2.0})
+    assert [tenant for tenant, _ in turns] == ["b", "a"]
     # A tenant already waiting is never lifted; one above the level is not lowered.
     assert fairshare.join({"a": 1.0, "b": 99.0}, ["a", "b"], {"a"}, {}) == {}
     # Nobody waited before: the newcomers start level with the highest of them.
@@ -66,6 +70,20 @@ def test_cost_and_prefix_of_a_job() -> None:
         JobCreate(prompt=long + "b")
     )
     assert fairshare.prefix_of(JobCreate(prompt="short")) == ""
+
+
+def test_a_job_is_charged_the_prompt_tokens_its_model_counts(core: Settings) -> None:
+    """With a model card published, a submitted job's charge is its prompt as the model counts
+    it plus max_tokens, not four characters a token: a tenant overcharged at its join would win
+    the difference back from the tenant that joined at its level (fairshare.join)."""
+    tokens.publish(clients.redis_client(), core.model_name, 4096, tokens.WORDS)
+    prompt = "fair share " + "context " * 200  # 202 words, 1,611 characters
+    bodies = [JobCreate(prompt=prompt, lane="bulk", params={"max_tokens": 64})]
+    with db.session_scope() as session:
+        single, _ = jobs.submit(session, "t", bodies[0], core.model_name, limits.defaults())
+        [many] = jobs.submit_many(session, "t", bodies, [core.model_name], limits.defaults())
+    assert single.cost == many.cost == 202 + 64
+    assert fairshare.cost(bodies[0]) == 403 + 64  # the estimate, without a card
 
 
 def test_a_lane_below_a_waiting_lane_gets_only_the_slots_reserved_for_it() -> None:
