@@ -31,6 +31,7 @@ picked (docs/architecture.md, "Fair share").
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +42,7 @@ from sqlalchemy import ColumnElement, and_, func, select
 from app.core import broker, catalog, fairshare, transitions
 from app.core.after import Charge, Tx
 from app.core.changes import changes
+from app.core.db import session_scope
 from app.core.models import UNSENT, Job, now
 from app.core.names import queue_of
 
@@ -141,19 +143,25 @@ def _pick(
 def _messages(
     route: Route, unit: int, rows: Mapping[str, list[Any]], turns: Mapping[str, list[float]]
 ) -> list[tuple[str, list[str]]]:
-    """Each tenant's jobs in messages of at most ``unit``, one prompt prefix a message; the
-    messages in the order of their first job's turn."""
+    """Each tenant's jobs in messages of at most ``unit``, the messages in the order of their
+    first job's turn. Jobs that share a prompt prefix in this pick go together, one prefix a
+    message; jobs with no prefix, or with one no other job of the pick shares, fill messages of
+    their own. (A message for each such job would make every message one job, while the plan
+    counts a queue's jobs as ``unit`` a message: app/dispatcher/plan.py. Long prompts that
+    differ in their first characters, a batch's usual lines, would then starve the workers.)"""
     keyed: list[tuple[float, str, list[str]]] = []
     for tenant, picked in rows.items():
         at = turns.get(tenant) or [0.0]
-        message: list[str] = []
+        sharing = Counter(row.prefix for row in picked)
+        filling: dict[str, tuple[float, list[str]]] = {}  # prefix -> (first turn, message)
         for i, row in enumerate(picked):
-            if message and (len(message) == unit or row.prefix != picked[i - 1].prefix):
-                keyed.append((at[min(i - len(message), len(at) - 1)], tenant, message))
-                message = []
+            prefix = row.prefix if sharing[row.prefix] > 1 else ""
+            turn, message = filling.setdefault(prefix, (at[min(i, len(at) - 1)], []))
             message.append(row.id)
-        if message:
-            keyed.append((at[min(len(picked) - len(message), len(at) - 1)], tenant, message))
+            if len(message) == unit:
+                keyed.append((turn, tenant, message))
+                del filling[prefix]
+        keyed.extend((turn, tenant, message) for turn, message in filling.values())
     keyed.sort(key=lambda item: (item[0], item[1]))
     return [(route.queue, ids) for _, _, ids in keyed]
 
@@ -232,6 +240,14 @@ def _choose(
         for tenant, given in turns.items()
     }
     return Chosen(rows, turns, lifted)
+
+
+def newcomers(route: Route, waited: set[str]) -> set[str]:
+    """The tenants with jobs waiting to be sent on ``route`` that are not in ``waited`` (those
+    waiting at its last refill)."""
+    with session_scope() as session:
+        waiting = session.scalars(select(Job.tenant).where(_waiting(route)).distinct())
+        return {tenant for tenant in waiting if tenant not in waited}
 
 
 def recall(route: Route, messages: int) -> int:

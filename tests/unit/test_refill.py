@@ -109,6 +109,22 @@ def test_bulk_messages_carry_one_tenant_and_one_prompt_prefix_each(core: Setting
     assert sorted(i for m in sent for i in m.job_ids) == sorted([c.id for c in chats] + plain)
 
 
+def test_long_prompts_that_share_nothing_fill_whole_messages(core: Settings) -> None:
+    """Each of these prompts has a prefix (longer than fairshare.PREFIX_CHARS) that no other
+    job shares: they are packed unit a message, not one a message (the plan counts a queue's
+    jobs as unit a message)."""
+    route = Route("bulk", core.model_name)
+    ids = []
+    for i in range(8):
+        body = JobCreate(prompt=f"line {i} " + "context " * 60, lane="bulk")
+        ids.append(jobs.new_job("a", body, core.model_name))
+    with changes("api") as tx:
+        transitions.create(tx, ids)
+    assert len({job.prefix for job in ids}) == 8 and all(job.prefix for job in ids)
+    fill(route, 8, unit=4)
+    assert sorted(len(m.job_ids) for m in messages(route)) == [4, 4]
+
+
 def test_an_overdue_job_expires_in_the_refill_unsent(core: Settings) -> None:
     route = Route("standard", core.model_name)
     [late] = add(core, "a", 1, timeout_s=0.001)
