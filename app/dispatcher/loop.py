@@ -40,7 +40,7 @@ from app.core.models import LANE_PRIORITY, UNSENT, Job, now
 from app.core.names import DISPATCHER_KEY_PREFIX, WAKE_KEY
 from app.core.settings import LANES, Settings, get_settings
 from app.dispatcher.plan import LiveWorker, Recall, decide, lanes_above
-from app.dispatcher.refill import Route, recall, refill
+from app.dispatcher.refill import Route, newcomers, recall, refill
 
 log = logging.getLogger("inferq.dispatcher")
 
@@ -51,6 +51,7 @@ SLOTS_S = 1.0  # how often the workers' presence records (their slots) are read
 SLOTS_FRESH_S = 0.1  # ... while a queue is found empty
 WEIGHTS_S = 5.0  # how often the tenants' weights are read
 RETRY_S = 1.0  # pause after Redis or the database failed
+MAKE_WAY_S = 1.0  # least time between two lists taken back for tenants that start waiting
 
 
 class Dispatcher:
@@ -68,6 +69,7 @@ class Dispatcher:
         self.worker_id = f"{socket.gethostname()}-{os.getpid()}"
         self._announced = 0.0
         self._depths: dict[Route, int] = {}  # each list's length at the last look
+        self._made_way: dict[Route, float] = {}  # when each list was last taken back for one
         self._interval = settings.dispatch_interval_ms / 1000  # the wait while lists move
         self._wait = self._interval
 
@@ -88,13 +90,16 @@ class Dispatcher:
         queue with jobs waiting and the lanes below them, and act on each one's plan, in lane
         order."""
         self.announce()
-        self.backlog |= self._woken(self._wait if self.backlog else IDLE_S)
+        woken = self._woken(self._wait if self.backlog else IDLE_S)
+        self.backlog |= woken
         if time.monotonic() - self._scanned >= SCAN_S:
             self._scanned = time.monotonic()
             self.backlog |= self._scan()
         if not self.backlog:
             return
         depths = self._look()
+        if self.settings.dispatch_policy == "fair":
+            depths = self._make_way(woken, depths)
         empty = any(not d for r, d in depths.items() if r in self.backlog)
         workers = self._live_workers(fresh=empty)
         for route, depth in depths.items():
@@ -140,6 +145,23 @@ class Dispatcher:
             self._wait = self._interval
         else:
             self._wait = min(self._wait * 2, max(self._interval, IDLE_WAIT_S))
+        return depths
+
+    def _make_way(self, woken: set[Route], depths: dict[Route, int]) -> dict[Route, int]:
+        """A tenant that starts waiting on a queue whose list holds others' messages goes
+        into the fair order at once: the list is taken back and refilled in that order, so the
+        newcomer waits for what the workers hold, not also for the list (docs/architecture.md,
+        "Fair share")."""
+        for route in woken:
+            held = depths.get(route, 0)
+            # At most once a MAKE_WAY_S a queue: many tenants coming and going on a busy
+            # realtime queue would otherwise have its list taken back at every wake-up.
+            if not held or time.monotonic() - self._made_way.get(route, 0.0) < MAKE_WAY_S:
+                continue
+            if newcomers(route, self.waited.get(route, set())):
+                self._made_way[route] = time.monotonic()
+                self._recall(route, held)
+                depths[route] = self.client.llen(route.queue)
         return depths
 
     def _recall(self, route: Route, messages: int) -> None:
