@@ -14,6 +14,7 @@ from app.core.changes import changes
 from app.core.models import Job, now
 from app.core.schemas import JobCreate
 from app.core.settings import Settings
+from app.dispatcher.loop import Dispatcher
 from app.dispatcher.refill import Route, recall, refill
 
 # Submission times a millisecond apart, in the order of the calls (ids of one millisecond are
@@ -150,3 +151,29 @@ def test_a_recall_takes_the_newest_messages_back_and_refunds_them(core: Settings
     refunded = sum(rows(ids[:2])[i].charged for i in ids[:2])
     after = fairshare.counters(clients.redis_client(), route.lane, route.model)["a"]
     assert before > after == refunded
+
+
+def test_a_tenant_that_starts_waiting_gets_the_list_refilled_in_the_fair_order(
+    core: Settings,
+) -> None:
+    """A's messages fill the list; B submits: the dispatcher takes the list back and the next
+    refill sends B's first job before A's (app/dispatcher/loop.py, ``_make_way``)."""
+    route = Route("bulk", core.model_name)
+    client = clients.redis_client()
+    dispatcher = Dispatcher(core, client)
+    add(core, "a", 20, lane="bulk")
+    done = fill(route, 12, unit=4)
+    dispatcher.waited[route] = done.waiting
+    assert client.rpop(route.queue)  # a worker took A's first message: it stays charged
+    assert done.waiting == {"a"} and len(messages(route)) == 2
+    # Nobody new: the list stays.
+    assert dispatcher._make_way({route}, {route: 2}) == {route: 2}
+    b = add(core, "b", 4, lane="bulk")
+    assert dispatcher._make_way({route}, {route: 2}) == {route: 0}
+    assert dispatcher.recalled == 8
+    done = fill(route, 8, unit=4, waited=dispatcher.waited[route])
+    first = messages(route)[0]
+    assert sorted(first.job_ids) == sorted(b), "the newcomer goes first among equals"
+    # At most once a MAKE_WAY_S a queue.
+    add(core, "c", 4, lane="bulk")
+    assert dispatcher._make_way({route}, {route: 2}) == {route: 2}
