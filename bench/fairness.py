@@ -208,6 +208,8 @@ def _engine_full(
         if a_backlogged + b_backlogged
         else 0.0,
         "b_backlogged_s": round(b_sent - b_at, 2),
+        # Ended otherwise than succeeded (a failed job ends too): the figures mean nothing then.
+        "b_not_succeeded": sum(1 for r in b_rows if r["status"] != "succeeded"),
         "a_jobs_done_meanwhile": sum(
             1 for r in a_rows if r["finished_at"] is not None and r["finished_at"] <= b_end
         ),
