@@ -282,6 +282,18 @@ def take_newest(name: str, messages: int) -> list[RunJobs]:
     return taken
 
 
+def listed(name: str) -> list[RunJobs]:
+    """The ``run_jobs`` messages in a queue's list now, oldest first; a look, nothing taken."""
+    found = []
+    payloads: list[bytes] = clients.redis_client().lrange(name, 0, -1)  # type: ignore[assignment]
+    for payload in reversed(payloads):
+        try:
+            found.append(RunJobs.of_stored(payload))
+        except (ValueError, KeyError, IndexError, TypeError):
+            continue  # not a run_jobs message: no job of anyone's
+    return found
+
+
 def queue_is_empty(name: str) -> bool:
     """Whether a queue's list holds no message (Redis away: False, so nothing is sent past
     the dispatcher)."""

@@ -40,7 +40,7 @@ from app.core.models import LANE_PRIORITY, UNSENT, Job, now
 from app.core.names import DISPATCHER_KEY_PREFIX, WAKE_KEY
 from app.core.settings import LANES, Settings, get_settings
 from app.dispatcher.plan import LiveWorker, Recall, decide, lanes_above
-from app.dispatcher.refill import Route, newcomers, recall, refill
+from app.dispatcher.refill import Route, must_make_way, recall, refill
 
 log = logging.getLogger("inferq.dispatcher")
 
@@ -158,7 +158,7 @@ class Dispatcher:
             # realtime queue would otherwise have its list taken back at every wake-up.
             if not held or time.monotonic() - self._made_way.get(route, 0.0) < MAKE_WAY_S:
                 continue
-            if newcomers(route, self.waited.get(route, set())):
+            if must_make_way(route, self.waited.get(route, set())):
                 self._made_way[route] = time.monotonic()
                 self._recall(route, held)
                 depths[route] = self.client.llen(route.queue)

@@ -242,12 +242,19 @@ def _choose(
     return Chosen(rows, turns, lifted)
 
 
-def newcomers(route: Route, waited: set[str]) -> set[str]:
-    """The tenants with jobs waiting to be sent on ``route`` that are not in ``waited`` (those
-    waiting at its last refill)."""
+def must_make_way(route: Route, waited: set[str]) -> bool:
+    """Whether a tenant with jobs waiting to be sent on ``route``, not among ``waited`` (those
+    waiting at its last refill), would wait behind another tenant's messages in the list."""
     with session_scope() as session:
-        waiting = session.scalars(select(Job.tenant).where(_waiting(route)).distinct())
-        return {tenant for tenant in waiting if tenant not in waited}
+        joined = set(session.scalars(select(Job.tenant).where(_waiting(route)).distinct()))
+        joined -= waited
+        if not joined:
+            return False
+        ids = [job_id for message in broker.listed(route.queue) for job_id in message.job_ids]
+        if not ids:
+            return False
+        listed = session.scalars(select(Job.tenant).where(Job.id.in_(ids)).distinct())
+        return any(tenant not in joined for tenant in listed)
 
 
 def recall(route: Route, messages: int) -> int:

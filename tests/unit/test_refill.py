@@ -168,6 +168,13 @@ def test_a_tenant_that_starts_waiting_gets_the_list_refilled_in_the_fair_order(
     assert done.waiting == {"a"} and len(messages(route)) == 2
     # Nobody new: the list stays.
     assert dispatcher._make_way({route}, {route: 2}) == {route: 2}
+    # A tenant whose own messages are all the list holds waits behind nobody else's: it stays.
+    alone = Route("standard", core.model_name)
+    [listed] = add(core, "solo", 1)
+    fill(alone, 1)
+    add(core, "solo", 2)
+    assert dispatcher._make_way({alone}, {alone: 1}) == {alone: 1}
+    assert [m.job_ids for m in messages(alone)] == [[listed]]
     b = add(core, "b", 4, lane="bulk")
     assert dispatcher._make_way({route}, {route: 2}) == {route: 0}
     assert dispatcher.recalled == 8
