@@ -195,3 +195,19 @@ def test_a_bulk_message_needs_room_for_what_the_dispatcher_sends_this_worker() -
     assert intake.holds() == 20
     assert intake.need("bulk") == 5
     assert intake.need("standard") == 1
+
+
+def test_an_engine_that_ends_jobs_fast_gets_a_longer_queue() -> None:
+    """The engine's queue holds at least what it ends in REFILL_S, or it idles while the next
+    message comes: 40 jobs ended in the last RATE_WINDOW_S (20 a second) let 5 wait, not 2."""
+    intake, consumer, engine, _ = watched(engine_queue=2)
+    intake.take("bulk", 2)
+    intake.entered(2)
+    engine.waiting = 2
+    intake.on_step(2, 2)
+    assert consumer.live == {"realtime"}
+    intake.left(40)
+    assert intake.queue_bound() == 5
+    intake.on_step(2, 2)
+    assert consumer.live == set(LANES)
+    assert intake.snapshot()["engine_queue"] == 5

@@ -21,7 +21,9 @@ lanes. So standard and bulk take a message only while the engine's own queue is 
 
 ``waiting_in_engine`` is read from the engine at every step (its stats' ``waiting``), and
 ``engine_queue`` is ``INFERQ_WORKER_ENGINE_QUEUE`` (a few jobs: enough that a freed sequence
-is refilled at the next step, few enough that what waits there is a moment's work). Realtime
+is refilled at the next step, few enough that what waits there is a moment's work), or what the
+engine ends in ``REFILL_S`` if more: ``max(INFERQ_WORKER_ENGINE_QUEUE, ended_per_s *
+REFILL_S)``, so an engine of short jobs is not left idle while its next message comes. Realtime
 is taken at once within its slots: vLLM's priority scheduling runs it before waiting bulk.
 
 The same look gives the engine's capacity, what the dispatcher's queue depth is a share of
@@ -47,7 +49,10 @@ the reserved slots.
 from __future__ import annotations
 
 import logging
+import math
 import threading
+import time
+from collections import deque
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any
@@ -55,6 +60,12 @@ from typing import Any
 from app.core.broker import jobs_per_message
 from app.core.names import queue_of
 from app.core.settings import Settings
+
+# The time from a lane opening to its next message's jobs in the engine: Celery's broker poll
+# (50 ms, docs/architecture.md, "Intake"), the claim's transaction, the dispatcher refilling
+# the list behind it; the engine's queue holds at least what the engine ends meanwhile.
+REFILL_S = 0.25
+RATE_WINDOW_S = 2.0
 
 log = logging.getLogger("inferq.intake")
 
@@ -74,6 +85,7 @@ class Intake:
         self.engine_queue = engine_queue
         self.waiting_in_engine = 0
         self.in_engine = 0
+        self._ended: deque[float] = deque()  # when jobs left the engine, the last RATE_WINDOW_S
         self.capacity = slots
         self._announced = slots
         self._engine_load: Callable[[], tuple[int, int]] = lambda: (0, 0)
@@ -138,12 +150,25 @@ class Intake:
 
     def left(self, n: int) -> None:
         """``n`` jobs left the engine (their slots are given back separately)."""
+        now = time.monotonic()
         with self._lock:
             self.in_engine = max(0, self.in_engine - n)
+            self._ended.extend([now] * n)
+            while self._ended and self._ended[0] < now - RATE_WINDOW_S:
+                self._ended.popleft()
+
+    def queue_bound(self) -> int:
+        """The jobs let wait in the engine: ``engine_queue``, or what the engine ends in
+        ``REFILL_S`` if more (an engine of short jobs empties a queue of four before the next
+        message is in)."""
+        if not self.engine_queue:
+            return 0
+        ending = len(self._ended) / RATE_WINDOW_S
+        return max(self.engine_queue, math.ceil(ending * REFILL_S))
 
     def engine_room(self) -> int:
         pending = max(0, sum(self.used.values()) - self.in_engine)
-        return self.engine_queue - self.waiting_in_engine - pending
+        return self.queue_bound() - self.waiting_in_engine - pending
 
     def is_open(self, lane: str) -> bool:
         if self.room(lane) < self._need[lane]:
@@ -159,7 +184,7 @@ class Intake:
         there, within the slots (the dispatcher's count of this worker, app/dispatcher/plan.py)."""
         if not self.engine_queue:
             return self.slots
-        return min(self.slots, self.capacity + self.engine_queue)
+        return min(self.slots, self.capacity + self.queue_bound())
 
     def need(self, lane: str) -> int:
         """Slots a message of ``lane`` may bring: a bulk message carries a chunk of jobs, sized
@@ -199,7 +224,7 @@ class Intake:
                 "used": dict(self.used),
                 "reserved": dict(self.reserved),
                 "open": [lane for lane in self.lanes if lane in self.open],
-                "engine_queue": self.engine_queue,
+                "engine_queue": self.queue_bound(),
                 "capacity": self.capacity,
                 "holds": self.holds(),
                 "waiting_in_engine": self.waiting_in_engine,
