@@ -4,11 +4,12 @@ options, aborts."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
 from app.core.settings import Settings
-from workers.engines.base import EngineRequestError, GenRequest
+from workers.engines.base import EngineRequestError, GenRequest, TokenWindow
 from workers.engines.simulated import CostModel, SimulatedEngine
 
 
@@ -207,3 +208,16 @@ def test_a_sequence_larger_than_the_kv_cache_runs_alone() -> None:
         return out
 
     assert asyncio.run(main())[1:] == ("length", 30)
+
+
+def test_the_token_window_keeps_its_sum_as_steps_come_and_go() -> None:
+    window = TokenWindow(window=0.05)
+    assert window.read() == (0, None)
+    window.add(3)
+    window.add(4)
+    tokens, age = window.read()
+    assert tokens == 7 and age is not None and age >= 0
+    time.sleep(0.06)
+    assert window.read() == (0, None)
+    window.add(5)
+    assert window.read()[0] == 5 and window.per_s() == pytest.approx(5 / 0.05)

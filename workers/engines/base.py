@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
+import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -117,6 +120,36 @@ class EngineDeadError(Exception):
 # Called by the engine after each step with (sequences in the step, tokens it generated); the
 # worker points it at its metrics (workers/metrics.py).
 StepObserver = Callable[[int, int], None]
+
+
+class TokenWindow:
+    """Tokens generated in the last ``window`` seconds, step by step, with their sum kept as
+    steps come and go: the worker reads an engine's stats at every step (its intake), and
+    summing the window each time cost a step O(the steps in the window), quadratic for an
+    engine as fast as the simulated one at time scale 0. Any thread may add or read."""
+
+    def __init__(self, window: float = 5.0) -> None:
+        self.window = window
+        self._steps: deque[tuple[float, int]] = deque()
+        self._total = 0
+        self._lock = threading.Lock()
+
+    def add(self, tokens: int) -> None:
+        with self._lock:
+            self._steps.append((time.monotonic(), tokens))
+            self._total += tokens
+
+    def read(self) -> tuple[int, float | None]:
+        """(tokens in the window, how long ago its oldest step was; None when it has none)."""
+        now = time.monotonic()
+        with self._lock:
+            while self._steps and self._steps[0][0] < now - self.window:
+                self._total -= self._steps.popleft()[1]
+            return self._total, (now - self._steps[0][0]) if self._steps else None
+
+    def per_s(self) -> float:
+        """Tokens a second over the whole window."""
+        return self.read()[0] / self.window
 
 
 def ignore_step(sequences: int, tokens: int) -> None:

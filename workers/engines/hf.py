@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +28,7 @@ from workers.engines.base import (
     GenChunk,
     GenRequest,
     StepObserver,
+    TokenWindow,
     apply_stop,
     hf_tokenizer_json,
     ignore_step,
@@ -84,7 +83,7 @@ class HFEngine:
         self._running = 0
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
-        self._tokens: deque[tuple[float, int]] = deque()
+        self._tokens = TokenWindow()
         self.on_step: StepObserver = ignore_step
         self._model: Any = None
         self._tokenizer: Any = None
@@ -148,13 +147,10 @@ class HFEngine:
         self._pending = [p for p in self._pending if not p.future.done()]
 
     def stats(self) -> EngineStats:
-        now = time.monotonic()
-        while self._tokens and self._tokens[0][0] < now - 5.0:
-            self._tokens.popleft()
         return EngineStats(
             running=self._running,
             waiting=len(self._pending),
-            generated_tokens_per_s=sum(n for _, n in self._tokens) / 5.0,
+            generated_tokens_per_s=self._tokens.per_s(),
             extra={"device": self._device},
         )
 
@@ -192,7 +188,7 @@ class HFEngine:
                     if not item.future.done():
                         item.future.set_result(chunk)
                 generated = sum(c.num_tokens for c in results)
-                self._tokens.append((time.monotonic(), generated))
+                self._tokens.add(generated)
                 # A micro-batch runs to its end in one call: it is this engine's "step".
                 self.on_step(len(batch), generated)
             finally:

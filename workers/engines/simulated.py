@@ -59,6 +59,7 @@ from workers.engines.base import (
     GenChunk,
     GenRequest,
     StepObserver,
+    TokenWindow,
     apply_stop,
     check_adapter,
     ignore_step,
@@ -167,7 +168,7 @@ class SimulatedEngine:
         self._order = itertools.count()
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
-        self._emitted: deque[tuple[float, int]] = deque()
+        self._emitted = TokenWindow()
         # The last step's schedule, as vLLM's SchedulerStats reports it: the sequences it ran
         # (those that finished in it included) and those left waiting after it was planned.
         self._scheduled: tuple[list[_Seq], int] = ([], 0)
@@ -222,11 +223,8 @@ class SimulatedEngine:
         return WORDS
 
     def stats(self) -> EngineStats:
-        now = time.monotonic()
-        while self._emitted and self._emitted[0][0] < now - 5.0:
-            self._emitted.popleft()
-        tokens = sum(n for _, n in self._emitted)
-        span = max(1.0, min(5.0, now - self._emitted[0][0])) if self._emitted else 5.0
+        tokens, age = self._emitted.read()
+        span = max(1.0, min(5.0, age)) if age is not None else 5.0
         running, waiting = self._scheduled
         if self.cost.kv_cache_tokens:
             kv = sum(s.kv_held for s in running) / self.cost.kv_cache_tokens
@@ -347,5 +345,5 @@ class SimulatedEngine:
                 if not seq.done:
                     self._emit(seq)
                     emitted += 1
-            self._emitted.append((time.monotonic(), emitted))
+            self._emitted.add(emitted)
             self.on_step(decoding, emitted)

@@ -13,8 +13,6 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-import time
-from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -27,6 +25,7 @@ from workers.engines.base import (
     GenChunk,
     GenRequest,
     StepObserver,
+    TokenWindow,
     check_adapter,
     hf_tokenizer_json,
     ignore_step,
@@ -78,7 +77,7 @@ class _StatsHolder:
         self.kv_cache_usage: float | None = None
         self.prefix_queries = 0  # cumulative, tokens
         self.prefix_hits = 0
-        self.tokens: deque[tuple[float, int]] = deque()
+        self.tokens = TokenWindow()
 
     def record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
         if scheduler_stats is not None:
@@ -92,13 +91,7 @@ class _StatsHolder:
                 self.prefix_queries += int(cache.queries)
                 self.prefix_hits += int(cache.hits)
         if iteration_stats is not None:
-            self.tokens.append((time.monotonic(), int(iteration_stats.num_generation_tokens)))
-
-    def tokens_per_s(self, window: float = 5.0) -> float:
-        now = time.monotonic()
-        while self.tokens and self.tokens[0][0] < now - window:
-            self.tokens.popleft()
-        return sum(n for _, n in self.tokens) / window
+            self.tokens.add(int(iteration_stats.num_generation_tokens))
 
 
 def _stat_logger_factory(engine: VLLMEngine) -> Any:
@@ -321,7 +314,7 @@ class VLLMEngine:
             running=s.running,
             waiting=s.waiting,
             kv_cache_usage=s.kv_cache_usage,
-            generated_tokens_per_s=s.tokens_per_s(),
+            generated_tokens_per_s=s.tokens.per_s(),
             prefix_cache_queries=s.prefix_queries,
             prefix_cache_hits=s.prefix_hits,
         )
