@@ -18,11 +18,18 @@ it the job's cost; the worker that ends the job settles the charge with what it 
 handed back or re-queued is refunded what it was charged, and charged again when sent again).
 Over any stretch in which tenants keep jobs waiting, each one's tokens grow at the rate of its
 weight: the virtual token counter of Sheng et al., "Fairness in Serving Large Language Models"
-(OSDI 2024). A tenant that had nothing waiting joins at the level of those that had::
+(OSDI 2024). A tenant that had nothing waiting joins at the level of those that had, as far as
+the engines have served it::
 
-    charged(t) <- max(charged(t), weight(t) * min v(u) over the tenants already waiting)
+    served(u)  = charged(u) - running(u)      running(u): what u's claimed jobs were charged
+    charged(t) <- max(charged(t), weight(t) * min served(u) / weight(u) over those waiting)
 
-so that time spent idle is not saved up as credit against the others.
+so that time spent idle is not saved up as credit against the others, and the jobs the others
+have inside the workers, which the newcomer cannot pass, count against them as they are served.
+VTC's counters grow as tokens are generated; ours are charged a job's whole cost when it is
+sent, so without ``running`` a newcomer would join ahead of the work it waits behind
+(start-time fair queuing's rule, Goyal et al., SIGCOMM 1996: a flow that becomes busy starts at
+the tag of the work in service; docs/architecture.md, "Fair share").
 
 The counters are a hint like every Redis value here: lost with Redis, they start again from zero
 and the shares from then on are fair again.
@@ -162,25 +169,37 @@ def settle(usages: Iterable[Usage]) -> None:
         log.warning("could not settle %d tenant charge(s): %s", len(deltas), exc)
 
 
+def joining(waiting: Iterable[str], before: set[str]) -> tuple[list[str], list[str]]:
+    """The tenants waiting now that already waited (in ``before``), and those that join."""
+    waiting = list(waiting)
+    return [t for t in waiting if t in before], [t for t in waiting if t not in before]
+
+
 def join(
     charged: dict[str, float],
     waiting: Iterable[str],
     before: set[str],
     weight: Mapping[str, float],
+    running: Mapping[str, float] | None = None,
 ) -> dict[str, float]:
-    """Lift the tenants that start waiting now (not in ``before``) to just below the level of
-    those already waiting (or, when none was, to the highest among themselves). Changes ``charged``
+    """Lift the tenants that start waiting now (not in ``before``) to just below the served
+    level of those already waiting (their counters less ``running``: tenant -> what its claimed
+    jobs were charged), or, when none was, to the highest among themselves. Changes ``charged``
     in place and returns the lifted counters, to be written back."""
-    waiting = list(waiting)
-    old = [t for t in waiting if t in before]
-    new = [t for t in waiting if t not in before]
+    old, new = joining(waiting, before)
     if not new:
         return {}
+    running = running or {}
 
     def v(tenant: str) -> float:
         return charged.get(tenant, 0.0) / weight.get(tenant, 1.0)
 
-    level = min(v(t) for t in old) if old else max(v(t) for t in new)
+    def served(tenant: str) -> float:
+        return max(0.0, charged.get(tenant, 0.0) - running.get(tenant, 0.0)) / weight.get(
+            tenant, 1.0
+        )
+
+    level = min(served(t) for t in old) if old else max(v(t) for t in new)
     lifted: dict[str, float] = {}
     for tenant in new:
         # A token below the level: among equals, the tenant that has had nothing yet goes

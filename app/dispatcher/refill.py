@@ -43,7 +43,7 @@ from app.core import broker, catalog, fairshare, transitions
 from app.core.after import Charge, Tx
 from app.core.changes import changes
 from app.core.db import session_scope
-from app.core.models import UNSENT, Job, now
+from app.core.models import UNSENT, Job, JobStatus, now
 from app.core.names import queue_of
 
 log = logging.getLogger("inferq.dispatcher")
@@ -100,6 +100,22 @@ def _waiting(route: Route) -> ColumnElement[bool]:
     # UNSENT is the partial index's own predicate, written out, so PostgreSQL uses the index
     # whatever plan it caches for the statement.
     return and_(UNSENT, Job.lane == route.lane, Job.model.in_(catalog.served_names(route.model)))
+
+
+def _running_charges(tx: Tx, route: Route, tenants: Sequence[str]) -> dict[str, float]:
+    """What ``tenants``' jobs claimed by workers on ``route`` were charged: the work ahead of a
+    tenant that joins, which it cannot pass (``fairshare.join``)."""
+    rows = tx.connection.execute(
+        select(Job.tenant, func.coalesce(func.sum(Job.charged), 0))
+        .where(
+            Job.status == JobStatus.RUNNING,
+            Job.lane == route.lane,
+            Job.model.in_(catalog.served_names(route.model)),
+            Job.tenant.in_(tenants),
+        )
+        .group_by(Job.tenant)
+    )
+    return {tenant: float(total) for tenant, total in rows}
 
 
 def _in_order(rows: Sequence[Any]) -> list[Any]:
@@ -231,7 +247,9 @@ def _choose(
         in_order = sorted(picked, key=lambda r: (r.created_at, r.batch_line or 0, r.id))
         return Chosen({"": in_order}, {"": [0.0]})
     charged = fairshare.counters(client, route.lane, route.model)
-    lifted = fairshare.join(charged, backlog, waited, weights)
+    old, new = fairshare.joining(backlog, waited)
+    running = _running_charges(tx, route, old) if new and old else {}
+    lifted = fairshare.join(charged, backlog, waited, weights, running)
     turns: dict[str, list[float]] = {}
     for tenant, v in fairshare.allocate(n, backlog, charged, weights):
         turns.setdefault(tenant, []).append(v)

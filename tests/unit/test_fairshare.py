@@ -48,6 +48,24 @@ def test_a_tenant_joining_starts_at_the_level_of_those_waiting() -> None:
     assert fairshare.join({"a": 7.0}, ["a", "b"], set(), {}) == {"b": 7.0}
 
 
+def test_a_tenant_joins_at_what_the_engines_served_of_the_others() -> None:
+    """The jobs the others have inside the workers were charged when sent but are still ahead
+    of the newcomer: it joins below them, and the next jobs are its until it has as much in."""
+    charged = {"a": 5000.0, "c": 4000.0}
+    running = {"a": 2000.0, "c": 500.0}
+    lifted = fairshare.join(charged, ["a", "c", "b"], {"a", "c"}, {}, running)
+    # a has served 3000, c 3500: the level is the lower.
+    assert lifted == {"b": 2999.0}
+    turns = fairshare.allocate(
+        25, {"a": (50, 100.0), "b": (50, 100.0), "c": (50, 100.0)}, charged, {}
+    )
+    # b takes the turns up to c's served level ... then up to a's counter with c, in turn.
+    assert [t for t, _ in turns[:10]] == ["b"] * 10
+    assert {t for t, _ in turns[10:20]} == {"b", "c"}
+    # With nothing running it is the counters' level, as before.
+    assert fairshare.join({"a": 5000.0}, ["a", "b"], {"a"}, {}, {}) == {"b": 4999.0}
+
+
 def test_cost_and_prefix_of_a_job() -> None:
     chat = JobCreate(
         messages=[
