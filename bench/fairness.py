@@ -206,13 +206,19 @@ def _engine_full(
     b_sent = max((r["enqueued_at"] or b_end) for r in b_rows)
     a_tokens, b_tokens = _tokens(a_rows, b_at, b_end), _tokens(b_rows, b_at, b_end)
     a_backlogged, b_backlogged = _tokens(a_rows, b_at, b_sent), _tokens(b_rows, b_at, b_sent)
+    slowdown = (b_end - b_at) / alone_s if alone_s > 0 else 0.0
+    share = b_tokens / (a_tokens + b_tokens) if a_tokens + b_tokens else 0.0
     return {
         "jobs_a": n_a,
         "jobs_b": n_b,
         "b_alone_s": round(alone_s, 2),
         "b_behind_s": round(b_end - b_at, 2),
-        "b_slowdown": (b_end - b_at) / alone_s if alone_s > 0 else 0.0,
-        "b_share": b_tokens / (a_tokens + b_tokens) if a_tokens + b_tokens else 0.0,
+        "b_slowdown": slowdown,
+        "b_share": share,
+        # The engine's tokens a second behind A over alone (B's tokens are the same both
+        # times): slowdown = 1 / (share * engine_speed). Below 1, the engine ran slower under
+        # the backlog (on vLLM's CPU engine, the API, dispatcher and database share its cores).
+        "engine_speed": 1 / (slowdown * share) if slowdown and share else 0.0,
         "b_share_backlogged": b_backlogged / (a_backlogged + b_backlogged)
         if a_backlogged + b_backlogged
         else 0.0,

@@ -302,15 +302,17 @@ def _fairness_table(result: dict[str, Any] | None) -> list[str]:
         lines += [
             "",
             "| engine full | engine | B alone s | B behind A s | b_slowdown (<= 2.5) "
-            "| b_share to B's end (>= 0.45) | b_share while backlogged | A's jobs done meanwhile |",
-            "|---|---|---|---|---|---|---|---|",
+            "| b_share to B's end (>= 0.45) | b_share while backlogged | engine speed vs alone "
+            "| A's jobs done meanwhile |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for name in present:
             r = result[name]
             lines.append(
                 f"| {name} | {cases[name]} | {_fmt(r['b_alone_s'])} | {_fmt(r['b_behind_s'])} "
                 f"| {_fmt(r['b_slowdown'])} | {_fmt(r['b_share'])} "
-                f"| {_fmt(r['b_share_backlogged'])} | {r['a_jobs_done_meanwhile']:,} |"
+                f"| {_fmt(r['b_share_backlogged'])} | {_fmt(r.get('engine_speed', 0.0))} "
+                f"| {r['a_jobs_done_meanwhile']:,} |"
             )
     return lines
 
