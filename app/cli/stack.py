@@ -12,9 +12,11 @@ dies.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -25,9 +27,10 @@ from types import FrameType
 from urllib.parse import urlparse
 
 import httpx
+import psutil
 import redis
 
-from app.core import clients, limits, snapshot
+from app.core import clients, lifeline, limits, snapshot
 from app.core.db import migrate, session_scope
 from app.core.keys import create_key, key_for
 from app.core.names import Role
@@ -59,6 +62,7 @@ class Child:
             stderr=subprocess.STDOUT,
             start_new_session=True,
             env={**os.environ, **self.env},
+            preexec_fn=lifeline.dies_with_parent(),  # SIGTERM when this supervisor dies
         )
         log.close()
 
@@ -119,6 +123,69 @@ def _signal_group(pid: int, sig: signal.Signals) -> None:
 def _say(message: str) -> None:
     sys.stdout.write(message + "\n")
     sys.stdout.flush()
+
+
+RECORD_FILE = "up.json"  # in data_dir: the running supervisor's and children's pids
+
+
+def _process(pid: int, created: float) -> psutil.Process | None:
+    """The process ``pid`` if it is still the one that started at ``created`` (a pid is
+    reused once its process is gone)."""
+    try:
+        proc = psutil.Process(pid)
+        if abs(proc.create_time() - created) < 1.0 and proc.status() != psutil.STATUS_ZOMBIE:
+            return proc
+    except psutil.Error:
+        pass
+    return None
+
+
+def left_running(record: Path) -> list[tuple[str, int]]:
+    """The processes of an earlier `inferq up` in ``record`` that still run: (name, pid)."""
+    try:
+        earlier = json.loads(record.read_text())
+    except (OSError, ValueError):
+        return []
+    return [
+        (name, int(pid))
+        for name, (pid, created) in earlier.items()
+        if _process(int(pid), float(created)) is not None
+    ]
+
+
+def port_holder(host: str, port: int) -> str | None:
+    """None when ``host:port`` is free to listen on; else who holds it, as far as this user
+    may see (``pid N: command``)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+            return None
+        except OSError:
+            pass
+    with contextlib.suppress(psutil.Error, OSError):
+        for conn in psutil.net_connections(kind="inet"):
+            listening = conn.status == psutil.CONN_LISTEN and conn.pid is not None
+            if listening and conn.laddr and conn.laddr.port == port:
+                command = " ".join(psutil.Process(conn.pid).cmdline()[:6])
+                return f"pid {conn.pid}: {command}"
+    return "a process this user cannot see"
+
+
+def running_stacks() -> list[tuple[int, Path, dict[str, str]]]:
+    """The `inferq up` supervisors this user runs: (pid, data directory, the INFERQ_ settings
+    of their environment), for a command run elsewhere to say where to look."""
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        argv = proc.info["cmdline"] or []
+        if "up" not in argv[1:4] or not any(a.endswith(("inferq", "app.cli")) for a in argv[:3]):
+            continue
+        with contextlib.suppress(psutil.Error):
+            env = {k: v for k, v in proc.environ().items() if k.startswith("INFERQ_")}
+            data_dir = Path(proc.cwd(), env.get("INFERQ_DATA_DIR", ".inferq")).resolve()
+            if (data_dir / RECORD_FILE).exists():
+                found.append((proc.pid, data_dir, env))
+    return found
 
 
 class Stack:
@@ -233,6 +300,35 @@ class Stack:
     def _spawn(self, child: Child) -> None:
         child.start()
         self.children.append(child)
+        self._record()
+
+    def _record(self) -> None:
+        """Write who runs now (``RECORD_FILE``), for the next start to find what is left."""
+        procs = {"up": psutil.Process()}
+        for child in self.children:
+            if child.proc is not None:
+                with contextlib.suppress(psutil.Error):
+                    procs[child.name] = psutil.Process(child.proc.pid)
+        record = {name: [proc.pid, proc.create_time()] for name, proc in procs.items()}
+        (self.data_dir / RECORD_FILE).write_text(json.dumps(record) + "\n")
+
+    def check_free(self) -> None:
+        """Refuse to start over an earlier run's processes or a held API port, naming them."""
+        left = left_running(self.data_dir / RECORD_FILE)
+        if left:
+            names = ", ".join(f"{name} (pid {pid})" for name, pid in left)
+            pids = " ".join(str(pid) for _, pid in left)
+            raise StackError(
+                f"an earlier `inferq up` in {self.data_dir} is still running: {names}. Stop it "
+                f"with Ctrl-C in its terminal, or `kill {pids}`"
+            )
+        holder = port_holder(self.settings.api_host, self.settings.api_port)
+        if holder is not None:
+            raise StackError(
+                f"the API's port {self.settings.api_host}:{self.settings.api_port} "
+                f"(INFERQ_API_PORT) is held by {holder}. Stop that process, or set "
+                "INFERQ_API_PORT to another port"
+            )
 
     def _wait(self, what: str, timeout_s: float, ready: Callable[[], bool], child: Child) -> None:
         wait_ready(what, timeout_s, ready, child, stopping=lambda: self._stopping)
@@ -250,6 +346,8 @@ class Stack:
             child.stop(grace_s=30 if child.name == "worker" else 10)
         if not any(child.name == "redis" for child in self.children):
             self._clean_redis()
+        with contextlib.suppress(OSError):
+            (self.data_dir / RECORD_FILE).unlink(missing_ok=True)
         if self.children:
             names = ", ".join(child.name for child in self.children)
             _say(f"inferq stopped: {names} ({time.monotonic() - started:.1f} s)")
@@ -273,6 +371,12 @@ class Stack:
         signal.signal(signal.SIGINT, self._on_signal)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         try:
+            self.check_free()
+        except StackError as exc:
+            _say(f"inferq up failed: {exc}")
+            return 1
+        try:
+            self._record()
             redis_line = self.ensure_redis()
             migrate()
             key = self.dev_key() if self.settings.require_auth else "(auth disabled)"

@@ -13,14 +13,17 @@ import sys
 import threading
 import time
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import redis
 from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
+from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
 
+from app.cli.stack import running_stacks
 from app.core import catalog, clients, missing, snapshot
 from app.core.db import session_scope
 from app.core.settings import get_settings
@@ -32,8 +35,41 @@ class Unavailable(Exception):
     """Redis or the database could not be read; the message is one line for a person."""
 
 
+def no_database() -> str | None:
+    """Why there is nothing to read, when the settings name a SQLite file that does not exist
+    (opening it would create an empty one: a read-only command must not); else None."""
+    settings = get_settings()
+    url = make_url(settings.sqlalchemy_url)
+    if url.get_backend_name() != "sqlite" or url.database in (None, "", ":memory:"):
+        return None
+    path = Path(url.database).resolve()
+    if path.exists():
+        return None
+    where = (
+        "INFERQ_DATABASE_URL"
+        if settings.database_url
+        else f"INFERQ_DATA_DIR {str(settings.data_dir)!r}, relative to this directory"
+    )
+    said = f"no inferq database at {path} ({where}). Nothing was created."
+    stacks = running_stacks()
+    if not stacks:
+        return (
+            f"{said} Run it where `inferq up` runs, or set INFERQ_DATA_DIR or "
+            "INFERQ_DATABASE_URL (and INFERQ_REDIS_URL) to the stack's."
+        )
+    pid, data_dir, env = stacks[0]
+    settings_of = " ".join(
+        f"{k}={v}"
+        for k, v in sorted({**env, "INFERQ_DATA_DIR": str(data_dir)}.items())
+        if k in {"INFERQ_DATA_DIR", "INFERQ_DATABASE_URL", "INFERQ_REDIS_URL"}
+    )
+    return f"{said} `inferq up` runs with {data_dir} (pid {pid}): {settings_of} inferq status"
+
+
 def collect() -> snapshot.Snapshot:
     now = time.time()
+    if (why := no_database()) is not None:
+        raise Unavailable(why)
     try:
         client = clients.redis_client()
         workers = snapshot.workers(client)

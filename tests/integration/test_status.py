@@ -12,6 +12,7 @@ import json
 import os
 import pty
 import signal
+import sqlite3
 import struct
 import subprocess
 import sys
@@ -206,11 +207,39 @@ def test_unreachable_redis_or_database_is_one_line_and_exit_1(
     assert done.stderr.startswith("inferq status: cannot read Redis (INFERQ_REDIS_URL): ")
     assert "127.0.0.1:1" in done.stderr and len(done.stderr.splitlines()) == 1
 
-    done = status(busy_stack, INFERQ_DATABASE_URL=f"sqlite:///{tmp_path / 'empty.db'}")
+    empty = tmp_path / "empty.db"
+    sqlite3.connect(empty).execute("CREATE TABLE other (x)").connection.close()
+    done = status(busy_stack, INFERQ_DATABASE_URL=f"sqlite:///{empty}")
     assert done.returncode == 1
     assert done.stderr == (
         "inferq status: cannot read the database (INFERQ_DATABASE_URL): no such table: jobs\n"
     )
+
+
+def test_status_where_no_stack_ran_creates_nothing_and_says_where_it_looked(
+    tmp_path: Path,
+) -> None:
+    """Outside the checkout (no ./.inferq): one line naming the file it looked for; no
+    database, no directory left behind. An explicit SQLite URL to no file: the same."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("INFERQ_")}
+    argv = [sys.executable, "-m", "app.cli", "status"]
+    done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and done.stdout == ""
+    looked = tmp_path.resolve() / ".inferq" / "inferq.db"
+    assert done.stderr.startswith(f"inferq status: no inferq database at {looked} "), done.stderr
+    assert "INFERQ_DATA_DIR '.inferq'" in done.stderr and len(done.stderr.splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
+    url = f"sqlite:///{tmp_path / 'nowhere' / 'x.db'}"
+    done = subprocess.run(
+        argv,
+        cwd=tmp_path,
+        env={**env, "INFERQ_DATABASE_URL": url},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 1 and "(INFERQ_DATABASE_URL). Nothing was created." in done.stderr
+    assert list(tmp_path.iterdir()) == []
 
 
 # --- app/core/snapshot.py, with rows whose times are known ---------------------------------------

@@ -16,7 +16,7 @@ import httpx
 import psutil
 import redis
 
-from app.cli.stack import redis_server_argv
+from app.cli.stack import RECORD_FILE, left_running, port_holder, redis_server_argv
 from tests.support import REPO, free_port, wait_until
 
 
@@ -200,6 +200,72 @@ def test_up_runs_the_whole_stack_and_stops_every_child(tmp_path: Path) -> None:
         finally:
             server.terminate()
             server.wait(10)
+    finally:
+        for leftover in [proc, *children]:  # only when the test failed half-way
+            with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
+                leftover.kill()
+
+
+def test_a_killed_supervisor_leaves_no_child_and_a_second_start_names_what_runs(
+    tmp_path: Path,
+) -> None:
+    """`kill -9` of `inferq up` (a closed terminal, the OOM killer): every child stops within
+    seconds, by the parent-death signal each was started with (app/core/lifeline.py). Before
+    that, a second `up` on the same data directory, and one on the same API port, refuse to
+    start and name the processes in the way."""
+    api_port, redis_port = free_port(), free_port()
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("INFERQ_")},
+        "PYTHONUNBUFFERED": "1",
+        "INFERQ_DATA_DIR": str(tmp_path / "data"),
+        "INFERQ_API_PORT": str(api_port),
+        "INFERQ_REDIS_URL": f"redis://127.0.0.1:{redis_port}/0",
+    }
+    argv = [sys.executable, "-m", "app.cli", "up", "--engine", "simulated"]
+    proc = subprocess.Popen(
+        argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    lines: list[str] = []
+    threading.Thread(
+        target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True
+    ).start()
+    children: list[psutil.Process] = []
+    try:
+        wait_until(
+            lambda: any("inferq is up" in line for line in lines) or proc.poll(), 120, "inferq up"
+        )
+        assert proc.poll() is None, "".join(lines)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        named = {c.pid for c in children}
+        assert len(children) >= 4, children  # redis-server, api, ops, worker
+
+        again = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+        assert again.returncode == 1, again.stdout + again.stderr
+        said = again.stdout
+        assert "an earlier `inferq up`" in said and f"up (pid {proc.pid})" in said, said
+        assert {int(p) for p in re.findall(r"\(pid (\d+)\)", said)} - {proc.pid} <= named, said
+        assert f"kill {proc.pid}" in said, said
+        # Another data directory, the same API port: the port's holder is named.
+        other = {**env, "INFERQ_DATA_DIR": str(tmp_path / "other")}
+        held = subprocess.run(argv, cwd=REPO, env=other, capture_output=True, text=True, timeout=60)
+        assert held.returncode == 1, held.stdout + held.stderr
+        assert f"port 127.0.0.1:{api_port} (INFERQ_API_PORT) is held by pid" in held.stdout, (
+            held.stdout
+        )
+        holder = int(re.search(r"held by pid (\d+)", held.stdout).group(1))
+        assert holder in named, (holder, named)
+
+        proc.kill()
+        proc.wait(10)
+        wait_until(
+            lambda: (
+                not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children)
+            ),
+            20,
+            "every child of the killed supervisor to stop",
+        )
+        assert port_holder("127.0.0.1", api_port) is None
+        assert left_running(tmp_path / "data" / RECORD_FILE) == []
     finally:
         for leftover in [proc, *children]:  # only when the test failed half-way
             with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):

@@ -24,6 +24,7 @@ import sys
 import time
 from types import FrameType
 
+from app.core import lifeline
 from app.core.settings import Settings, get_settings
 
 log = logging.getLogger("inferq.gpus")
@@ -49,7 +50,11 @@ class Supervisor:
 
     def start(self, index: int, gpu: str) -> None:
         argv = [sys.executable, "-m", "workers.inference"]
-        child = subprocess.Popen(argv, env=child_env(self.settings, index, gpu))
+        child = subprocess.Popen(
+            argv,
+            env=child_env(self.settings, index, gpu),
+            preexec_fn=lifeline.dies_with_parent(),  # SIGTERM when this supervisor dies
+        )
         self.children[gpu] = child
         log.info("worker of GPU %s started (pid %d)", gpu, child.pid)
 
