@@ -10,10 +10,14 @@ pyproject.toml makes it a plain ``.pth`` of the checkout, which it builds silent
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,6 +26,15 @@ import sys
 from setuptools import build_meta
 print(build_meta.{hook}(sys.argv[1]))
 """
+
+
+@pytest.fixture(autouse=True)
+def _no_build_dir_left() -> Iterator[None]:
+    """setuptools builds in the checkout's build/: it goes again unless it was there before."""
+    existed = (ROOT / "build").exists()
+    yield
+    if not existed:
+        shutil.rmtree(ROOT / "build", ignore_errors=True)
 
 
 def _build(hook: str, out: Path) -> tuple[Path, str]:

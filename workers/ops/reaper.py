@@ -10,8 +10,10 @@ Redis message only a hint, so the sweep repairs what a crash or a lost message l
    deadline ends ``expired``. The old worker's token no longer matches, so its late writes change
    nothing (the fence in app/core/transitions.py, which makes every change here).
 2. **Lost with Redis**: Redis restarted empty or was wiped. The reaper keeps a marker key in
-   Redis; when it is gone, every queued job is marked unsent (``enqueued_at`` empty), and the
-   dispatcher sends it again. Messages lost some other way (the last second before a crash with
+   Redis; when it is gone, every queued job marked sent is marked unsent (``enqueued_at``
+   empty), and the dispatcher sends it again. That is logged as a loss only when there was such
+   a job: with none, it is a first meeting with this Redis (or an empty Redis that held nothing
+   of ours), and nothing was lost. Messages lost some other way (the last second before a crash with
    ``appendfsync everysec``, a process that stamped a job sent and died before sending it) are
    found when a queue's list (a lane of one model) is empty while jobs of it have been queued
    for longer than ``REAPER_GRACE_S`` since they were sent.
@@ -78,9 +80,18 @@ def _sweep(settings: Settings) -> dict[str, int]:
         log.warning("reaper: %d job(s) lost their worker; queued again", requeued)
     forgotten = 0
     if _redis_was_emptied():
-        log.warning("Redis lost its data (restart or wipe): sending every queued job again")
         with changes("reaper") as tx:
             forgotten = transitions.forget_lost(tx, stamp, None)
+        # No marker and no job marked sent: a first meeting with this Redis (or an empty one
+        # that held no message of ours), nothing lost. A warning only for messages really lost.
+        if forgotten:
+            log.warning(
+                "Redis lost its data (restart or wipe): %d queued job(s) whose messages it held "
+                "are sent again",
+                forgotten,
+            )
+        else:
+            log.info("reaper: marker set in Redis (no message of a queued job was lost)")
     else:
         lost = _empty_queues_with_waiting_jobs(stamp, settings)
         if lost:
