@@ -8,7 +8,7 @@
 #
 # BASE_IMAGE: any image with Python 3.11 (`python3` with venv) and useradd. CI builds on a
 # Debian bookworm root filesystem made with debootstrap, where Docker Hub cannot be reached
-# (README, "Docker Compose"; tests/containers).
+# (docs/compose.md; tests/containers).
 # PIP_FIND_LINKS: a folder of wheels pip looks in first (CI's local torch CPU wheel, mounted
 # into the build with `podman build --volume`).
 # A build secret `pip-cert` (`--secret id=pip-cert,src=ca-bundle.crt`) is the CA bundle pip

@@ -208,8 +208,8 @@ class Stack:
         assert done.returncode == 0, done.stdout + done.stderr
 
     def start_api(self, dispatcher: bool = True) -> Proc:
-        """The API, and the dispatcher that sends the jobs it leaves waiting (README, "Fair
-        share"): a stack without one runs only the jobs the API sends itself."""
+        """The API, and the dispatcher that sends the jobs it leaves waiting (docs/scheduling.md,
+        "Fair share"): a stack without one runs only the jobs the API sends itself."""
         if dispatcher:
             self.start_dispatcher()
         proc = self.spawn("api", "api")

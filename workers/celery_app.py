@@ -5,7 +5,8 @@
 - ``acks_late``: a message is acknowledged only after the task returned, i.e. after the job's
   final state was committed; a worker that stops puts the messages it holds back on their
   lanes. One that dies loses them with its memory (Redis keeps no redelivery of its own,
-  app/core/broker.py): the job rows bring those jobs back (README, "Reliability").
+  app/core/broker.py): the job rows bring those jobs back (docs/reliability.md, "Reliability
+  contract").
 - Prefetch multiplier 1 with the threads pool: a worker reserves no more messages than it has
   threads, so the backlog stays in Redis where other workers and the API can see it.
 - Results live in the database, never in a Celery result backend.

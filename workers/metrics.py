@@ -6,7 +6,7 @@ histograms of the jobs it claims and records, and the job counters of
 app/core/transitions.py. The ops worker serves webhook attempts, reaper actions and the jobs it
 ends. Celery runs both with the
 threads pool, one process each, so the default registry is already the whole process.
-Names and labels are the README's metrics table.
+Names and labels are those of the metrics table of docs/observability.md.
 """
 
 from __future__ import annotations

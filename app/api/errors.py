@@ -2,7 +2,7 @@
 
 Every error leaves the API as ``{"error": {"type", "code", "message", "param"}}``. The core
 raises :class:`~app.core.errors.DomainError` of a kind; the status of each kind is
-app/core/status_codes.py's (README, "HTTP API (v1)", status codes), which batch output lines
+app/core/status_codes.py's (docs/api.md, "HTTP API (v1)", status codes), which batch output lines
 use too. The API's exception handlers (``app/api/handlers.py``) answer with this module, which
 imports nothing of FastAPI.
 """

@@ -3,8 +3,8 @@ gauges.
 
 The job counters every kind of process increases (submitted and finished) are defined with the
 transitions that move them (app/core/transitions.py); workers define their own (engine, latency
-histograms, webhooks, reaper) in ``workers/metrics.py``. Names and labels are the README's
-metrics table.
+histograms, webhooks, reaper) in ``workers/metrics.py``. Names and labels are those of the
+metrics table in docs/observability.md.
 
 The API can run as several uvicorn processes (``inferq api --workers N``): ``inferq api`` then
 points ``PROMETHEUS_MULTIPROC_DIR`` at a fresh directory and each scrape merges every process's

@@ -60,8 +60,8 @@ def up(engine: str | None, concurrency: int | None) -> None:
 
     settings = get_settings()
     if not settings.model and not settings.adapters:
-        # Two models on the demo: the demo model and a LoRA adapter of it (README, "Many
-        # models"); every child (API, worker, ops) reads the same registration.
+        # Two models on the demo: the demo model and a LoRA adapter of it (docs/scheduling.md,
+        # "Many models"); every child (API, worker, ops) reads the same registration.
         adapters = {DEMO_ADAPTER_NAME: settings.demo_adapter.model_dump()}
         _set_env(adapters=json.dumps(adapters))
         settings = get_settings()

@@ -404,7 +404,7 @@ class Stack:
             self.stop()
 
     def _models(self, model: str) -> str:
-        """The worker's model and the LoRA adapters of it (README, "Many models")."""
+        """The worker's model and the LoRA adapters of it (docs/scheduling.md, "Many models")."""
         adapters = self.settings.adapters_of(model)
         return ", ".join([model, *(f"{name} (LoRA adapter of {model})" for name in adapters)])
 

@@ -207,7 +207,7 @@ def _dispatchers_table(snap: snapshot.Snapshot) -> Table:
     table.add_column("sent", justify="right")
     table.add_column("last seen", justify="right")
     if not snap.dispatchers:
-        # Without one, only the jobs the API sends itself run (README, "Fair share").
+        # Without one, only the jobs the API sends itself run (docs/scheduling.md, "Fair share").
         table.add_row("no dispatcher is announced (start one: inferq dispatch)")
     for record in snap.dispatchers:
         table.add_row(

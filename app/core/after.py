@@ -39,7 +39,8 @@ log = logging.getLogger("inferq.jobs")
 
 By = Literal["api", "worker", "reaper", "ops", "dispatcher"]
 
-# Every kind of process counts what it changed; names and labels are the README's metrics table.
+# Every kind of process counts what it changed; names and labels are those of the metrics table of
+# docs/observability.md.
 JOBS_SUBMITTED = Counter(
     "inferq_jobs_submitted", "Jobs accepted (committed), by lane and model.", ["lane", "model"]
 )

@@ -175,8 +175,9 @@ def broker_transport_options(settings: Settings) -> dict[str, Any]:
         # docs/benchmarks.md, "overhead"). The job row is what gets a job run again: a
         # dead worker's claimed jobs come back when their lease expires, a fetched message
         # that was never claimed is re-sent by the reaper once its lane's list is empty, and a
-        # worker that stops hands its jobs back (README, "Reliability"). The bookkeeping's own
-        # redelivery came after a visibility timeout of two days, later than the reaper.
+        # worker that stops hands its jobs back (docs/reliability.md, "Reliability contract").
+        # The bookkeeping's own redelivery came after a visibility timeout of two days, later
+        # than the reaper.
         "ack_emulation": False,
         # A broker poll (BRPOP) that is already waiting does not see a lane the intake has
         # just re-opened; a short poll bounds that delay (at the cost of ~20 polls/s idle).

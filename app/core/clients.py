@@ -49,8 +49,8 @@ def reset() -> None:
 def _connect(url: str, kind: Any, sentinels: Any, options: dict[str, Any]) -> Any:
     """A client of the Redis at ``url`` (``kind``: redis-py's sync or asyncio class, with its
     ``Sentinel``). Through Sentinel, each new connection asks the sentinels for the master:
-    after a failover the next command reaches the new one, with no restart (README, "Redis in
-    production")."""
+    after a failover the next command reaches the new one, with no restart (docs/reliability.md,
+    "Redis in production")."""
     sentinel = Sentinel.of(url)
     if sentinel is None:
         return kind.from_url(url, **options)
@@ -109,7 +109,8 @@ def durability_warnings(client: redis.Redis) -> list[str]:
     """What in Redis's configuration can lose a message: an eviction policy (an evicted list
     is a queue gone) or no persistence at all (a restart empties every list). Either way the
     database keeps every job and the reaper sends them again, but only after its grace
-    (README, "Redis"). Nothing is said where CONFIG is refused (managed Redis services)."""
+    (docs/reliability.md, "Redis in production"). Nothing is said where CONFIG is refused (managed
+    Redis services)."""
     try:
         config = {
             **client.config_get("maxmemory-policy"),

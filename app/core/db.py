@@ -136,8 +136,8 @@ def new_session() -> Session:
 
 
 def with_db_retry(fn: Callable[[], T], what: str, stop: threading.Event | None = None) -> T:
-    """Run ``fn`` until the database answers: workers pause while it is down (README,
-    reliability contract), acknowledging nothing that is not committed."""
+    """Run ``fn`` until the database answers: workers pause while it is down (docs/reliability.md,
+    "Reliability contract"), acknowledging nothing that is not committed."""
     delay = 0.2
     while True:
         try:

@@ -4,7 +4,7 @@ The core, the batches and the workers raise a :class:`DomainError` of one :class
 machine-readable ``code``, a message for a person and the offending ``param``. They never name
 an HTTP status: a kind becomes its status code in one place (``app/core/status_codes.py``), for
 the API's answers and for batch output lines, which record the answer each request would have
-had. The kinds follow the public contract's status codes (README, "HTTP API (v1)"; the map:
+had. The kinds follow the public contract's status codes (docs/api.md, "HTTP API (v1)"; the map:
 docs/architecture.md, "Errors").
 """
 

@@ -99,7 +99,8 @@ def new_job(
     params = body.params.stored()
     params["max_tokens"] = body.params.max_tokens or settings.default_max_tokens
     constraint = body.tool_constraint()
-    if constraint is not None:  # tool_choice required or named: vLLM's way (README, "Tools")
+    # tool_choice required or named: vLLM's way (docs/openai.md, "Tools").
+    if constraint is not None:
         params["structured_outputs"] = {"json": constraint}
     batch: tuple[str | None, str | None, int | None] = (None, None, None)
     if line is None:

@@ -72,7 +72,7 @@ EPOCH_KEY = "inferq:epoch"
 
 def queue_of(lane: str, model: str) -> str:
     """The Celery queue (and Redis list) of ``model``'s jobs in ``lane``: a LoRA adapter's jobs
-    are in its base model's queues, whose workers run them (README, "Many models")."""
+    are in its base model's queues, whose workers run them (docs/scheduling.md, "Many models")."""
     return f"{lane}:{get_settings().base_of(model)}"
 
 

@@ -6,8 +6,9 @@ the endpoint. The sampling options are the jobs API's own model (``JobParams``, 
 bounds). Every other field of vLLM's two request classes is in ``CHAT_REFUSED`` or
 ``COMPLETION_REFUSED`` with the reason:
 at vLLM's default (or null) it asks for nothing and is accepted, any other value is a 422 that
-names it; a field vLLM does not know is a 422 too, never silently ignored (README, "vLLM's
-fields"). inferq's additions: ``lane`` (default realtime), ``metadata`` and ``timeout_s``, as on
+names it; a field vLLM does not know is a 422 too, never silently ignored (docs/openai.md,
+"vLLM's fields"). inferq's additions: ``lane`` (default realtime), ``metadata`` and ``timeout_s``,
+as on
 jobs.
 
 A completion's ``id`` is its job's id, so ``GET /v1/jobs/<id>`` finds every call.
@@ -194,7 +195,7 @@ class _Request(JobParams):
     @model_validator(mode="after")
     def _streams_one_choice(self) -> _Request:
         # A stream relays one choice's text as it comes (app/core/relay.py); several choices
-        # and logprobs are in the committed result (README, "vLLM's fields").
+        # and logprobs are in the committed result (docs/openai.md, "vLLM's fields").
         asked = "n" if self.n > 1 else "logprobs" if self.logprobs is not None else None
         if self.stream and asked:
             raise PydanticCustomError(
@@ -265,7 +266,7 @@ class ChatCompletionRequest(_Request, ToolUse):
 
     @model_validator(mode="after")
     def _tool_calls_are_not_streamed(self) -> ChatCompletionRequest:
-        # Tool calls are parsed from a choice's whole text (README, "Tools").
+        # Tool calls are parsed from a choice's whole text (docs/openai.md, "Tools").
         if self.stream and self.chosen() != "none":
             raise PydanticCustomError(
                 "unsupported_parameter",

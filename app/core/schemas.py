@@ -1,4 +1,4 @@
-"""Pydantic request and response models of the public HTTP contract (README, "HTTP API").
+"""Pydantic request and response models of the public HTTP contract (docs/api.md, "HTTP API (v1)").
 
 Bounds that operators may tune come from settings and are checked in validators, so an
 out-of-bounds value is a 422 that names its field. Unknown fields are refused (a typo such as
@@ -251,8 +251,8 @@ MAX_LOGPROBS = 20
 class JobParams(StrictModel):
     """Sampling: one model for the jobs API's ``params``, the OpenAI bodies and batch lines.
 
-    Names, defaults and bounds are those of vLLM's ``SamplingParams`` (README, "vLLM's
-    fields"), so a body ``vllm serve`` takes means the same here; a job's row keeps only the
+    Names, defaults and bounds are those of vLLM's ``SamplingParams`` (docs/openai.md,
+    "vLLM's fields"), so a body ``vllm serve`` takes means the same here; a job's row keeps only the
     options its caller set (``max_tokens`` always). Engines other than vLLM honour what they
     can and fail a job that asks for the rest with ``invalid_request`` naming the option.
     """
@@ -456,7 +456,7 @@ class ToolUse(StrictModel):
     """OpenAI's tool fields of a chat (on ``/v1/chat/completions``, its batch lines and chat
     jobs on ``/v1/jobs``), with vLLM's rules: ``tool_choice`` defaults to ``auto`` when there
     are tools; ``required`` and a named function hold the output to the tools' schemas by
-    structured output; ``auto`` needs the model's tool parser (README, "Tools")."""
+    structured output; ``auto`` needs the model's tool parser (docs/openai.md, "Tools")."""
 
     tools: list[Tool] | None = Field(None, min_length=1, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None

@@ -22,9 +22,9 @@ LANES: tuple[str, ...] = ("realtime", "standard", "bulk")
 
 class Sentinel(BaseModel):
     """A Redis reached through Sentinel: ``INFERQ_REDIS_URL`` in the form
-    ``sentinel://[:password@]host:port[,host:port...]/db?master_name=NAME`` (README,
-    "Redis"). The password is the master's; every client asks the sentinels for the current
-    master, and again after a failover."""
+    ``sentinel://[:password@]host:port[,host:port...]/db?master_name=NAME`` (docs/reliability.md,
+    "Redis in production"). The password is the master's; every client asks the sentinels for the
+    current master, and again after a failover."""
 
     sentinels: list[tuple[str, int]]
     master: str
@@ -64,7 +64,7 @@ class Sentinel(BaseModel):
 
 
 class Adapter(BaseModel):
-    """A LoRA adapter, registered on a base model (README, "Many models")."""
+    """A LoRA adapter, registered on a base model (docs/scheduling.md, "Many models")."""
 
     base: str  # the served name of the model it adapts: its jobs run on that model's workers
     path: str  # the adapter's directory (adapter_config.json, adapter_model.safetensors)
@@ -359,7 +359,7 @@ class Settings(BaseSettings):
         "127.0.0.1", description="Bind address of the workers' and ops worker's /metrics."
     )
     # 0 by default: several workers (one per GPU) and ops workers share a host, and each one
-    # announces the port it got (README, Observability: GET /metrics/targets).
+    # announces the port it got (docs/observability.md: GET /metrics/targets).
     worker_metrics_port: int = Field(
         0,
         ge=0,

@@ -1,6 +1,6 @@
 """job choices, user and tools: every choice of a job that asked for several or for logprobs
 (with its tool calls), the caller's end-user id (OpenAI's ``user``), recorded, and a chat's
-tools (README, "vLLM's fields")
+tools (docs/openai.md, "vLLM's fields")
 
 Revision ID: 0005
 Revises: 0004

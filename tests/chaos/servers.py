@@ -123,7 +123,8 @@ class SentinelSet:
     """A Redis master, one replica and three sentinels (Debian's ``redis-sentinel``) on
     loopback, all of their own: the set a production Redis with failover is. The sentinels
     call the master down after ``down_ms`` without an answer and, two of them agreeing,
-    promote the replica; ``url`` is what inferq is given (README, "Redis")."""
+    promote the replica; ``url`` is what inferq is given (docs/reliability.md, "Redis in
+    production")."""
 
     MASTER = "inferq"
 

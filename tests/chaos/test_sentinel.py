@@ -1,4 +1,5 @@
-"""Chaos: the Redis master dies under load and Sentinel promotes its replica (README, "Redis").
+"""Chaos: the Redis master dies under load and Sentinel promotes its replica (docs/reliability.md,
+"Redis in production").
 
 A master, a replica and three sentinels of their own on loopback (tests/chaos/servers.py,
 Debian's ``redis-sentinel``); inferq is given ``sentinel://.../0?master_name=inferq``. Real

@@ -2,7 +2,8 @@
 
 Real processes on loopback (API, inference workers with the SIMULATED engine, the ops worker
 with its reaper every second) against PostgreSQL and a Redis database of their own. Leases are
-4 s, renewed every second. Each test proves one line of the reliability contract (README):
+4 s, renewed every second. Each test proves one line of the reliability contract
+(docs/reliability.md):
 
 - ``kill -9`` of a worker holding jobs: another worker finishes every one of them, once, with
   ``attempts`` = 2, within lease TTL + reaper period (+ one heartbeat of slack);
@@ -17,7 +18,7 @@ with its reaper every second) against PostgreSQL and a Redis database of their o
   redelivery of its own): the reaper unsends its job and the dispatcher sends it again;
 - the same message delivered twice: the job runs once.
 
-Each prints a ``RECOVERY <scenario> <seconds>`` line (``pytest -s``) for the README.
+Each prints a ``RECOVERY <scenario> <seconds>`` line (``pytest -s``) for docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -207,7 +208,8 @@ DIE_AFTER_COMMIT = "changes._run = lambda after, announce: os._exit(1)"
 def test_crash_between_commit_and_enqueue(stack: Stack, direct: bool) -> None:
     """The API's own submit transaction, in a process that dies right after the commit: a job
     left for the dispatcher is sent by it; a job the API meant to send itself (stamped sent in
-    its insert, README "Fair share") has no message, and the reaper finds its queue empty and
+    its insert, docs/scheduling.md, "Fair share") has no message, and the reaper finds its queue
+    empty and
     marks it unsent, for the dispatcher."""
     stack.start_worker()
     crashed = stack.python(SUBMIT.format(direct=direct, before=DIE_AFTER_COMMIT, inside="pass"))

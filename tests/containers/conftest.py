@@ -50,7 +50,7 @@ def docker_host(images: Podman, tmp_path_factory: pytest.TempPathFactory) -> Ite
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    """The measured build and start times (README, "Docker Compose", quotes them)."""
+    """The measured build and start times (docs/compose.md, quotes them)."""
     if TIMINGS.steps:
         terminalreporter.section("container timings")
         for name, seconds in TIMINGS.steps.items():

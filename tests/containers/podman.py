@@ -1,5 +1,5 @@
 """Podman on a CI machine: the base image, inferq's images, the Docker-compatible socket and the
-healthcheck runner that docker-compose.yml needs to run here (README, "Docker Compose").
+healthcheck runner that docker-compose.yml needs to run here (docs/compose.md).
 
 What differs from a Docker host, and why each piece exists:
 - **No Docker Hub.** The base image is a Debian bookworm root filesystem made with

@@ -289,7 +289,8 @@ def test_bulk_submit_is_all_or_nothing(stack: Stack, client: httpx.Client) -> No
     assert all(j["status"] == "queued" for j in data)
     assert [j["lane"] for j in data] == ["bulk"] * 300 + ["realtime"]
     assert jobs_in_db(stack) == before + 301
-    # A bulk request's jobs wait in the database for the dispatcher (README, "Fair share"),
+    # A bulk request's jobs wait in the database for the dispatcher (docs/scheduling.md, "Fair
+    # share"),
     # which keeps each queue only as deep as its workers need: with no worker here, the bulk
     # list holds at most one message (none while a lane above has jobs waiting).
     time.sleep(0.5)

@@ -1,5 +1,5 @@
 """Who runs next: the dispatcher's fair share, weights, deadlines, prefixes and its safety, on
-SQLite and on PostgreSQL (README, "Fair share").
+SQLite and on PostgreSQL (docs/scheduling.md, "Fair share").
 
 A real API and real dispatchers, no inference worker: the test takes each queue's messages off
 Redis itself, the way a worker's consumer does (BRPOP), so the order the dispatcher chose is
@@ -254,7 +254,8 @@ def test_a_dispatcher_that_dies_mid_send_loses_nothing(stack: Stack) -> None:
     unsent = "SELECT count(*) FROM jobs WHERE model = 'm-crash' AND enqueued_at IS NULL"
     assert stack.scalar(unsent) == 5
     # A dispatcher started again sends them again: nothing is lost, and each job has at most
-    # one message too many (a second message claims nothing: README, "Reliability").
+    # one message too many (a second message claims nothing: docs/reliability.md, "Reliability
+    # contract").
     stack.start_dispatcher()
     seen = [job_id for _ in range(10) for job_id in take(stack, queue)]
     assert Counter(seen) == dict.fromkeys(ids, 2)

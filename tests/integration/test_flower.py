@@ -133,7 +133,8 @@ def test_flower_refuses_every_interface_without_basic_auth(tmp_path: Path) -> No
 
 def test_flower_api_needs_basic_auth_or_flowers_own_switch(tmp_path: Path, redis_url: str) -> None:
     """Flower's HTTP API answers 401 without credentials, even on loopback, unless Flower's own
-    FLOWER_UNAUTHENTICATED_API is set: the README's two commands for it."""
+    FLOWER_UNAUTHENTICATED_API is set: the two commands for it in docs/observability.md,
+    "Flower"."""
     for unauthenticated, expected in ((None, 401), ("true", 200)):
         port = free_port()
         env = {

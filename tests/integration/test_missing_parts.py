@@ -1,6 +1,7 @@
 """Incomplete stacks, as a new user might start them, through real processes: each missing part
 is said in /readyz, the API's /metrics, `inferq status` and the API's log; and the default ops
-worker runs the dispatcher's loop, so with it nothing waits (README, "Nothing waits unseen").
+worker runs the dispatcher's loop, so with it nothing waits (docs/reliability.md, "Nothing waits
+unseen").
 
 One stack on SQLite, grown one process at a time: the API alone, then a worker, then a
 dispatcher of its own, then (that dispatcher stopped) the ops worker as `inferq ops` starts it.

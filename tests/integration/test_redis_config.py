@@ -1,4 +1,5 @@
-"""At start every process warns when Redis can lose a message (README, "Redis"): checked
+"""At start every process warns when Redis can lose a message (docs/reliability.md, "Redis in
+production"): checked
 against redis-servers of their own, configured each way."""
 
 from __future__ import annotations

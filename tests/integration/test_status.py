@@ -113,7 +113,8 @@ def test_status_shows_lanes_workers_and_throughput(busy_stack: Stack) -> None:
     assert model == DEMO_MODEL
     assert int(bulk_queued) == queued
     assert int(bulk_running) == SLOTS
-    # The dispatcher keeps the list shallow (README, "Fair share"): the rest wait unsent.
+    # The dispatcher keeps the list shallow (docs/scheduling.md, "Fair share"): the rest wait
+    # unsent.
     assert int(messages) == client.llen(queue("bulk")) < queued // 2  # two job ids a message
     assert oldest.endswith(" s") and float(oldest.split()[0]) > 0
     for lane in ("realtime", "standard"):

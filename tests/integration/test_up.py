@@ -44,36 +44,53 @@ def banner_shape(banner: str) -> list[str]:
     return shape
 
 
-def test_up_runs_the_whole_stack_and_stops_every_child(tmp_path: Path) -> None:
-    api_port, redis_port = free_port(), free_port()
-    env = {
+UP = [sys.executable, "-m", "app.cli", "up", "--engine", "simulated"]
+
+
+def up_env(tmp_path: Path, api_port: int, redis_port: int) -> dict[str, str]:
+    """`inferq up`'s environment: its own data directory and API port, and a Redis port where
+    nothing listens, so that it starts its own redis-server."""
+    return {
         **{k: v for k, v in os.environ.items() if not k.startswith("INFERQ_")},
         "PYTHONUNBUFFERED": "1",
         "INFERQ_DATA_DIR": str(tmp_path / "data"),
         "INFERQ_API_PORT": str(api_port),
-        # Nothing listens here: `up` must start its own redis-server.
         "INFERQ_REDIS_URL": f"redis://127.0.0.1:{redis_port}/0",
     }
+
+
+def start_up(env: dict[str, str]) -> tuple[subprocess.Popen[str], list[str], threading.Thread]:
+    """`inferq up` started and up, with a thread collecting its lines as they come (stopped
+    with its children, and the test failed, when it does not come up)."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "app.cli", "up", "--engine", "simulated"],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+        UP, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     lines: list[str] = []
     reader = threading.Thread(
-        target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True
+        target=lambda: lines.extend(iter(proc.stdout.readline, "")),  # type: ignore[union-attr]
+        daemon=True,
     )
     reader.start()
-    children: list[psutil.Process] = []
     try:
         wait_until(
             lambda: any("inferq is up" in line for line in lines) or proc.poll(), 120, "inferq up"
         )
+        assert proc.poll() is None, "".join(lines)
+    except BaseException:
+        for leftover in [*psutil.Process(proc.pid).children(recursive=True), proc]:
+            with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
+                leftover.kill()
+        raise
+    return proc, lines, reader
+
+
+def test_up_runs_the_whole_stack_and_stops_every_child(tmp_path: Path) -> None:
+    api_port, redis_port = free_port(), free_port()
+    env = up_env(tmp_path, api_port, redis_port)
+    proc, lines, reader = start_up(env)
+    children: list[psutil.Process] = []
+    try:
         output = "".join(lines)
-        assert proc.poll() is None, output
         # The README's sample banner has the lines this one has, in this order.
         wait_until(lambda: any("Ctrl-C stops everything" in line for line in lines), 10, "banner")
         banner = "".join(lines)
@@ -214,32 +231,15 @@ def test_a_killed_supervisor_leaves_no_child_and_a_second_start_names_what_runs(
     that, a second `up` on the same data directory, and one on the same API port, refuse to
     start and name the processes in the way."""
     api_port, redis_port = free_port(), free_port()
-    env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith("INFERQ_")},
-        "PYTHONUNBUFFERED": "1",
-        "INFERQ_DATA_DIR": str(tmp_path / "data"),
-        "INFERQ_API_PORT": str(api_port),
-        "INFERQ_REDIS_URL": f"redis://127.0.0.1:{redis_port}/0",
-    }
-    argv = [sys.executable, "-m", "app.cli", "up", "--engine", "simulated"]
-    proc = subprocess.Popen(
-        argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    lines: list[str] = []
-    threading.Thread(
-        target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True
-    ).start()
+    env = up_env(tmp_path, api_port, redis_port)
+    proc, _, _ = start_up(env)
     children: list[psutil.Process] = []
     try:
-        wait_until(
-            lambda: any("inferq is up" in line for line in lines) or proc.poll(), 120, "inferq up"
-        )
-        assert proc.poll() is None, "".join(lines)
         children = psutil.Process(proc.pid).children(recursive=True)
         named = {c.pid for c in children}
         assert len(children) >= 4, children  # redis-server, api, ops, worker
 
-        again = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+        again = subprocess.run(UP, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
         assert again.returncode == 1, again.stdout + again.stderr
         said = again.stdout
         assert "an earlier `inferq up`" in said and f"up (pid {proc.pid})" in said, said
@@ -247,7 +247,7 @@ def test_a_killed_supervisor_leaves_no_child_and_a_second_start_names_what_runs(
         assert f"kill {proc.pid}" in said, said
         # Another data directory, the same API port: the port's holder is named.
         other = {**env, "INFERQ_DATA_DIR": str(tmp_path / "other")}
-        held = subprocess.run(argv, cwd=REPO, env=other, capture_output=True, text=True, timeout=60)
+        held = subprocess.run(UP, cwd=REPO, env=other, capture_output=True, text=True, timeout=60)
         assert held.returncode == 1, held.stdout + held.stderr
         assert f"port 127.0.0.1:{api_port} (INFERQ_API_PORT) is held by pid" in held.stdout, (
             held.stdout

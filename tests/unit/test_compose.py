@@ -1,8 +1,8 @@
-"""docker-compose.yml stays valid and keeps the properties the README promises.
+"""docker-compose.yml stays valid and keeps the properties the docs promise.
 
 Docker does not run on CI machines; the structural checks always run, and the Compose CLI
 validates the file too where one is installed. The Prometheus and Grafana files under deploy/
-are checked against the compose services and the README's metrics table.
+are checked against the compose services and the metrics table of docs/observability.md.
 """
 
 from __future__ import annotations
@@ -32,9 +32,12 @@ def load() -> dict:
 
 
 def documented_metrics() -> dict[str, str]:
-    """Metric name -> type ("gauge", "counter", "histogram") from the README's metrics table."""
+    """Metric name -> type ("gauge", "counter", "histogram") from the metrics table of
+    docs/observability.md."""
     rows = re.findall(
-        r"^\| `(inferq_[a-z0-9_]+)` \| ([a-z]+)[^|]*\|", (REPO / "README.md").read_text(), re.M
+        r"^\| `(inferq_[a-z0-9_]+)` \| ([a-z]+)[^|]*\|",
+        (REPO / "docs" / "observability.md").read_text(),
+        re.M,
     )
     return dict(rows)
 
@@ -113,7 +116,7 @@ def test_services_and_their_guarantees() -> None:
     # the `gpu` profile's.
     assert services["worker"]["command"] == ["inferq", "worker", "--engine", "auto"]
     assert services["worker"]["build"]["args"]["EXTRAS"] == "vllm-cpu,hf"
-    # Two GPU workers of two models, each pinned to its own GPU (README, "Many models").
+    # Two GPU workers of two models, each pinned to its own GPU (docs/scheduling.md, "Many models").
     pinned = []
     for name, profile in (("worker-gpu", "gpu"), ("worker-gpu-b", "two-models")):
         gpu = services[name]["deploy"]["resources"]["reservations"]["devices"][0]
@@ -128,7 +131,7 @@ def test_services_and_their_guarantees() -> None:
     )
     assert default_services_reserving_devices(load()) == []
     # Jobs the API leaves waiting are sent by the dispatcher's loop, which the ops worker runs
-    # unless told not to (README, "Fair share"): nothing here tells it not to.
+    # unless told not to (docs/scheduling.md, "Fair share"): nothing here tells it not to.
     assert services["ops"]["command"] == ["inferq", "ops"]
     assert "INFERQ_OPS_DISPATCH" not in str(services["ops"])
     assert any(v.endswith(":/data") for v in services["ops"]["volumes"])
@@ -245,7 +248,7 @@ def test_dashboard_is_a_grafana_dashboard() -> None:
 
 def test_dashboard_uses_exactly_the_documented_metrics() -> None:
     documented = documented_metrics()
-    assert len(documented) >= 10, "the README's metrics table did not parse"
+    assert len(documented) >= 10, "the metrics table of docs/observability.md did not parse"
     used: set[str] = set()
     for panel in dashboard_panels(json.loads(DASHBOARD.read_text())):
         for target in panel["targets"]:
@@ -256,7 +259,7 @@ def test_dashboard_uses_exactly_the_documented_metrics() -> None:
                 if series not in documented and series.endswith(HISTOGRAM_SERIES):
                     metric = series.rsplit("_", 1)[0]
                 kind = documented.get(metric)
-                assert kind, f"{panel['title']}: {series} is not in the README's metrics table"
+                assert kind, f"{panel['title']}: {series} is not in docs/observability.md's table"
                 if kind == "histogram":
                     assert series != metric, f"{panel['title']}: {series} needs _bucket/_sum/_count"
                 # Counters and histogram series only make sense as a rate; gauges never do.

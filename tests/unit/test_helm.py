@@ -385,8 +385,8 @@ def test_gpu_requests_follow_tensor_parallelism(renders: dict[str, list[Obj]]) -
 def test_every_variable_the_chart_sets_is_a_documented_setting(
     renders: dict[str, list[Obj]],
 ) -> None:
-    readme = (REPO / "README.md").read_text()
-    documented = set(re.findall(r"^\| `(INFERQ_[A-Z0-9_]+)` \|", readme, re.M))
+    table = (REPO / "docs" / "settings.md").read_text()
+    documented = set(re.findall(r"^\| `(INFERQ_[A-Z0-9_]+)` \|", table, re.M))
     assert documented
     # Variables a values file adds itself (a model's `env`, e.g. HF_TOKEN) are the user's.
     given = set()

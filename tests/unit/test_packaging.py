@@ -5,7 +5,8 @@ The editable build runs setuptools' own PEP 660 hook (``build_meta.build_editabl
 calls) in a child process. With the flat layout and no ``package-dir``, setuptools installed a
 meta path finder and warned on every install ("Please be careful with folders in your working
 directory with the same name as your package..."); ``package-dir = {"" = "."}`` in
-pyproject.toml makes it a plain ``.pth`` of the checkout, which it builds silently.
+pyproject.toml makes it a plain ``.pth`` of the checkout, which it builds silently
+(docs/development.md, "Packaging").
 """
 
 from __future__ import annotations

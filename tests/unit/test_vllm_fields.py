@@ -1,5 +1,5 @@
 """vLLM's dialect at the door: explicit nulls, the sampling options' bounds, and every field of
-vLLM's two request classes either taken or refused by name (README, "vLLM's fields").
+vLLM's two request classes either taken or refused by name (docs/openai.md, "vLLM's fields").
 
 The models are checked on their own, without a stack: app/core/openai_format.py's request
 classes (the OpenAI endpoints and batch lines share them) and app/core/schemas.py's
@@ -30,7 +30,7 @@ from app.core.settings import DEMO_MODEL_NAME
 CHAT = {"model": DEMO_MODEL_NAME, "messages": [{"role": "user", "content": "hi"}]}
 COMPLETION = {"model": DEMO_MODEL_NAME, "prompt": "hi"}
 JOB = {"prompt": "hi"}
-# inferq's own fields on the OpenAI bodies (README, "OpenAI-compatible endpoints").
+# inferq's own fields on the OpenAI bodies (docs/openai.md, "OpenAI-compatible API").
 ADDITIONS = {"lane", "metadata", "timeout_s"}
 BASES: list[tuple[type[BaseModel], dict[str, Any]]] = [
     (ChatCompletionRequest, CHAT),
@@ -255,9 +255,9 @@ def test_every_sampling_option_is_a_field_of_vllms_sampling_params() -> None:
     assert set(JobParams.model_fields) - {"echo"} - names == set()
 
 
-def test_the_readme_table_names_every_field_decided_here() -> None:
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = readme.split("## vLLM's fields", 1)[1].split("\n## ", 1)[0]
+def test_the_docs_table_names_every_field_decided_here() -> None:
+    page = (Path(__file__).resolve().parents[2] / "docs" / "openai.md").read_text()
+    section = page.split("## vLLM's fields", 1)[1].split("\n## ", 1)[0]
     documented = set(re.findall(r"^\| `(\w+)` \|", section, re.M))
     decided = {
         *(set(ChatCompletionRequest.model_fields) - ADDITIONS),

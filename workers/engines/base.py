@@ -35,8 +35,8 @@ class GenRequest:
     # A chat's tools, tool_choice and parallel_tool_calls (``jobs.tools``); the chat template
     # shows the tools to the model, and workers/inference/tools.py finds the calls in the output.
     tools: Mapping[str, Any] | None = None
-    # A LoRA adapter of this engine's model the job names (README, "Many models"), and its
-    # directory; a name without a path is one this worker does not have.
+    # A LoRA adapter of this engine's model the job names (docs/scheduling.md, "Many models"), and
+    # its directory; a name without a path is one this worker does not have.
     adapter: str | None = None
     adapter_path: str | None = None
 

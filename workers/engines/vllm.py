@@ -174,7 +174,7 @@ class VLLMEngine:
         engine_args = self.engine_args()
         if isinstance(engine_args.get("structured_outputs_config"), dict):
             # EngineArgs builds its other configs from dicts, not this one (vllm 0.32); it is
-            # where vLLM reads disable_any_whitespace from (README, "vLLM's fields").
+            # where vLLM reads disable_any_whitespace from (docs/openai.md, "vLLM's fields").
             from vllm.config import StructuredOutputsConfig
 
             engine_args["structured_outputs_config"] = StructuredOutputsConfig(

@@ -5,12 +5,13 @@ Each child is a whole worker (``python -m workers.inference``) that sees only it
 (``CUDA_VISIBLE_DEVICES``), so it builds its engine on "the" GPU like a worker started by hand.
 Its /metrics port is its own: the system picks a free one (the default), or, with
 ``INFERQ_WORKER_METRICS_PORT=P``, child ``i`` binds ``P + i``; every child announces its
-address (README, "Observability"), so Prometheus finds all of them.
+address (docs/observability.md), so Prometheus finds all of them.
 
 A child that exits while the supervisor is not stopping (its engine died, it was killed) is
 started again after ``RESTART_DELAY_S``: the others keep serving meanwhile, and the jobs the
 dead one held come back through their leases like any lost worker's. SIGTERM or SIGINT is passed
-to every child (each finishes or hands back its jobs, README "Reliability") and the supervisor
+to every child (each finishes or hands back its jobs, docs/reliability.md, "Reliability contract")
+and the supervisor
 exits once all of them have.
 """
 

@@ -1,6 +1,6 @@
 """What a chat job's tools make of its output: the tool calls in each choice's text.
 
-The rules are vLLM's server's (README, "Tools"), by ``tool_choice``:
+The rules are vLLM's server's (docs/openai.md, "Tools"), by ``tool_choice``:
 
 - ``none``: the text is the answer; nothing is parsed.
 - a named function: the text is that function's arguments (structured output held it to the

@@ -77,7 +77,8 @@ class OpsWorker:
         self.presence.start()
         if settings.ops_dispatch:
             # The dispatcher's loop on a thread: every deployment runs an ops worker, so none
-            # can be left without something that sends its waiting jobs (README, "Fair share").
+            # can be left without something that sends its waiting jobs (docs/scheduling.md, "Fair
+            # share").
             self.dispatcher = Dispatcher(settings, clients.redis_client())
             self._dispatching = threading.Thread(
                 target=self._dispatch, name="dispatcher", daemon=True

@@ -60,7 +60,7 @@ def readyz() -> dict[str, object]:
 
 @router.get("/metrics", include_in_schema=False)
 def metrics() -> Response:
-    """Prometheus exposition (README: Observability)."""
+    """Prometheus exposition (docs/observability.md)."""
     body, content_type = api_exposition()
     return Response(body, media_type=content_type)
 
@@ -68,7 +68,7 @@ def metrics() -> Response:
 @router.get("/metrics/targets", include_in_schema=False)
 def metrics_targets() -> JSONResponse:
     """Prometheus HTTP service discovery (``http_sd_configs``): the /metrics of every live
-    inference worker and ops worker, from their presence records (README: Observability)."""
+    inference worker and ops worker, from their presence records (docs/observability.md)."""
     try:
         groups = snapshot.metrics_targets(clients.redis_client())
     except redis.RedisError:

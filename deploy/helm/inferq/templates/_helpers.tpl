@@ -56,7 +56,7 @@ helm.sh/chart: {{ include "inferq.chart" .root }}
 
 {{/*
 INFERQ_ADAPTERS: every model's LoRA adapters in one JSON object, {"name": {"base", "path"}},
-the same value on every process (README, "Many models"). Also checks the models' names.
+the same value on every process (docs/scheduling.md, "Many models"). Also checks the models' names.
 */}}
 {{- define "inferq.adapters" -}}
 {{- $adapters := dict }}
