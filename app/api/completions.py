@@ -14,6 +14,7 @@ the line, and a job that might start minutes later would answer nobody (app/core
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
@@ -214,11 +215,11 @@ async def complete(
         if first.status != JobStatus.SUCCEEDED:
             raise job_error(first)
         if not body.stream:
-            return JSONResponse(response_body(first), headers=headers)
+            return JSONResponse(response_body(first, body.tier_used), headers=headers)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return _EventStream(
         call,
-        _events(call, first, include_usage),
+        _events(call, first, include_usage, body.tier_used),
         {**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
 
@@ -228,12 +229,14 @@ def _sse(data: dict[str, Any] | str) -> str:
 
 
 async def _events(
-    call: _Call, first: relay.Entry | JobView, include_usage: bool
+    call: _Call, first: relay.Entry | JobView, include_usage: bool, tier: str
 ) -> AsyncGenerator[str, None]:
-    """The SSE body: role, pieces as they come, the rest of the committed text, finish, usage."""
+    """The SSE body: role, pieces as they come, the rest of the committed text, finish, usage;
+    every chunk echoes the service ``tier``."""
     job = call.job
+    tiered = functools.partial(chunk, tier=tier)
     if endpoint_of(job) == CHAT:
-        yield _sse(chunk(job, role=True, text=""))
+        yield _sse(tiered(job, role=True, text=""))
     sent: list[str] = []
     item = first
     token = first.token if isinstance(first, relay.Entry) else None
@@ -248,7 +251,7 @@ async def _events(
                 return
             if item.text:
                 sent.append(item.text)
-                yield _sse(chunk(job, text=item.text))
+                yield _sse(tiered(job, text=item.text))
             item = await call.next()
     except _Left:
         return  # _EventStream closes the call, which cancels the job
@@ -257,10 +260,10 @@ async def _events(
         text, result = "".join(sent), final.result_text or ""
         if len(result) > len(text) and result.startswith(text):
             # Pieces the relay lost (Redis restarted, say): the row has the whole text.
-            yield _sse(chunk(final, text=result[len(text) :]))
-        yield _sse(chunk(final, finish_reason=final.finish_reason))
+            yield _sse(tiered(final, text=result[len(text) :]))
+        yield _sse(tiered(final, finish_reason=final.finish_reason))
         if include_usage:
-            yield _sse(chunk(final, with_usage=True))
+            yield _sse(tiered(final, with_usage=True))
     else:
         yield _sse(body_of(job_error(final)))
     yield _sse("[DONE]")

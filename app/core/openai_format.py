@@ -7,9 +7,9 @@ bounds). Every other field of vLLM's two request classes is in ``CHAT_REFUSED`` 
 ``COMPLETION_REFUSED`` with the reason:
 at vLLM's default (or null) it asks for nothing and is accepted, any other value is a 422 that
 names it; a field vLLM does not know is a 422 too, never silently ignored (docs/openai.md,
-"vLLM's fields"). inferq's additions: ``lane`` (default realtime), ``metadata`` and ``timeout_s``,
-as on
-jobs.
+"vLLM's fields"). inferq's additions: ``lane`` (default realtime), ``metadata`` and
+``timeout_s``, as on jobs; and OpenAI's ``service_tier``, which picks the lane
+(``TIER_LANES``; docs/openai.md, "Service tiers").
 
 A completion's ``id`` is its job's id, so ``GET /v1/jobs/<id>`` finds every call.
 """
@@ -44,6 +44,12 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 # Errors that are the request's fault: OpenAI answers them as an invalid request (400), on the
 # realtime endpoints and in batch output lines alike.
 REQUEST_ERRORS = frozenset({"context_length_exceeded", "invalid_request"})
+
+# OpenAI's service tiers as lanes. "auto" and "default" keep the lane (realtime unless the body
+# says ``lane``); "priority" is realtime; "flex" is standard: cheaper for the GPUs, it waits
+# behind realtime as OpenAI's flex may take longer. OpenAI's "scale" is not offered.
+ServiceTier = Literal["auto", "default", "flex", "priority"]
+TIER_LANES: dict[str, Lane] = {"priority": Lane.REALTIME, "flex": Lane.STANDARD}
 
 
 class StreamOptions(StrictModel):
@@ -186,11 +192,42 @@ class _Request(JobParams):
     lane: Lane = Lane.REALTIME
     timeout_s: float | None = None
     response_format: ResponseFormat | None = None
+    service_tier: ServiceTier | None = None
 
     @model_validator(mode="before")
     @classmethod
     def _refused_fields(cls, data: Any) -> Any:
         return _refused(data, cls.refused)
+
+    @model_validator(mode="after")
+    def _tier_agrees_with_lane(self) -> _Request:
+        wanted = TIER_LANES.get(self.service_tier or "")
+        if wanted is not None and "lane" in self.model_fields_set and self.lane != wanted:
+            raise PydanticCustomError(
+                "invalid_value",
+                "service_tier {tier} runs in the {wanted} lane, and lane says {lane}: give "
+                "one of the two",
+                {
+                    "tier": self.service_tier,
+                    "wanted": str(wanted),
+                    "lane": str(self.lane),
+                    "fields": "service_tier",
+                },
+            )
+        return self
+
+    @property
+    def lane_used(self) -> Lane:
+        """The lane the job runs in: the tier's, else ``lane``."""
+        return TIER_LANES.get(self.service_tier or "", self.lane)
+
+    @property
+    def tier_used(self) -> str:
+        """The service tier the response echoes: the tier asked for when it has a lane of its
+        own, else what the lane is (realtime: ``default``; standard and bulk: ``flex``)."""
+        if self.service_tier in TIER_LANES:
+            return str(self.service_tier)
+        return "default" if self.lane_used == Lane.REALTIME else "flex"
 
     @model_validator(mode="after")
     def _streams_one_choice(self) -> _Request:
@@ -223,7 +260,7 @@ class _Request(JobParams):
         try:
             return JobCreate.model_validate(
                 {
-                    "lane": self.lane,
+                    "lane": self.lane_used,
                     "model": self.model,
                     "metadata": self.metadata,
                     "timeout_s": self.timeout_s,
@@ -446,8 +483,9 @@ def _choices(job: JobView) -> list[dict[str, Any]]:
     return [choice(0, job.result_text or "", job.finish_reason)]
 
 
-def response_body(job: JobView) -> dict[str, Any]:
-    """The OpenAI response of a succeeded job (``chat.completion`` or ``text_completion``)."""
+def response_body(job: JobView, tier: str | None = None) -> dict[str, Any]:
+    """The OpenAI response of a succeeded job (``chat.completion`` or ``text_completion``);
+    ``tier``: the ``service_tier`` it echoes (a call's, ``_Request.tier_used``)."""
     chat = endpoint_of(job) == CHAT
     choices = []
     for c in _choices(job):
@@ -474,7 +512,7 @@ def response_body(job: JobView) -> dict[str, Any]:
                     "finish_reason": c["finish_reason"],
                 }
             )
-    return {
+    body = {
         "id": job.id,
         "object": "chat.completion" if chat else "text_completion",
         "created": int(job.created_at),
@@ -482,6 +520,7 @@ def response_body(job: JobView) -> dict[str, Any]:
         "choices": choices,
         "usage": usage(job),
     }
+    return body if tier is None else {**body, "service_tier": tier}
 
 
 def chunk(
@@ -491,6 +530,7 @@ def chunk(
     role: bool = False,
     finish_reason: str | None = None,
     with_usage: bool = False,
+    tier: str | None = None,
 ) -> dict[str, Any]:
     """One streamed chunk (``chat.completion.chunk`` or ``text_completion``).
 
@@ -504,6 +544,8 @@ def chunk(
         "created": int(job.created_at),
         "model": job.model,
     }
+    if tier is not None:
+        body["service_tier"] = tier
     if with_usage:
         body["choices"] = []
         body["usage"] = usage(job)

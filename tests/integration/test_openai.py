@@ -102,6 +102,25 @@ def test_completion_with_lane_and_stop(client: OpenAI, stack: Stack) -> None:
     assert job(stack, answer.id)["lane"] == "standard"
 
 
+def test_service_tier_flex_runs_in_the_standard_lane(client: OpenAI, stack: Stack) -> None:
+    """The SDK's own ``service_tier`` parameter (docs/openai.md, "Service tiers")."""
+    flex = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "later is fine"}],
+        max_tokens=4,
+        service_tier="flex",
+    )
+    assert flex.service_tier == "flex"
+    assert job(stack, flex.id)["lane"] == "standard"
+    plain = client.completions.create(model=MODEL, prompt="now", max_tokens=2)
+    assert job(stack, plain.id)["lane"] == "realtime"
+    # The SDK's Completion has no service_tier field; the raw answer has it.
+    raw = client.completions.with_raw_response.create(
+        model=MODEL, prompt="now", max_tokens=2, extra_body={"service_tier": "priority"}
+    )
+    assert raw.http_response.json()["service_tier"] == "priority"
+
+
 def test_chat_stream_arrives_in_pieces_and_reassembles(client: OpenAI, stack: Stack) -> None:
     chunks = list(
         client.chat.completions.create(

@@ -83,3 +83,67 @@ def test_a_prompt_longer_than_the_context_is_an_invalid_request(core: Settings) 
     assert answer.status_code == 400, answer.text
     assert answer.json()["error"]["code"] == "context_length_exceeded"
     assert jobs() == 0
+
+
+def test_a_service_tier_picks_the_lane_and_the_answer_echoes_it(core: Settings) -> None:
+    """OpenAI's service tiers (docs/openai.md, "Service tiers"): auto and default keep the
+    lane, priority is realtime, flex is standard; the answer says the tier it ran in."""
+    asked = [
+        (None, {}, "realtime", "default"),
+        ("auto", {}, "realtime", "default"),
+        ("default", {"lane": "standard"}, "standard", "flex"),
+        ("priority", {}, "realtime", "priority"),
+        ("flex", {}, "standard", "flex"),
+    ]
+    with Worker(core):
+        for tier, extra, lane, echo in asked:
+            body = {"model": core.model_name, "messages": CHAT, "max_tokens": 4, **extra}
+            if tier is not None:
+                body["service_tier"] = tier
+            answer = call("POST", "/v1/chat/completions", json=body)
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["service_tier"] == echo, (tier, answer.json())
+            assert stored(answer.json()["id"]).lane == lane, tier
+
+        async def scenario(client: httpx.AsyncClient) -> list[str]:
+            body = {
+                "model": core.model_name,
+                "prompt": "Once upon",
+                "max_tokens": 6,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                "service_tier": "flex",
+            }
+            async with client.stream("POST", "/v1/completions", json=body) as answer:
+                assert answer.status_code == 200
+                return [line async for line in answer.aiter_lines() if line.startswith("data: {")]
+
+        events = run(scenario)
+    chunks = [json.loads(line.removeprefix("data: ")) for line in events]
+    assert chunks and {c["service_tier"] for c in chunks} == {"flex"}
+    assert stored(chunks[0]["id"]).lane == "standard"
+
+
+def test_a_tier_the_lane_contradicts_or_one_not_offered_is_refused(core: Settings) -> None:
+    with Worker(core):
+        both = call(
+            "POST",
+            "/v1/chat/completions",
+            json={
+                "model": core.model_name,
+                "messages": CHAT,
+                "lane": "bulk",
+                "service_tier": "priority",
+            },
+        )
+        scale = call(
+            "POST",
+            "/v1/chat/completions",
+            json={"model": core.model_name, "messages": CHAT, "service_tier": "scale"},
+        )
+    assert both.status_code == 422, both.text
+    error = both.json()["error"]
+    assert error["param"] == "service_tier" and "realtime" in error["message"], error
+    assert "bulk" in error["message"], error
+    assert scale.status_code == 422 and scale.json()["error"]["param"] == "service_tier"
+    assert jobs() == 0

@@ -30,8 +30,9 @@ from app.core.settings import DEMO_MODEL_NAME
 CHAT = {"model": DEMO_MODEL_NAME, "messages": [{"role": "user", "content": "hi"}]}
 COMPLETION = {"model": DEMO_MODEL_NAME, "prompt": "hi"}
 JOB = {"prompt": "hi"}
-# inferq's own fields on the OpenAI bodies (docs/openai.md, "OpenAI-compatible API").
-ADDITIONS = {"lane", "metadata", "timeout_s"}
+# Fields of the OpenAI bodies that vLLM's request classes lack: inferq's own, and OpenAI's
+# service_tier (docs/openai.md, "OpenAI-compatible API" and "Service tiers").
+ADDITIONS = {"lane", "metadata", "timeout_s", "service_tier"}
 BASES: list[tuple[type[BaseModel], dict[str, Any]]] = [
     (ChatCompletionRequest, CHAT),
     (CompletionRequest, COMPLETION),
