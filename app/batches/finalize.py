@@ -211,7 +211,9 @@ def output_line(job: Job, final: str) -> bytes:
     }
     stopped = STOPPED_LINES.get(final)
     if job.status == JobStatus.SUCCEEDED:
-        record["response"] = {"status_code": 200, "request_id": job.id, "body": response_body(job)}
+        # A batch's lines run in bulk: the flex tier (docs/openai.md, "Service tiers").
+        body = response_body(job, tier="flex")
+        record["response"] = {"status_code": 200, "request_id": job.id, "body": body}
     elif stopped is not None and job.status in (JobStatus.CANCELLED, JobStatus.EXPIRED):
         # Aborted by the batch's cancel or by its deadline, whichever reached the job first.
         record["error"] = {"code": stopped[0], "message": stopped[1]}

@@ -144,13 +144,18 @@ def left_running(record: Path) -> list[tuple[str, int]]:
     """The processes of an earlier `inferq up` in ``record`` that still run: (name, pid)."""
     try:
         earlier = json.loads(record.read_text())
-    except (OSError, ValueError):
-        return []
-    return [
-        (name, int(pid))
-        for name, (pid, created) in earlier.items()
-        if _process(int(pid), float(created)) is not None
-    ]
+        listed = [(str(name), int(pid), float(created)) for name, (pid, created) in earlier.items()]
+    except (OSError, ValueError, TypeError, AttributeError):
+        return []  # none, or not one this code wrote: nothing known to be running
+    return [(name, pid) for name, pid, created in listed if _process(pid, created) is not None]
+
+
+def _recorded_by_me(record: Path) -> bool:
+    """Whether ``record`` is this process's own (another `up` may have written it since)."""
+    try:
+        return int(json.loads(record.read_text())["up"][0]) == os.getpid()
+    except (OSError, ValueError, TypeError, KeyError, IndexError):
+        return False
 
 
 def port_holder(host: str, port: int) -> str | None:
@@ -346,8 +351,10 @@ class Stack:
             child.stop(grace_s=30 if child.name == "worker" else 10)
         if not any(child.name == "redis" for child in self.children):
             self._clean_redis()
-        with contextlib.suppress(OSError):
-            (self.data_dir / RECORD_FILE).unlink(missing_ok=True)
+        record = self.data_dir / RECORD_FILE
+        if _recorded_by_me(record):
+            with contextlib.suppress(OSError):
+                record.unlink()
         if self.children:
             names = ", ".join(child.name for child in self.children)
             _say(f"inferq stopped: {names} ({time.monotonic() - started:.1f} s)")

@@ -21,7 +21,7 @@ from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
 from app.cli.stack import running_stacks
 from app.core import catalog, clients, missing, snapshot
@@ -39,16 +39,22 @@ def no_database() -> str | None:
     """Why there is nothing to read, when the settings name a SQLite file that does not exist
     (opening it would create an empty one: a read-only command must not); else None."""
     settings = get_settings()
-    url = make_url(settings.sqlalchemy_url)
+    try:
+        url = make_url(settings.sqlalchemy_url)
+    except (ArgumentError, ValueError):
+        return None  # the read says what is wrong with it, as for any bad URL
     if url.get_backend_name() != "sqlite" or url.database in (None, "", ":memory:"):
         return None
+    if url.query.get("uri") == "true" or url.database.startswith("file:"):
+        return None  # SQLite's URI form: the driver reads the file's path and mode from it
     path = Path(url.database).resolve()
     if path.exists():
         return None
+    relative = "" if settings.data_dir.is_absolute() else ", relative to this directory"
     where = (
         "INFERQ_DATABASE_URL"
         if settings.database_url
-        else f"INFERQ_DATA_DIR {str(settings.data_dir)!r}, relative to this directory"
+        else f"INFERQ_DATA_DIR {str(settings.data_dir)!r}{relative}"
     )
     said = f"no inferq database at {path} ({where}). Nothing was created."
     stacks = running_stacks()
@@ -59,11 +65,21 @@ def no_database() -> str | None:
         )
     pid, data_dir, env = stacks[0]
     settings_of = " ".join(
-        f"{k}={v}"
+        f"{k}={_no_password(v)}"
         for k, v in sorted({**env, "INFERQ_DATA_DIR": str(data_dir)}.items())
         if k in {"INFERQ_DATA_DIR", "INFERQ_DATABASE_URL", "INFERQ_REDIS_URL"}
     )
     return f"{said} `inferq up` runs with {data_dir} (pid {pid}): {settings_of} inferq status"
+
+
+def _no_password(value: str) -> str:
+    """A setting of another process, printed: a URL's password hidden."""
+    if "@" not in value:
+        return value
+    try:
+        return make_url(value).render_as_string(hide_password=True)
+    except (ArgumentError, ValueError):
+        return "<a URL with credentials>"
 
 
 def collect() -> snapshot.Snapshot:

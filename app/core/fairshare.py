@@ -184,8 +184,9 @@ def join(
 ) -> dict[str, float]:
     """Lift the tenants that start waiting now (not in ``before``) to just below the served
     level of those already waiting (their counters less ``running``: tenant -> what its claimed
-    jobs were charged), or, when none was, to the highest among themselves. Changes ``charged``
-    in place and returns the lifted counters, to be written back."""
+    jobs were charged; a newcomer's own running jobs stay charged on top), or, when none was,
+    to the highest among themselves. Changes ``charged`` in place and returns the lifted
+    counters, to be written back."""
     old, new = joining(waiting, before)
     if not new:
         return {}
@@ -209,8 +210,11 @@ def join(
             if old
             else level * weight.get(tenant, 1.0)
         )
-        if charged.get(tenant, 0.0) < floor:
-            charged[tenant] = lifted[tenant] = floor
+        # Its own jobs still running (a tenant whose last refill sent all it had rejoins while
+        # they run) are ahead of it too: its served level is lifted, they stay charged.
+        own = running.get(tenant, 0.0) if old else 0.0
+        if charged.get(tenant, 0.0) - own < floor:
+            charged[tenant] = lifted[tenant] = floor + own
     return lifted
 
 

@@ -35,6 +35,8 @@ def dies_with_parent() -> Callable[[], None] | None:
         if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
             return
         if os.getppid() != parent:  # the supervisor died before the signal was set
-            os.kill(os.getpid(), signal.SIGTERM)
+            # Not a SIGTERM to itself: until exec the child runs the supervisor's Python
+            # handler for it, which may return.
+            os._exit(1)
 
     return _set

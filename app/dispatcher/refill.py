@@ -248,7 +248,7 @@ def _choose(
         return Chosen({"": in_order}, {"": [0.0]})
     charged = fairshare.counters(client, route.lane, route.model)
     old, new = fairshare.joining(backlog, waited)
-    running = _running_charges(tx, route, old) if new and old else {}
+    running = _running_charges(tx, route, [*old, *new]) if new and old else {}
     lifted = fairshare.join(charged, backlog, waited, weights, running)
     turns: dict[str, list[float]] = {}
     for tenant, v in fairshare.allocate(n, backlog, charged, weights):

@@ -191,6 +191,7 @@ def test_up_runs_the_whole_stack_and_stops_every_child(tmp_path: Path) -> None:
         assert re.fullmatch(
             r"inferq stopped: redis, api, ops, worker \(\d+\.\d s\)", lines[-1].strip()
         ), lines[-3:]
+        assert not (tmp_path / "data" / RECORD_FILE).exists()  # its own record goes with it
         wait_until(
             lambda: (
                 not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children)

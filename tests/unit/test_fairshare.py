@@ -64,6 +64,19 @@ def test_a_tenant_joins_at_what_the_engines_served_of_the_others() -> None:
     assert {t for t, _ in turns[10:20]} == {"b", "c"}
     # With nothing running it is the counters' level, as before.
     assert fairshare.join({"a": 5000.0}, ["a", "b"], {"a"}, {}, {}) == {"b": 4999.0}
+    # A newcomer whose own jobs still run (its last refill sent all it had) joins with them on
+    # top: served at the level, and they stay charged.
+    rejoined = {"a": 5000.0, "b": 2500.0}
+    assert fairshare.join(rejoined, ["a", "b"], {"a"}, {}, {"a": 2000.0, "b": 1000.0}) == {
+        "b": 3999.0
+    }
+    # One whose served level is already at the others' is not lifted.
+    assert (
+        fairshare.join(
+            {"a": 5000.0, "b": 4500.0}, ["a", "b"], {"a"}, {}, {"a": 2000.0, "b": 1000.0}
+        )
+        == {}
+    )
 
 
 def test_cost_and_prefix_of_a_job() -> None:
