@@ -140,22 +140,28 @@ def _process(pid: int, created: float) -> psutil.Process | None:
     return None
 
 
-def left_running(record: Path) -> list[tuple[str, int]]:
-    """The processes of an earlier `inferq up` in ``record`` that still run: (name, pid)."""
+def _read_record(record: Path) -> dict[str, tuple[int, float]]:
+    """An `inferq up`'s record: name -> (pid, start time); empty when there is none, or not
+    one this code wrote."""
     try:
         earlier = json.loads(record.read_text())
-        listed = [(str(name), int(pid), float(created)) for name, (pid, created) in earlier.items()]
+        return {str(name): (int(pid), float(created)) for name, (pid, created) in earlier.items()}
     except (OSError, ValueError, TypeError, AttributeError):
-        return []  # none, or not one this code wrote: nothing known to be running
-    return [(name, pid) for name, pid, created in listed if _process(pid, created) is not None]
+        return {}
+
+
+def left_running(record: Path) -> list[tuple[str, int]]:
+    """The processes of an earlier `inferq up` in ``record`` that still run: (name, pid)."""
+    return [
+        (name, pid)
+        for name, (pid, created) in _read_record(record).items()
+        if _process(pid, created) is not None
+    ]
 
 
 def _recorded_by_me(record: Path) -> bool:
     """Whether ``record`` is this process's own (another `up` may have written it since)."""
-    try:
-        return int(json.loads(record.read_text())["up"][0]) == os.getpid()
-    except (OSError, ValueError, TypeError, KeyError, IndexError):
-        return False
+    return _read_record(record).get("up", (None, 0.0))[0] == os.getpid()
 
 
 def port_holder(host: str, port: int) -> str | None:

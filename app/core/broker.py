@@ -55,6 +55,10 @@ BROKER_POLL_S = 0.05
 # --- the run_jobs message ----------------------------------------------------------------------
 
 
+# What RunJobs.of_stored raises for a list entry that is not a run_jobs message.
+NOT_RUN_JOBS = (ValueError, KeyError, IndexError, TypeError)
+
+
 @dataclass(frozen=True)
 class RunJobs:
     """One ``run_jobs`` message: the ids of jobs of one lane (one queue) to claim and run."""
@@ -75,8 +79,8 @@ class RunJobs:
     @classmethod
     def of_stored(cls, payload: bytes) -> RunJobs:
         """The message as kombu's Redis transport stores it in a list: a JSON envelope around
-        the encoded body ``[args, kwargs, embed]``. Raises ValueError (or KeyError, IndexError,
-        TypeError) for anything else."""
+        the encoded body ``[args, kwargs, embed]``. Raises one of ``NOT_RUN_JOBS`` for anything
+        else."""
         message = json.loads(payload)
         if message["headers"]["task"] != RUN_JOBS_TASK:
             raise ValueError(message["headers"]["task"])
@@ -277,7 +281,7 @@ def take_newest(name: str, messages: int) -> list[RunJobs]:
     for payload in payloads:
         try:
             taken.append(RunJobs.of_stored(payload))
-        except (ValueError, KeyError, IndexError, TypeError) as exc:
+        except NOT_RUN_JOBS as exc:
             log.warning("left a message that is not run_jobs on %s: %r", name, exc)
             client.lpush(name, payload)
     return taken
@@ -285,14 +289,18 @@ def take_newest(name: str, messages: int) -> list[RunJobs]:
 
 def listed(name: str) -> list[RunJobs]:
     """The ``run_jobs`` messages in a queue's list now, oldest first; a look, nothing taken."""
-    found = []
     payloads: list[bytes] = clients.redis_client().lrange(name, 0, -1)  # type: ignore[assignment]
-    for payload in reversed(payloads):
-        try:
-            found.append(RunJobs.of_stored(payload))
-        except (ValueError, KeyError, IndexError, TypeError):
-            continue  # not a run_jobs message: no job of anyone's
-    return found
+    messages = (_run_jobs(payload) for payload in reversed(payloads))
+    return [message for message in messages if message is not None]
+
+
+def _run_jobs(payload: bytes) -> RunJobs | None:
+    """A stored list entry as a ``run_jobs`` message; None for any other message (no job of
+    anyone's)."""
+    try:
+        return RunJobs.of_stored(payload)
+    except NOT_RUN_JOBS:
+        return None
 
 
 def queue_is_empty(name: str) -> bool:
