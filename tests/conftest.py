@@ -1,11 +1,16 @@
-"""Fixtures for real services: Redis and PostgreSQL on loopback, SQLite files in tmp dirs."""
+"""Fixtures for real services: Redis and PostgreSQL on loopback, SQLite files in tmp dirs; and
+how the slow layers share two cores under pytest-xdist (docs/development.md, "CI time").
+"""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import itertools
 import os
 import secrets
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,16 +20,35 @@ import redis
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
+from tests.chaos.servers import RedisServer
 from tests.support import Receiver, Stack, running_stack
 
 REDIS_BASE = os.environ.get("INFERQ_TEST_REDIS_URL", "redis://127.0.0.1:6379").rstrip("/")
-# Databases 1-15 of the local Redis, handed out in turn: stacks that are alive at the same time
-# (a module's shared stack and a test's own) must never share a queue.
+# Databases 1-15 of a Redis, handed out in turn: stacks that are alive at the same time (a
+# module's shared stack and a test's own) must never share a queue.
 _redis_dbs = itertools.cycle(range(1, 16))
+# pytest-xdist's workers (.ci/run runs the slow layers in three): the first uses REDIS_BASE, each
+# other one a redis-server of its own, so that every process still has fifteen databases to
+# hand out and no two processes ever flush each other's.
+_XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+_private_redis: list[RedisServer] = []
+
+
+def _redis_base() -> str:
+    if _XDIST_WORKER == "gw0":
+        return REDIS_BASE
+    if not _private_redis:
+        folder = Path(tempfile.mkdtemp(prefix=f"inferq-redis-{_XDIST_WORKER}-"))
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)  # after close: LIFO
+        server = RedisServer(folder)
+        server.start()
+        atexit.register(server.close)
+        _private_redis.append(server)
+    return _private_redis[0].url().rsplit("/", 1)[0]
 
 
 def fresh_redis_url() -> str:
-    url = f"{REDIS_BASE}/{next(_redis_dbs)}"
+    url = f"{_redis_base()}/{next(_redis_dbs)}"
     client = redis.Redis.from_url(url)
     try:
         client.ping()
@@ -118,3 +142,46 @@ def receiver() -> Iterator[Receiver]:
         yield r
     finally:
         r.close()
+
+
+# --- the slow layers under pytest-xdist ---------------------------------------------------------
+# .ci/run runs tests/integration and tests/chaos with `-n 3 --dist loadgroup
+# --no-loadscope-reorder`: a group runs whole in one worker, so a module's shared stack starts
+# once. Every module is its own group, save these, which must not run beside each other:
+# `inferq status` run outside a stack names the `inferq up` supervisors it finds on the machine
+# (test_status), and test_up runs such supervisors.
+SHARED_GROUPS = {
+    "tests/integration/test_status.py": "inferq-up",
+    "tests/integration/test_up.py": "inferq-up",
+}
+# The modules that take longest start first, so that none of them begins last and runs on alone
+# (docs/development.md, "CI time", has their times); the others keep their order.
+LONGEST_FIRST = (
+    "tests/integration/test_engines.py",  # vLLM and transformers on the CPU
+    "tests/chaos/test_dependencies.py",
+    "tests/chaos/test_workers.py",
+    "tests/chaos/test_sentinel.py",
+    "tests/integration/test_webhooks.py",
+    "tests/integration/test_fairshare.py",
+    "tests/integration/test_schema_fuzz.py",
+    "tests/chaos/test_hosts.py",
+    "tests/integration/test_lifecycle.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """In an xdist worker only: each test's group, and the longest modules first."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return
+
+    def module(item: pytest.Item) -> str:
+        return item.nodeid.split("::")[0]
+
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(SHARED_GROUPS.get(module(item), module(item))))
+
+    def rank(item: pytest.Item) -> int:
+        name = module(item)
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: within a rank, collection order
