@@ -1,6 +1,7 @@
-"""Private dependency servers for chaos tests: a redis-server and a PostgreSQL cluster of their
-own on a free loopback port, so a test can stop, restart or wipe them without touching the
-shared services (or another pytest process that uses them).
+"""Private dependency servers for tests (chaos tests, and each xdist worker past the first): a
+redis-server and a PostgreSQL cluster of their own on a free loopback port, so a test can stop,
+restart or wipe them without touching the shared services (or another pytest process that uses
+them).
 
 Both are started in their own process group and always torn down by ``close()``, which a test
 calls from a ``finally`` (or a fixture's teardown) so that nothing outlives a failed test.
@@ -22,6 +23,7 @@ import redis
 from sqlalchemy import create_engine, text
 
 from app.cli.stack import redis_server_argv
+from app.core.lifeline import dies_with_parent
 from tests.support import free_port, log_tail, wait_until
 
 REDIS_SERVER = os.environ.get("INFERQ_TEST_REDIS_SERVER", "/usr/bin/redis-server")
@@ -77,8 +79,14 @@ class RedisServer:
             "--logfile",
             str(self.log),
         ]
+        # Gone with the pytest process that started it, even one killed with -9 (a private
+        # Redis of an xdist worker lives as long as that worker: tests/conftest.py).
         self.popen = subprocess.Popen(
-            argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+            argv,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=dies_with_parent(),
         )
 
         def up() -> bool:
