@@ -145,15 +145,8 @@ def receiver() -> Iterator[Receiver]:
 
 
 # --- the slow layers under pytest-xdist ---------------------------------------------------------
-# .ci/run runs tests/integration and tests/chaos with `-n 3 --dist loadgroup
-# --no-loadscope-reorder`: a group runs whole in one worker, so a module's shared stack starts
-# once. Every module is its own group, save these, which must not run beside each other:
-# `inferq status` run outside a stack names the `inferq up` supervisors it finds on the machine
-# (test_status), and test_up runs such supervisors.
-SHARED_GROUPS = {
-    "tests/integration/test_status.py": "inferq-up",
-    "tests/integration/test_up.py": "inferq-up",
-}
+# .ci/run runs tests/integration and tests/chaos with `-n 3 --dist loadfile
+# --no-loadscope-reorder`: a module runs whole in one worker, so its shared stack starts once.
 # The modules that take longest start first, so that none of them begins last and runs on alone
 # (docs/development.md, "CI time", has their times); the others keep their order.
 LONGEST_FIRST = (
@@ -170,18 +163,12 @@ LONGEST_FIRST = (
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """In an xdist worker only: each test's group, and the longest modules first."""
+    """In an xdist worker only: the longest modules first."""
     if "PYTEST_XDIST_WORKER" not in os.environ:
         return
 
-    def module(item: pytest.Item) -> str:
-        return item.nodeid.split("::")[0]
-
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(SHARED_GROUPS.get(module(item), module(item))))
-
     def rank(item: pytest.Item) -> int:
-        name = module(item)
+        name = item.nodeid.split("::")[0]
         return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
 
     items.sort(key=rank)  # stable: within a rank, collection order
