@@ -145,19 +145,15 @@ def receiver() -> Iterator[Receiver]:
 
 
 # --- the slow layers under pytest-xdist ---------------------------------------------------------
-# .ci/run runs tests/integration and tests/chaos with `-n 3 --dist loadfile
-# --no-loadscope-reorder`: a module runs whole in one worker, so its shared stack starts once.
+# .ci/run runs tests/integration with `-n 3 --dist loadfile --no-loadscope-reorder` (tests/chaos
+# alone, after it): a module runs whole in one worker, so its shared stack starts once.
 # The modules that take longest start first, so that none of them begins last and runs on alone
 # (docs/development.md, "CI time", has their times); the others keep their order.
 LONGEST_FIRST = (
     "tests/integration/test_engines.py",  # vLLM and transformers on the CPU
-    "tests/chaos/test_dependencies.py",
-    "tests/chaos/test_workers.py",
-    "tests/chaos/test_sentinel.py",
     "tests/integration/test_webhooks.py",
     "tests/integration/test_fairshare.py",
     "tests/integration/test_schema_fuzz.py",
-    "tests/chaos/test_hosts.py",
     "tests/integration/test_lifecycle.py",
 )
 
