@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import itertools
 import os
 import secrets
@@ -29,22 +30,20 @@ REDIS_BASE = os.environ.get("INFERQ_TEST_REDIS_URL", "redis://127.0.0.1:6379").r
 _redis_dbs = itertools.cycle(range(1, 16))
 # pytest-xdist's workers (.ci/run runs the slow layers in three): the first uses REDIS_BASE, each
 # other one a redis-server of its own, so that every process still has fifteen databases to
-# hand out and no two processes ever flush each other's.
-_XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
-_private_redis: list[RedisServer] = []
+# hand out and no two processes ever flush each other's. None outside xdist.
+XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 
 
+@functools.cache
 def _redis_base() -> str:
-    if _XDIST_WORKER == "gw0":
+    if XDIST_WORKER in (None, "gw0"):
         return REDIS_BASE
-    if not _private_redis:
-        folder = Path(tempfile.mkdtemp(prefix=f"inferq-redis-{_XDIST_WORKER}-"))
-        atexit.register(shutil.rmtree, folder, ignore_errors=True)  # after close: LIFO
-        server = RedisServer(folder)
-        server.start()
-        atexit.register(server.close)
-        _private_redis.append(server)
-    return _private_redis[0].url().rsplit("/", 1)[0]
+    folder = Path(tempfile.mkdtemp(prefix=f"inferq-redis-{XDIST_WORKER}-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)  # after close: LIFO
+    server = RedisServer(folder)
+    server.start()
+    atexit.register(server.close)
+    return server.url().rsplit("/", 1)[0]
 
 
 def fresh_redis_url() -> str:
@@ -160,7 +159,7 @@ LONGEST_FIRST = (
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """In an xdist worker only: the longest modules first."""
-    if "PYTEST_XDIST_WORKER" not in os.environ:
+    if XDIST_WORKER is None:
         return
 
     def rank(item: pytest.Item) -> int:
