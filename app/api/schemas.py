@@ -1,4 +1,5 @@
-"""Response bodies only the API sends: lists, error envelopes, files, webhook deliveries.
+"""Bodies only the API reads or sends: lists, error envelopes, files, webhook deliveries and
+webhook endpoints.
 
 The bodies the rest of inferq shares (job and batch requests, the Job and Batch objects that
 webhooks carry too) are app/core/schemas.py.
@@ -6,12 +7,13 @@ webhooks carry too) are app/core/schemas.py.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Generic, Literal, Self, TypeVar
 
 from pydantic import BaseModel, Field, field_validator
 
-from app.core.models import File, WebhookAttempt, WebhookEvent
-from app.core.schemas import BatchOut, JobCreate, JobOut, StrictModel, secs
+from app.core import endpoints
+from app.core.models import File, WebhookAttempt, WebhookEndpoint, WebhookEvent
+from app.core.schemas import JobCreate, JobOut, StrictModel, secs
 from app.core.settings import get_settings
 
 
@@ -27,6 +29,30 @@ class JobBulkCreate(StrictModel):
         if len(value) > limit:
             raise ValueError(f"at most {limit} jobs per request (got {len(value)})")
         return value
+
+
+Item = TypeVar("Item", bound=BaseModel)
+
+
+class Page(BaseModel, Generic[Item]):
+    """A page of a list, newest first, as OpenAI's cursor pages: pass ``last_id`` as ``after``
+    for the next one."""
+
+    object: Literal["list"] = "list"
+    data: list[Item]
+    has_more: bool
+    first_id: str | None
+    last_id: str | None
+
+    @classmethod
+    def of(cls, data: list[Item], has_more: bool) -> Self:
+        ids = [str(getattr(item, "id")) for item in data[:1] + data[-1:]]  # noqa: B009
+        return cls(
+            data=data,
+            has_more=has_more,
+            first_id=ids[0] if ids else None,
+            last_id=ids[-1] if ids else None,
+        )
 
 
 class JobList(BaseModel):
@@ -134,23 +160,73 @@ class FileOut(BaseModel):
         )
 
 
-class FileList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[FileOut]
-    has_more: bool
-    first_id: str | None
-    last_id: str | None
-
-
 class FileDeleted(BaseModel):
     id: str
     object: Literal["file"] = "file"
     deleted: bool = True
 
 
-class BatchList(BaseModel):
+# --- webhook endpoints (OpenAI's /v1/webhook_endpoints) ---------------------------------------
+
+
+class WebhookEndpointCreate(StrictModel):
+    event_types: list[str]
+    name: str
+    url: str
+
+
+class WebhookEndpointUpdate(StrictModel):
+    """Only what is given changes; ``event_types`` is the complete new set."""
+
+    event_types: list[str] | None = None
+    name: str | None = None
+    url: str | None = None
+
+
+class WebhookSecretRotate(StrictModel):
+    keep_old_secret_active_for_24_hours: bool = False
+
+
+class WebhookEndpointOut(BaseModel):
+    id: str
+    object: Literal["webhook_endpoint"] = "webhook_endpoint"
+    created_at: int
+    updated_at: int
+    event_types: list[str]
+    name: str
+    url: str
+    signing_secret_hint: str
+
+    @classmethod
+    def from_row(cls, row: WebhookEndpoint) -> WebhookEndpointOut:
+        return cls(
+            id=row.id,
+            created_at=int(row.created_at),
+            updated_at=int(row.updated_at),
+            event_types=endpoints.types_of(row),
+            name=row.name,
+            url=row.url,
+            signing_secret_hint=endpoints.secret_hint(row.secret),
+        )
+
+
+class WebhookEndpointWithSecret(WebhookEndpointOut):
+    """Sent when the endpoint is made and when its secret is rotated, never again."""
+
+    signing_secret: str
+
+    @classmethod
+    def from_row(cls, row: WebhookEndpoint) -> WebhookEndpointWithSecret:
+        shown = WebhookEndpointOut.from_row(row).model_dump()
+        return cls(**shown, signing_secret=row.secret)
+
+
+class WebhookEndpointDeleted(BaseModel):
+    id: str
+    object: Literal["webhook_endpoint.deleted"] = "webhook_endpoint.deleted"
+    deleted: bool = True
+
+
+class WebhookEventTypeList(BaseModel):
     object: Literal["list"] = "list"
-    data: list[BatchOut]
-    has_more: bool
-    first_id: str | None
-    last_id: str | None
+    data: list[str]

@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import set_committed_value
 
 from app.batches import transitions as batch_transitions
-from app.core import files, jobs, queries, transitions
+from app.core import files, queries, transitions, webhooks
 from app.core.changes import changes
 from app.core.errors import DomainError, Kind
 from app.core.models import (
@@ -76,7 +76,7 @@ def create(session: Session, tenant: str, body: BatchCreate) -> Batch:
             f"file {source.id} has purpose {source.purpose!r}; a batch reads purpose 'batch'",
             param="input_file_id",
         )
-    jobs.check_webhook_url(body.webhook_url)
+    webhooks.check_webhook_url(body.webhook_url)
     stamp = now()
     with changes("api", session=session) as tx:
         batch = batch_transitions.create(

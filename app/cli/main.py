@@ -7,12 +7,14 @@ the benchmark as ``python -m bench``: nothing in ``app`` imports the workers or 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
 import shutil
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import click
@@ -284,6 +286,80 @@ def keys_revoke(key_id: str) -> None:
         done = revoke_key(session, key_id)
     click.echo("revoked" if done else "no such active key")
     sys.exit(0 if done else 1)
+
+
+@contextlib.contextmanager
+def _refused() -> Iterator[None]:
+    """A refusal from the core (a bad URL, an unknown id) as a one-line error, exit code 1."""
+    from app.core.errors import DomainError
+
+    try:
+        yield
+    except DomainError as exc:
+        raise click.ClickException(f"{exc.code}: {exc.message}") from None
+
+
+@main.group()
+def webhooks() -> None:
+    """Manage a tenant's webhook endpoints: OpenAI-format events signed with the endpoint's own
+    secret (directly in the database; tenants use POST /v1/webhook_endpoints)."""
+
+
+@webhooks.command("add")
+@click.option("--tenant", required=True)
+@click.option(
+    "--events",
+    required=True,
+    help="Comma-separated event types, e.g. batch.completed,batch.failed.",
+)
+@click.option("--name", default="", help="A name for the endpoint (default: its URL).")
+@click.argument("url")
+def webhooks_add(tenant: str, events: str, name: str, url: str) -> None:
+    """Register URL for the tenant's events; the signing secret is printed once."""
+    from app.core import endpoints
+    from app.core.db import session_scope
+
+    types = [t.strip() for t in events.split(",") if t.strip()]
+    with _refused(), session_scope() as session:
+        row = endpoints.create(session, tenant, name=name or url, url=url, event_types=types)
+        shown = (row.id, row.secret, row.event_types)
+    click.echo(shown[1])
+    click.echo(
+        f"id {shown[0]}  tenant {tenant}  events {shown[2]}  "
+        "(store the secret now: it is not shown again)",
+        err=True,
+    )
+
+
+@webhooks.command("list")
+@click.option("--tenant", required=True)
+def webhooks_list(tenant: str) -> None:
+    """List a tenant's endpoints (ids, URLs and event types; never the secrets)."""
+    from app.core import endpoints
+    from app.core.db import session_scope
+
+    with session_scope() as session:
+        after = None
+        while True:
+            rows, more = endpoints.list_page(session, tenant, limit=100, after=after)
+            for row in rows:
+                click.echo(f"{row.id}  {row.url}  {row.event_types}  {row.name}")
+            if not more:
+                break
+            after = rows[-1].id
+
+
+@webhooks.command("remove")
+@click.option("--tenant", required=True)
+@click.argument("endpoint_id")
+def webhooks_remove(tenant: str, endpoint_id: str) -> None:
+    """Remove an endpoint and its events."""
+    from app.core import endpoints
+    from app.core.db import session_scope
+
+    with _refused(), session_scope() as session:
+        endpoints.delete(session, tenant, endpoint_id)
+    click.echo("removed")
 
 
 def _client() -> httpx.Client:

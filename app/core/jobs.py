@@ -17,13 +17,13 @@ import json
 import time
 from dataclasses import dataclass
 
-from sqlalchemy import func, select
+from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from app.core import broker, fairshare, limits, outbox, queries, transitions, webhooks
+from app.core import broker, deliveries, fairshare, limits, outbox, queries, transitions, webhooks
 from app.core.changes import changes
-from app.core.errors import DomainError, Kind, unavailable
+from app.core.errors import DomainError, Kind
 from app.core.models import (
     TERMINAL,
     IdempotencyKey,
@@ -31,9 +31,7 @@ from app.core.models import (
     JobStatus,
     Lane,
     NewJob,
-    WebhookAttempt,
     WebhookEvent,
-    WebhookStatus,
     new_id,
     now,
 )
@@ -60,22 +58,6 @@ def _fingerprint(body: JobCreate) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-def check_webhook_url(url: str | None, checked: set[str] | None = None) -> None:
-    """Refuse a webhook_url the ops worker would not call; ``checked`` skips repeats."""
-    if url is None or (checked is not None and url in checked):
-        return
-    try:
-        webhooks.check_url(url, get_settings().webhook_allow_private)
-    except webhooks.WebhookUrlError as exc:
-        if exc.temporary:  # DNS did not answer: the URL may well be fine
-            raise unavailable("dns_unavailable", str(exc), param="webhook_url") from None
-        raise DomainError(
-            Kind.INVALID, "webhook_url_refused", str(exc), param="webhook_url"
-        ) from None
-    if checked is not None:
-        checked.add(url)
-
-
 def new_job(
     tenant: str,
     body: JobCreate,
@@ -94,7 +76,7 @@ def new_job(
     lane until the batch's deadline. ``prompt_tokens``: as ``limits.admit`` counted them (the
     job's charge in the fair share); none, an estimate."""
     settings = get_settings()
-    check_webhook_url(body.webhook_url, checked)
+    webhooks.check_webhook_url(body.webhook_url, checked)
     created = now() if created is None else created
     params = body.params.stored()
     params["max_tokens"] = body.params.max_tokens or settings.default_max_tokens
@@ -285,20 +267,6 @@ def wait_until_terminal(session: Session, job: Job, timeout_s: float) -> Job:
     return job
 
 
-def _delivery_in_flight(session: Session, event: WebhookEvent) -> bool:
-    """An attempt was claimed and has not been recorded yet, and its lease still runs."""
-    recorded = session.scalar(
-        select(func.count()).select_from(WebhookAttempt).where(WebhookAttempt.event_id == event.id)
-    )
-    lease = event.next_attempt_at
-    return (
-        event.status == WebhookStatus.PENDING
-        and event.attempts > (recorded or 0)
-        and lease is not None
-        and lease > now()
-    )
-
-
 def redeliver_webhook(session: Session, job: Job) -> WebhookEvent:
     """Send a finished job's event again, same ``webhook-id``, with a fresh retry schedule."""
     if job.webhook_url is None:
@@ -308,24 +276,10 @@ def redeliver_webhook(session: Session, job: Job) -> WebhookEvent:
             Kind.CONFLICT, "job_not_finished", "the job has no event until it ends", param="id"
         )
     event = outbox.job_event(session, job)
-    if event is not None and _delivery_in_flight(session, event):
-        raise DomainError(
-            Kind.CONFLICT,
-            "delivery_in_progress",
-            "an attempt to deliver this event is under way; retry when it has ended",
-            param="id",
-        )
-    with changes("api", session=session) as tx:
-        if event is None:
-            # Finished before it had an event (e.g. before webhooks existed): create it now.
+    if event is None:
+        # Finished before it had an event (e.g. before webhooks existed): create it now.
+        with changes("api", session=session) as tx:
             outbox.record_job_events(tx.connection, [job.id], job.finished_at)
-            event = outbox.job_event(session, job)
-            assert event is not None
-        stamp = now()
-        event.status = WebhookStatus.PENDING
-        event.round_attempts = 0
-        event.next_attempt_at = stamp
-        event.updated_at = stamp
-        tx.after.events.append(event.id)
-    session.refresh(event)
-    return event
+        event = outbox.job_event(session, job)
+        assert event is not None
+    return deliveries.send_again(session, event, param="id")

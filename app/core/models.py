@@ -278,10 +278,35 @@ class WebhookStatus(StrEnum):
     FAILED = "failed"  # the last attempt of the schedule failed
 
 
+class WebhookEndpoint(Base):
+    """A tenant's URL for OpenAI-format events of the types it lists (app/core/endpoints.py).
+
+    Each has its own signing secret, shown when it is made or rotated: the OpenAI SDK's
+    ``webhooks.unwrap`` verifies its deliveries with it. After a rotation that keeps the old
+    one, both sign every delivery until ``previous_until``.
+    """
+
+    __tablename__ = "webhook_endpoints"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(64), index=True)
+    name: Mapped[str] = mapped_column(String(255))
+    url: Mapped[str] = mapped_column(Text)
+    # Event types, comma-separated (app/core/endpoints.py, EVENT_TYPES).
+    event_types: Mapped[str] = mapped_column(Text)
+    secret: Mapped[str] = mapped_column(Text)
+    previous_secret: Mapped[str | None] = mapped_column(Text, nullable=True)
+    previous_until: Mapped[float | None] = mapped_column(Double, nullable=True)
+    created_at: Mapped[float] = mapped_column(Double)
+    updated_at: Mapped[float] = mapped_column(Double)
+
+
 class WebhookEvent(Base):
     """One event to one URL (the outbox row), written in the transaction that caused it.
 
-    ``id`` is the ``webhook-id`` header: the same on every attempt and redelivery.
+    ``id`` is the ``webhook-id`` header: the same on every attempt and redelivery. An event for
+    a registered endpoint (``endpoint_id``) has OpenAI's body and the endpoint's secret; one for
+    a job's or batch's own ``webhook_url`` has inferq's body and the deployment's secret.
     ``next_attempt_at`` doubles as the attempt lease: a delivery moves it past its own timeout
     before it sends, so a sweep re-sends an attempt whose ops worker died.
     """
@@ -295,6 +320,13 @@ class WebhookEvent(Base):
         String(40), ForeignKey("jobs.id", ondelete="CASCADE"), nullable=True, index=True
     )
     batch_id: Mapped[str | None] = mapped_column(String(40), nullable=True, index=True)
+    # Deleting an endpoint drops its events: nothing more is sent to a URL its tenant removed.
+    endpoint_id: Mapped[str | None] = mapped_column(
+        String(40),
+        ForeignKey("webhook_endpoints.id", ondelete="CASCADE"),
+        nullable=True,
+        index=True,
+    )
     url: Mapped[str] = mapped_column(Text)
     occurred_at: Mapped[float] = mapped_column(Double)
     # The exact bytes sent, fixed at the first attempt so that every retry is identical.

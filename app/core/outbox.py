@@ -5,10 +5,13 @@ the same transaction, with the ``finished_at`` stamp it wrote: an event exists i
 the transition committed, and a write that was fenced off creates none. After the commit the
 events are announced to the ops worker (:func:`announce`); an announcement that fails is made
 by the ops worker's sweep instead, like a job whose enqueue failed. A batch's end writes its
-``batch.<status>`` event the same way (:func:`record_batch_event`).
+``batch.<status>`` events the same way (:func:`record_batch_event`): one to its own
+``webhook_url``, and one to each of its tenant's endpoints that lists the type
+(app/core/endpoints.py).
 
 A job ends once, so it has at most one event; its id (the ``webhook-id``) is derived from the
-job id, which makes the insert a single ``INSERT ... SELECT`` on SQLite and PostgreSQL.
+job id, which makes the insert a single ``INSERT ... SELECT`` on SQLite and PostgreSQL. An
+endpoint's event gets a new id of its own.
 """
 
 from __future__ import annotations
@@ -32,8 +35,10 @@ from app.core.models import (
     Batch,
     Job,
     WebhookAttempt,
+    WebhookEndpoint,
     WebhookEvent,
     WebhookStatus,
+    new_id,
     now,
 )
 from app.core.schemas import BatchOut, JobOut
@@ -42,6 +47,7 @@ from app.core.webhooks import BATCH_EVENT_PREFIX, JOB_EVENT_PREFIX
 log = logging.getLogger("inferq.outbox")
 
 EVENT_PREFIX = "msg_"
+ENDPOINT_EVENT_PREFIX = "evt"  # an endpoint's events: new ids, as OpenAI's ("evt_...")
 SWEEP_BATCH = 1000  # most events announced at once
 
 
@@ -104,7 +110,8 @@ def record_job_events(connection: Connection, job_ids: Collection[str], stamp: f
 
 
 def record_batch_event(connection: Connection, batch_id: str, stamp: float) -> list[str]:
-    """The ``batch.<status>`` event of a batch that has just ended (if it has a webhook_url)."""
+    """The events of a batch that has just ended: ``batch.<status>`` to its own webhook_url (if
+    it has one) and to each of its tenant's endpoints that lists that type."""
     source = select(
         literal(EVENT_PREFIX, String) + Batch.id,
         Batch.tenant,
@@ -123,7 +130,46 @@ def record_batch_event(connection: Connection, batch_id: str, stamp: float) -> l
         Batch.webhook_url.is_not(None),
         Batch.status.in_(list(BATCH_TERMINAL)),
     )
-    return list(connection.execute(_insert_events("batch_id", source)).scalars())
+    written = list(connection.execute(_insert_events("batch_id", source)).scalars())
+    ended = connection.execute(
+        select(Batch.tenant, Batch.status).where(
+            Batch.id == batch_id, Batch.status.in_(list(BATCH_TERMINAL))
+        )
+    ).first()
+    if ended is not None:
+        event_type = BATCH_EVENT_PREFIX + ended.status
+        rows = [
+            {
+                "id": new_id(ENDPOINT_EVENT_PREFIX),
+                "tenant": ended.tenant,
+                "type": event_type,
+                "batch_id": batch_id,
+                "endpoint_id": endpoint_id,
+                "url": url,
+                "occurred_at": stamp,
+                "status": str(WebhookStatus.PENDING),
+                "attempts": 0,
+                "round_attempts": 0,
+                "next_attempt_at": stamp,
+                "created_at": stamp,
+                "updated_at": stamp,
+            }
+            for endpoint_id, url in _subscribed(connection, ended.tenant, event_type)
+        ]
+        if rows:
+            connection.execute(insert(WebhookEvent), rows)
+            written += [row["id"] for row in rows]
+    return written
+
+
+def _subscribed(connection: Connection, tenant: str, event_type: str) -> list[tuple[str, str]]:
+    """(id, url) of the tenant's endpoints that list ``event_type`` (app/core/endpoints.py)."""
+    rows = connection.execute(
+        select(WebhookEndpoint.id, WebhookEndpoint.url, WebhookEndpoint.event_types).where(
+            WebhookEndpoint.tenant == tenant
+        )
+    )
+    return [(r.id, r.url) for r in rows if event_type in r.event_types.split(",")]
 
 
 def event_data(session: Session, job_id: str | None, batch_id: str | None) -> dict[str, Any]:

@@ -7,7 +7,8 @@
   again at delivery time and connects to the address it checked, so DNS cannot be switched
   to an internal address in between.
 - **Signing**: Standard Webhooks, through the ``standardwebhooks`` library. During a rotation
-  (``INFERQ_WEBHOOK_SECRET_PREVIOUS`` set) every request carries both signatures.
+  (``INFERQ_WEBHOOK_SECRET_PREVIOUS`` set) every request carries both signatures. A registered
+  endpoint's events are signed with that endpoint's own secret (app/core/endpoints.py).
 - **Schedule**: the first attempt is immediate; ``INFERQ_WEBHOOK_RETRY_SCHEDULE`` gives the
   waits before each retry. After the last one the event is failed.
 """
@@ -30,7 +31,8 @@ from urllib.parse import urlsplit
 
 from standardwebhooks import Webhook
 
-from app.core.settings import Settings
+from app.core.errors import DomainError, Kind, unavailable
+from app.core.settings import Settings, get_settings
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 JOB_EVENT_PREFIX = "job."
@@ -120,6 +122,28 @@ def check_url(url: str, allow_private: bool) -> Target:
     return Target(url, parts.scheme, host, port, addresses)
 
 
+def check_webhook_url(
+    url: str | None, checked: set[str] | None = None, *, param: str = "webhook_url"
+) -> None:
+    """Refuse a webhook URL the ops worker would not call (``param`` names the field at
+    fault); ``checked`` skips repeats."""
+    if url is None or (checked is not None and url in checked):
+        return
+    try:
+        check_url(url, get_settings().webhook_allow_private)
+    except WebhookUrlError as exc:
+        if exc.temporary:  # DNS did not answer: the URL may well be fine
+            raise unavailable("dns_unavailable", str(exc), param=param) from None
+        raise DomainError(Kind.INVALID, "webhook_url_refused", str(exc), param=param) from None
+    if checked is not None:
+        checked.add(url)
+
+
+def new_secret() -> str:
+    """A Standard Webhooks secret: ``whsec_`` and 32 random bytes in base64."""
+    return "whsec_" + base64.b64encode(secrets.token_bytes(32)).decode()
+
+
 def load_secret(settings: Settings) -> str:
     """The current signing secret: the setting, or one made once and kept in ``data_dir``."""
     if settings.webhook_secret is not None:
@@ -130,7 +154,7 @@ def load_secret(settings: Settings) -> str:
     except FileNotFoundError:
         pass
     path.parent.mkdir(parents=True, exist_ok=True)
-    secret = "whsec_" + base64.b64encode(secrets.token_bytes(32)).decode()
+    secret = new_secret()
     # Written whole to a private temporary file, then linked into place: a process starting at
     # the same moment either wins the link or reads a complete file, never an empty one.
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".webhook_secret.")
@@ -171,6 +195,22 @@ def retry_delay(settings: Settings, attempts_in_round: int) -> float | None:
     if attempts_in_round - 1 < len(delays):
         return delays[attempts_in_round - 1]
     return None
+
+
+def render_openai(event_id: str, event_type: str, occurred_at: float, object_id: str) -> str:
+    """The body of an event for a registered endpoint, in OpenAI's shape: ``{"id", "object":
+    "event", "created_at" (Unix seconds), "type", "data": {"id"}}``, compact JSON. The receiver
+    fetches the batch or response by its id, as with OpenAI's own events."""
+    return json.dumps(
+        {
+            "id": event_id,
+            "object": "event",
+            "created_at": int(occurred_at),
+            "type": event_type,
+            "data": {"id": object_id},
+        },
+        separators=(",", ":"),
+    )
 
 
 def render(event_type: str, occurred_at: float, data: Mapping[str, Any]) -> str:

@@ -28,6 +28,7 @@ def test_migrate_creates_the_schema_on_empty_postgres(
         "api_keys",
         "jobs",
         "idempotency_keys",
+        "webhook_endpoints",
         "webhook_events",
         "webhook_attempts",
         "files",

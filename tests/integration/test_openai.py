@@ -14,6 +14,7 @@ import openai
 import pytest
 import redis
 from openai import OpenAI
+from openai.types.webhooks import BatchCompletedWebhookEvent
 from standardwebhooks import Webhook
 
 from app.core.settings import DEMO_MODEL_NAME
@@ -511,6 +512,35 @@ def test_batch_expiry_and_its_signed_webhook(
     assert event["type"] == "batch.expired"
     assert event["data"]["id"] == batch.id and event["data"]["status"] == "expired"
     assert event["data"]["error_file_id"] == done.error_file_id
+
+
+def test_a_registered_endpoint_gets_batch_completed_and_the_sdk_unwraps_it(
+    client: OpenAI, stack: Stack, receiver: Receiver
+) -> None:
+    """OpenAI's webhook endpoints end to end: registered with the SDK, the event written when
+    the ops worker finalizes the batch, delivered by the ops worker, unwrapped by the SDK."""
+    path = f"/endpoint/{secrets.token_hex(4)}"
+    endpoint = client.webhooks.create(
+        name="batches", url=receiver.url(path), event_types=["batch.completed"]
+    )
+    batch = client.batches.create(
+        input_file_id=upload(client, [line("a", "x", 2)]), endpoint=CHAT, completion_window="24h"
+    )
+    assert wait_batch(client, batch.id, {"completed"}, timeout=60).status == "completed"
+
+    def delivered() -> list[Any]:
+        found = []
+        for request in receiver.received(path):
+            event = client.webhooks.unwrap(
+                request["body"], request["headers"], secret=endpoint.signing_secret
+            )
+            if isinstance(event, BatchCompletedWebhookEvent) and event.data.id == batch.id:
+                found.append(event)
+        return found
+
+    [event] = wait_until(delivered, 20, "the endpoint's batch.completed")
+    assert event.id.startswith("evt_") and event.object == "event"
+    client.webhooks.delete(endpoint.id)
 
 
 def test_large_file_is_validated_and_started(client: OpenAI, stack: Stack) -> None:

@@ -274,6 +274,7 @@ def test_delivery_checks_the_address_again(receiver: Receiver, tmp_path: Path) -
     """A URL accepted earlier (setting on at submit) is refused when the ops worker's is off."""
     settings = Settings(data_dir=tmp_path, webhook_secret=SECRET, webhook_allow_private=False)
     path = f"/ok/refused/{secrets.token_hex(4)}"
-    sent = delivery.send(receiver.url(path), "msg_test", json.dumps({"x": 1}), settings)
+    body = json.dumps({"x": 1})
+    sent = delivery.send(receiver.url(path), "msg_test", body, settings, [SECRET])
     assert not sent.ok and sent.error is not None and sent.error.startswith("refused:")
     assert receiver.received(path) == []

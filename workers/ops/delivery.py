@@ -25,9 +25,16 @@ from dataclasses import dataclass
 import httpx
 from sqlalchemy import or_, select, update
 
-from app.core import broker, outbox, webhooks
+from app.core import broker, endpoints, outbox, webhooks
 from app.core.db import session_scope, with_db_retry
-from app.core.models import WebhookAttempt, WebhookEvent, WebhookStatus, new_id, now
+from app.core.models import (
+    WebhookAttempt,
+    WebhookEndpoint,
+    WebhookEvent,
+    WebhookStatus,
+    new_id,
+    now,
+)
 from app.core.outbox import SWEEP_BATCH
 from app.core.settings import Settings
 from workers import metrics
@@ -49,6 +56,7 @@ class Claimed:
     number: int  # attempts of this event so far, this one included
     round_number: int  # attempts in the current round of the schedule
     kind: str  # scheduled | redelivery
+    secrets: list[str]  # the secrets that sign this attempt
 
 
 @dataclass(frozen=True)
@@ -66,7 +74,7 @@ def deliver(event_id: str, settings: Settings) -> str:
     claimed = with_db_retry(lambda: _claim(event_id, settings), "webhook claim")
     if claimed is None:
         return "skipped"
-    sent = send(claimed.url, claimed.event_id, claimed.body, settings)
+    sent = send(claimed.url, claimed.event_id, claimed.body, settings, claimed.secrets)
     if not sent.ok:
         log.info("webhook %s attempt %d failed: %s", event_id, claimed.number, sent.error or "?")
     outcome = with_db_retry(lambda: _record(claimed, sent, settings), "webhook record")
@@ -96,6 +104,7 @@ def _claim(event_id: str, settings: Settings) -> Claimed | None:
                 WebhookEvent.occurred_at,
                 WebhookEvent.job_id,
                 WebhookEvent.batch_id,
+                WebhookEvent.endpoint_id,
                 WebhookEvent.body,
                 WebhookEvent.attempts,
                 WebhookEvent.round_attempts,
@@ -103,30 +112,48 @@ def _claim(event_id: str, settings: Settings) -> Claimed | None:
         ).first()
         if row is None:
             return None
+        # A registered endpoint's event: OpenAI's body, the endpoint's secrets (as they are now:
+        # a rotation applies to the retries). Else inferq's body and the deployment's secrets.
+        endpoint = (
+            session.get(WebhookEndpoint, row.endpoint_id) if row.endpoint_id is not None else None
+        )
         body = row.body
         if body is None:
             # Rendered once, at the first attempt: every retry sends the same bytes.
-            data = outbox.event_data(session, row.job_id, row.batch_id)
-            body = webhooks.render(row.type, row.occurred_at, data)
+            if endpoint is not None:
+                body = webhooks.render_openai(
+                    event_id, row.type, row.occurred_at, row.batch_id or row.job_id or ""
+                )
+            else:
+                data = outbox.event_data(session, row.job_id, row.batch_id)
+                body = webhooks.render(row.type, row.occurred_at, data)
             session.execute(
                 update(WebhookEvent).where(WebhookEvent.id == event_id).values(body=body)
             )
+        signing = (
+            endpoints.signing_secrets(endpoint, stamp)
+            if endpoint is not None
+            else webhooks.signing_secrets(settings)
+        )
     kind = "redelivery" if row.round_attempts == 1 and row.attempts > 1 else "scheduled"
-    return Claimed(event_id, row.url, body, row.attempts, row.round_attempts, kind)
+    return Claimed(event_id, row.url, body, row.attempts, row.round_attempts, kind, signing)
 
 
-def send(url: str, event_id: str, body: str, settings: Settings) -> Sent:
-    """One HTTP attempt under one deadline for everything (DNS included); never raises."""
+def send(url: str, event_id: str, body: str, settings: Settings, secrets: list[str]) -> Sent:
+    """One HTTP attempt under one deadline for everything (DNS included), signed with each of
+    ``secrets``; never raises."""
     start = time.monotonic()
     try:
-        return asyncio.run(_send(url, event_id, body, settings, start))
+        return asyncio.run(_send(url, event_id, body, settings, secrets, start))
     except Exception as exc:  # a URL httpx cannot build, or anything else unforeseen
         log.exception("webhook %s: the attempt could not be made", event_id)
         latency = (time.monotonic() - start) * 1000
         return Sent(False, error=f"{type(exc).__name__}: {exc}", latency_ms=latency)
 
 
-async def _send(url: str, event_id: str, body: str, settings: Settings, start: float) -> Sent:
+async def _send(
+    url: str, event_id: str, body: str, settings: Settings, secrets: list[str], start: float
+) -> Sent:
     limit = settings.webhook_timeout_s
     address: str | None = None
     try:
@@ -138,9 +165,7 @@ async def _send(url: str, event_id: str, body: str, settings: Settings, start: f
                 )
             except webhooks.WebhookUrlError as exc:
                 return Sent(False, error=f"refused: {exc}")
-            headers = webhooks.signed_headers(
-                event_id, body, time.time(), webhooks.signing_secrets(settings)
-            )
+            headers = webhooks.signed_headers(event_id, body, time.time(), secrets)
             headers["accept-encoding"] = "identity"  # the recorded bytes are the bytes read
             parsed = httpx.URL(url)
             headers["host"] = parsed.netloc.decode("ascii")  # IDNA-encoded by httpx

@@ -10,11 +10,10 @@ from fastapi.responses import FileResponse
 from app.api.auth import Tenant, caller_limits
 from app.api.deps import SessionDep
 from app.api.schemas import (
-    BatchList,
     ErrorBody,
     FileDeleted,
-    FileList,
     FileOut,
+    Page,
 )
 from app.batches import service as batches
 from app.core import files, limits, storage
@@ -38,22 +37,17 @@ def upload_file(
     return FileOut.from_row(row)
 
 
-@router.get("/files", response_model=FileList)
+@router.get("/files", response_model=Page[FileOut])
 def list_files(
     tenant: Tenant,
     session: SessionDep,
     purpose: str | None = None,
     limit: Annotated[int, Query(ge=1)] = 20,
     after: str | None = None,
-) -> FileList:
+) -> Page[FileOut]:
     """Files, newest first; pass the last id as ``after`` for the next page."""
     rows, has_more = files.list_page(session, tenant, purpose=purpose, limit=limit, after=after)
-    return FileList(
-        data=[FileOut.from_row(r) for r in rows],
-        has_more=has_more,
-        first_id=rows[0].id if rows else None,
-        last_id=rows[-1].id if rows else None,
-    )
+    return Page[FileOut].of([FileOut.from_row(r) for r in rows], has_more)
 
 
 @router.get("/files/{file_id}", response_model=FileOut)
@@ -88,20 +82,17 @@ def create_batch(
     return BatchOut.from_row(batch)
 
 
-@router.get("/batches", response_model=BatchList)
+@router.get("/batches", response_model=Page[BatchOut])
 def list_batches(
     tenant: Tenant,
     session: SessionDep,
     limit: Annotated[int, Query(ge=1)] = 20,
     after: str | None = None,
-) -> BatchList:
+) -> Page[BatchOut]:
     """Batches, newest first; pass the last id as ``after`` for the next page."""
     rows, has_more = batches.list_page(session, tenant, limit=limit, after=after)
-    return BatchList(
-        data=[BatchOut.from_row(b, batches.counts(session, b)) for b in rows],
-        has_more=has_more,
-        first_id=rows[0].id if rows else None,
-        last_id=rows[-1].id if rows else None,
+    return Page[BatchOut].of(
+        [BatchOut.from_row(b, batches.counts(session, b)) for b in rows], has_more
     )
 
 
