@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from app.core import deliveries, queries
@@ -49,10 +49,10 @@ def create(
     types = _checked_types(event_types)
     _check_name(name)
     check_webhook_url(url, param="url")
-    count = len(
-        session.scalars(select(WebhookEndpoint.id).where(WebhookEndpoint.tenant == tenant)).all()
+    count = session.scalar(
+        select(func.count()).select_from(WebhookEndpoint).where(WebhookEndpoint.tenant == tenant)
     )
-    if count >= MAX_PER_TENANT:
+    if (count or 0) >= MAX_PER_TENANT:
         raise DomainError(
             Kind.CONFLICT,
             "too_many_webhook_endpoints",

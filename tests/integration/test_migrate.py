@@ -9,7 +9,7 @@ from alembic.migration import MigrationContext
 from sqlalchemy import create_engine, inspect, text
 
 from app.core.models import Base
-from tests.conftest import PostgresDatabases
+from tests.conftest import PostgresDatabases, fresh_redis_url
 from tests.support import Stack
 
 
@@ -19,7 +19,7 @@ def test_migrate_creates_the_schema_on_empty_postgres(
     url = postgres.create()
     engine = create_engine(url)
     assert inspect(engine).get_table_names() == []
-    stack = Stack(tmp_path, url, "redis://127.0.0.1:6379/15")
+    stack = Stack(tmp_path, url, fresh_redis_url())
     first = stack.cli("migrate")
     assert first.returncode == 0, first.stderr
     assert "database at head" in first.stdout

@@ -22,7 +22,7 @@ from sqlalchemy import text
 from app.api.main import create_app
 from app.batches import finalize
 from app.cli.main import main as cli
-from app.core import db, webhooks
+from app.core import db, endpoints, webhooks
 from app.core.db import session_scope
 from app.core.keys import create_key
 from app.core.settings import Settings, get_settings
@@ -200,9 +200,15 @@ def test_a_batch_end_goes_to_each_subscribed_endpoint_and_the_sdk_unwraps_it(
         listed: Any = client.get(f"/webhook_endpoints/{hooked.id}/events", cast_to=object)
         assert [e["id"] for e in listed["data"]] == [event.id]
 
-        # A deleted endpoint takes its events with it: nothing more goes to its URL.
+        # A deleted endpoint takes its events with it: nothing more goes to its URL, and an
+        # attempt under way when it went records nothing (and raises nothing).
+        client.post(f"{base}/redeliver", cast_to=object, body={})
+        claimed = delivery._claim(event.id, settings)
+        assert claimed is not None
         client.webhooks.delete(hooked.id)
         assert events() == []
+        sent = delivery.send(claimed.url, event.id, claimed.body, settings, claimed.secrets)
+        assert sent.ok and delivery._record(claimed, sent, settings) == "skipped"
 
 
 def test_the_docs_samples_have_the_fields_the_api_answers(client: OpenAI) -> None:
@@ -244,3 +250,29 @@ def test_the_cli_adds_lists_and_removes_a_tenants_endpoint(core: Settings) -> No
     removed = runner.invoke(cli, ["webhooks", "remove", "--tenant", "acme", endpoint_id])
     assert removed.exit_code == 0 and removed.stdout.strip() == "removed"
     assert runner.invoke(cli, ["webhooks", "list", "--tenant", "acme"]).stdout == ""
+
+
+def test_a_tenant_has_at_most_twenty_endpoints_and_a_bad_change_changes_nothing(
+    client: OpenAI,
+) -> None:
+    made = [
+        client.webhooks.create(name=f"n{i}", url=PUBLIC, event_types=["batch.failed"])
+        for i in range(endpoints.MAX_PER_TENANT)
+    ]
+    with pytest.raises(openai.ConflictError) as refused:
+        client.webhooks.create(name="one more", url=PUBLIC, event_types=["batch.failed"])
+    assert isinstance(refused.value.body, dict)
+    assert refused.value.body["code"] == "too_many_webhook_endpoints"
+
+    first = made[0]
+    with pytest.raises(openai.UnprocessableEntityError):
+        client.webhooks.update(first.id, url="http://10.0.0.1/hook")
+    with pytest.raises(openai.UnprocessableEntityError):
+        client.webhooks.update(first.id, event_types=["batch.failed", "response.failed"])
+    kept = client.webhooks.retrieve(first.id)
+    assert (kept.url, kept.event_types, kept.updated_at) == (
+        PUBLIC,
+        ["batch.failed"],
+        first.updated_at,
+    )
+    assert client.webhooks.update(first.id, name="n0").updated_at == first.updated_at

@@ -239,6 +239,9 @@ def _record(claimed: Claimed, sent: Sent, settings: Settings) -> str:
         else:
             outcome, values = WebhookStatus.PENDING, {"next_attempt_at": stamp + delay}
     with session_scope() as session:
+        if session.get(WebhookEvent, claimed.event_id) is None:
+            # Removed during the attempt, with its endpoint: there is no log left to write to.
+            return "skipped"
         session.add(
             WebhookAttempt(
                 id=new_id("wha"),
