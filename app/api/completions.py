@@ -19,7 +19,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 import anyio
@@ -61,13 +61,23 @@ def _submit(
     body: ChatCompletionRequest | CompletionRequest,
     model: str,
     caller: Limits,
-    reply_to: str,
+    reply_to: str | None,
+    attach: Callable[[NewJob], list[Any]] | None = None,
 ) -> NewJob | Job:
-    relay_mode = "tokens" if body.stream else "end"
+    """Commit the call's job; with ``reply_to``, its worker relays to that address (every
+    piece of output when streaming, else the end)."""
+    relay_mode = None if reply_to is None else "tokens" if body.stream else "end"
     with session_scope() as session:
         try:
             job, _ = jobs.submit(
-                session, tenant, body.job(), model, caller, relay=relay_mode, reply_to=reply_to
+                session,
+                tenant,
+                body.job(),
+                model,
+                caller,
+                relay=relay_mode,
+                reply_to=reply_to,
+                attach=attach,
             )
         except DomainError as exc:
             # OpenAI answers a prompt longer than the context as an invalid request (400), and
@@ -186,30 +196,70 @@ async def _served(requested: str | None) -> str:
     return model
 
 
-async def complete(
-    body: ChatCompletionRequest | CompletionRequest, request: Request, tenant: str
-) -> Response:
+async def _start(
+    body: ChatCompletionRequest | CompletionRequest,
+    request: Request,
+    tenant: str,
+    attach: Callable[[NewJob], list[Any]] | None = None,
+) -> tuple[_Call, relay.Entry | JobView | None]:
+    """Submit the call's job and wait for its first piece of output (streaming) or its end;
+    None when the caller left first (the call is closed then, which cancels the job)."""
     model = await _served(body.model)
     waiter = await relay.replies().register()
     try:
         job = await run_in_threadpool(
-            _submit, tenant, body, model, caller_limits(request), waiter.reply_to
+            _submit, tenant, body, model, caller_limits(request), waiter.reply_to, attach
         )
     except BaseException:
         waiter.close()
         raise
-    headers = {JOB_HEADER: job.id}
     call = _Call(request, tenant, job, waiter)
     try:
         # The first piece of output (streaming) or the end: an error before the first piece
         # is a plain HTTP error, as with OpenAI.
-        first = await call.next()
+        return call, await call.next()
     except _Left:
         await call.close()
-        return Response(status_code=499)
+        return call, None
     except BaseException:
         await call.close()
         raise
+
+
+async def outcome(
+    body: ChatCompletionRequest,
+    request: Request,
+    tenant: str,
+    attach: Callable[[NewJob], list[Any]] | None = None,
+) -> JobView | None:
+    """A call answered once its job has ended: the job as committed (None: the caller left).
+    ``attach``: rows committed with the job (a stored response)."""
+    call, ended = await _start(body, request, tenant, attach)
+    if ended is None:
+        return None  # _start closed the call: the job is cancelled
+    await call.close()
+    assert not isinstance(ended, relay.Entry)  # not streamed: the relay brings only the end
+    return ended
+
+
+def enqueue(
+    body: ChatCompletionRequest,
+    tenant: str,
+    caller: Limits,
+    attach: Callable[[NewJob], list[Any]] | None = None,
+) -> NewJob | Job:
+    """A call that answers at once (a background response): its job is committed and waits,
+    like any job, for a worker of its model (no relay: nobody is waiting on the line)."""
+    return _submit(tenant, body, catalog.resolve(body.model), caller, None, attach)
+
+
+async def complete(
+    body: ChatCompletionRequest | CompletionRequest, request: Request, tenant: str
+) -> Response:
+    call, first = await _start(body, request, tenant)
+    if first is None:
+        return Response(status_code=499)
+    headers = {JOB_HEADER: call.job.id}
     if not isinstance(first, relay.Entry):
         await call.close()
         if first.status != JobStatus.SUCCEEDED:

@@ -15,7 +15,9 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
@@ -149,9 +151,11 @@ def submit(
     *,
     relay: str | None = None,
     reply_to: str | None = None,
+    attach: Callable[[NewJob], list[Any]] | None = None,
 ) -> tuple[NewJob | Job, bool]:
     """Admit (``limits.admit``), commit and send a queued job on ``model``. Returns (job,
-    created); created is False for an idempotent replay (the stored job), which sends nothing."""
+    created); created is False for an idempotent replay (the stored job), which sends nothing.
+    ``attach`` gives rows that belong to the job (a stored response), committed with it."""
     [prompt_tokens] = limits.admit(session, tenant, caller, [body], [model])
     if idempotency_key is not None and not (
         0 < len(idempotency_key) <= MAX_IDEMPOTENCY_KEY and storable(idempotency_key)
@@ -175,6 +179,8 @@ def submit(
     try:
         with changes("api", session=session) as tx:
             transitions.create(tx, [job], direct=direct)
+            if attach is not None:
+                session.add_all(attach(job))
             if idempotency_key is not None:
                 session.add(
                     IdempotencyKey(

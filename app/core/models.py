@@ -278,6 +278,31 @@ class WebhookStatus(StrEnum):
     FAILED = "failed"  # the last attempt of the schedule failed
 
 
+class StoredResponse(Base):
+    """A stored response of OpenAI's Responses API (app/core/responses.py): its job runs it
+    and holds its outcome; this row holds what the Response object repeats of the request, the
+    input items, and the conversation a next response continues (``previous_response_id``).
+    Its id is its job's with another prefix (``resp_X`` runs as ``job_X``)."""
+
+    __tablename__ = "responses"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(64))
+    job_id: Mapped[str] = mapped_column(
+        String(40), ForeignKey("jobs.id", ondelete="CASCADE"), unique=True
+    )
+    previous_response_id: Mapped[str | None] = mapped_column(String(40), nullable=True)
+    # JSON: the request's fields the Response object repeats (responses_format.echo).
+    request: Mapped[str] = mapped_column(Text)
+    # JSON: the input items as OpenAI's input_items lists them.
+    input: Mapped[str] = mapped_column(Text)
+    # JSON: the chat messages of the conversation up to and with this input, without the
+    # instructions (which are not carried on); a next response adds this one's output.
+    context: Mapped[str] = mapped_column(Text)
+    service_tier: Mapped[str] = mapped_column(String(16))
+    created_at: Mapped[float] = mapped_column(Double)
+
+
 class WebhookEndpoint(Base):
     """A tenant's URL for OpenAI-format events of the types it lists (app/core/endpoints.py).
 

@@ -156,7 +156,7 @@ class ResponseFormat(StrictModel):
         return {}
 
 
-def _refused(data: Any, refused: dict[str, tuple[Any, str]]) -> Any:
+def refused_fields(data: Any, refused: dict[str, tuple[Any, str]]) -> Any:
     """Drop the refused fields that ask for nothing; a 422 naming the first that asks."""
     if not isinstance(data, dict):
         return data
@@ -197,7 +197,7 @@ class _Request(JobParams):
     @model_validator(mode="before")
     @classmethod
     def _refused_fields(cls, data: Any) -> Any:
-        return _refused(data, cls.refused)
+        return refused_fields(data, cls.refused)
 
     @model_validator(mode="after")
     def _tier_agrees_with_lane(self) -> _Request:

@@ -37,6 +37,7 @@ from sqlalchemy import (
     Table,
     Update,
     bindparam,
+    delete,
     insert,
     or_,
     select,
@@ -45,7 +46,7 @@ from sqlalchemy import (
 
 from app.core import fairshare, outbox
 from app.core.after import Transition, Tx
-from app.core.models import Job, JobStatus, NewJob, can_transition
+from app.core.models import TERMINAL, Job, JobStatus, NewJob, can_transition
 from app.core.names import queue_of
 
 DEADLINE_EXCEEDED = "deadline_exceeded"
@@ -129,6 +130,15 @@ def cancel(tx: Tx, job_id: str, stamp: float) -> None:
     """Cancel a job: a queued one ends ``cancelled``; a running one is marked for its worker to
     abort (``After.abort``); a finished one is left as it is."""
     _stop(tx, Job.id == job_id, stamp, to=JobStatus.CANCELLED)
+
+
+def delete_finished(tx: Tx, job_id: str) -> bool:
+    """Remove a job that has ended, with what hangs on it (its webhook events, a stored
+    response); False if it has not ended (a running job is cancelled first)."""
+    deleted = tx.connection.execute(
+        delete(Job).where(Job.id == job_id, Job.status.in_([str(s) for s in TERMINAL]))
+    )
+    return bool(deleted.rowcount)  # type: ignore[attr-defined]
 
 
 def expire_queued(tx: Tx, which: Collection[str] | ColumnElement[bool], stamp: float) -> int:

@@ -29,6 +29,7 @@ def test_migrate_creates_the_schema_on_empty_postgres(
         "jobs",
         "idempotency_keys",
         "webhook_endpoints",
+        "responses",
         "webhook_events",
         "webhook_attempts",
         "files",

@@ -1,0 +1,97 @@
+"""OpenAI's Responses API: /v1/responses. A response runs as a job (app/core/responses.py);
+a foreground one answers when its job ends (app/api/completions.py), a background one at once
+with ``status: "queued"``, to be polled from any API process (docs/openai.md, "Responses")."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+
+from app.api import completions
+from app.api.auth import Tenant, caller_limits
+from app.api.deps import SessionDep
+from app.api.schemas import ErrorBody
+from app.core import queries, responses
+from app.core.db import session_scope
+from app.core.errors import DomainError, Kind
+from app.core.models import JobStatus
+from app.core.openai_format import job_error
+from app.core.responses_format import ResponseCreate
+
+router = APIRouter(prefix="/v1", tags=["responses"], responses={"default": {"model": ErrorBody}})
+
+
+def _prepare(tenant: str, body: ResponseCreate) -> responses.Prepared:
+    with session_scope() as session:
+        return responses.prepare(session, tenant, body)
+
+
+@router.post("/responses", response_model=None)
+async def create_response(body: ResponseCreate, request: Request, tenant: Tenant) -> Response:
+    """A response; ``background: true`` answers at once (``queued``), else when it has ended."""
+    prepared = await run_in_threadpool(_prepare, tenant, body)
+    headers = {}
+    if body.background:
+        job = await run_in_threadpool(
+            completions.enqueue, prepared.chat, tenant, caller_limits(request), prepared.attach
+        )
+        return JSONResponse(prepared.render(job), headers={completions.JOB_HEADER: job.id})
+    ended = await completions.outcome(prepared.chat, request, tenant, prepared.attach)
+    if ended is None:
+        return Response(status_code=499)  # the caller left: its job is cancelled
+    headers[completions.JOB_HEADER] = ended.id
+    if ended.status != JobStatus.SUCCEEDED:
+        raise job_error(ended)
+    return JSONResponse(prepared.render(ended), headers=headers)
+
+
+@router.get("/responses/{response_id}")
+def get_response(
+    response_id: str, tenant: Tenant, session: SessionDep, stream: bool = False
+) -> dict[str, Any]:
+    """A stored response as it is now (poll a background one until it has ended)."""
+    if stream:
+        raise DomainError(
+            Kind.INVALID,
+            "unsupported_parameter",
+            "stream is not served yet by inferq's Responses API: poll without it",
+            param="stream",
+        )
+    return responses.render(*responses.get(session, tenant, response_id))
+
+
+@router.post("/responses/{response_id}/cancel")
+def cancel_response(response_id: str, tenant: Tenant, session: SessionDep) -> dict[str, Any]:
+    """Cancel a background response (queued: at once; running: aborted in the engine)."""
+    return responses.render(*responses.cancel(session, tenant, response_id))
+
+
+@router.delete("/responses/{response_id}")
+def delete_response(response_id: str, tenant: Tenant, session: SessionDep) -> dict[str, Any]:
+    responses.delete(session, tenant, response_id)
+    return {"id": response_id, "object": "response", "deleted": True}
+
+
+@router.get("/responses/{response_id}/input_items")
+def input_items(
+    response_id: str,
+    tenant: Tenant,
+    session: SessionDep,
+    limit: Annotated[int, Query(ge=1)] = 20,
+    after: str | None = None,
+    order: Literal["asc", "desc"] = "desc",
+) -> dict[str, Any]:
+    """The input items of a stored response, newest first unless ``order=asc``."""
+    items, has_more = responses.input_items(
+        session, tenant, response_id, order=order, limit=queries.check_limit(limit), after=after
+    )
+    return {
+        "object": "list",
+        "data": items,
+        "first_id": items[0]["id"] if items else None,
+        "last_id": items[-1]["id"] if items else None,
+        "has_more": has_more,
+    }

@@ -1,0 +1,325 @@
+"""OpenAI's Responses API on the wire: a ``POST /v1/responses`` body in, a chat job out, and a
+job (with its response row) back to OpenAI's Response object.
+
+A response is a chat completion with another shape: ``input`` (a string or message items) and
+``instructions`` become chat messages, ``max_output_tokens`` is ``max_tokens``, ``text.format``
+is ``response_format``, and every sampling option is the chat endpoint's, validated by the same
+``ChatCompletionRequest`` (so its bounds and its refusals hold here too). Every other field of
+vLLM's ``ResponsesRequest`` is in ``RESPONSES_REFUSED`` with the reason, as for chat: at vLLM's
+default (or null) it asks for nothing and is accepted, any other value is a 422 naming it
+(docs/openai.md, "Responses").
+
+What is not served yet is refused by name too: ``stream`` (ask with ``background: true`` and
+poll), function ``tools`` and input items other than messages.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+from pydantic_core import PydanticCustomError
+
+from app.core.errors import DomainError, Kind, named, pydantic_error
+from app.core.models import JobStatus
+from app.core.openai_format import (
+    ChatCompletionRequest,
+    JobView,
+    ServiceTier,
+    refused_fields,
+    usage,
+)
+from app.core.schemas import StrictModel
+
+_NOT_YET = "not served yet by inferq's Responses API"
+_MULTIMODAL = "inferq serves text: multimodal inputs are not accepted"
+_TEMPLATE = "the worker applies the model's own chat template, unchanged"
+_TRANSFER = "disaggregated serving (KV or encoder-cache transfer) is not part of inferq"
+# vLLM's ResponsesRequest fields inferq does not take, with vLLM's default (which asks for
+# nothing and is accepted) and why.
+RESPONSES_REFUSED: dict[str, tuple[Any, str]] = {
+    "stream": (False, f"{_NOT_YET}: ask with background: true and poll GET /v1/responses/{{id}}"),
+    "tools": ([], f"function tools are {_NOT_YET}: use /v1/chat/completions for tools"),
+    "max_tool_calls": (None, "tools are not served yet by inferq's Responses API"),
+    "include": (None, "nothing optional is added to a response's output"),
+    "prompt": (None, "stored prompt templates are OpenAI's; send the input itself"),
+    "reasoning": (None, "reasoning models' options are not offered"),
+    "include_reasoning": (True, "reasoning models' options are not offered"),
+    "truncation": ("disabled", "inputs are never cut: one longer than the context fails"),
+    "top_logprobs": (0, f"logprobs in a response's output are {_NOT_YET}"),
+    "prompt_cache_key": (None, "the prefix cache is shared by every tenant of a deployment"),
+    "cache_salt": (None, "the prefix cache is shared by every tenant of a deployment"),
+    "watermarking": (None, "output watermarking is not offered"),
+    "request_id": (None, "the response's id is its job's (GET /v1/jobs/job_<same suffix>)"),
+    "session_id": (None, "not offered"),
+    "priority": (0, "service_tier picks the lane, and the lane decides the priority"),
+    "media_io_kwargs": (None, _MULTIMODAL),
+    "mm_processor_kwargs": (None, _MULTIMODAL),
+    "mm_payload": ("tensors", _MULTIMODAL),
+    "return_mm_kwargs": (None, _MULTIMODAL),
+    "enable_response_messages": (False, "a response's output is its items, not token messages"),
+    "previous_input_messages": (None, "previous_response_id carries a conversation on"),
+    "kv_transfer_params": (None, _TRANSFER),
+    "ec_transfer_params": (None, _TRANSFER),
+    "vllm_xargs": (None, "free-form engine arguments would bypass the request's validation"),
+    "chat_template_kwargs": (None, _TEMPLATE),
+}
+# Sampling options passed on to the chat request under the same names (JobParams').
+_SAMPLING = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+    "structured_outputs",
+)
+MAX_INPUT_ITEMS = 1000
+
+
+class InputText(StrictModel):
+    type: Literal["input_text", "output_text"]
+    text: str
+    annotations: list[Any] | None = None  # output_text's, sent back by clients; unused
+
+
+class InputMessage(StrictModel):
+    """A message item of ``input``: ``{"role", "content"}``, with ``"type": "message"`` or
+    without (OpenAI's easy input message); the content a string or text parts."""
+
+    type: Literal["message"] = "message"
+    id: str | None = None
+    status: str | None = None
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[InputText]
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class TextFormat(StrictModel):
+    """``text.format``: plain text, a JSON object, or JSON by a schema (``response_format``)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+    def response_format(self) -> dict[str, Any] | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return {"type": "json_object"}
+        schema = {"name": self.name, "schema": self.schema_, "strict": self.strict}
+        if self.description is not None:
+            schema["description"] = self.description
+        return {"type": "json_schema", "json_schema": schema}
+
+
+class TextConfig(StrictModel):
+    format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+
+
+# The chat request's names for fields a Responses body names otherwise.
+_CHAT_NAMES = {
+    "max_tokens": "max_output_tokens",
+    "response_format.json_schema.schema": "text.format.schema",
+    "response_format.json_schema": "text.format",
+    "response_format": "text.format",
+    "messages": "input",
+}
+
+
+def _responses_name(param: str | None) -> str | None:
+    """A chat request's parameter as the Responses body names it (an error names the field
+    the caller sent)."""
+    for chat, ours in _CHAT_NAMES.items():
+        if param is not None and (param == chat or param.startswith(chat + ".")):
+            return ours + param[len(chat) :]
+    return param
+
+
+class ResponseCreate(StrictModel):
+    """A ``POST /v1/responses`` body: what inferq takes of vLLM's ``ResponsesRequest``."""
+
+    model: str = Field(min_length=1, max_length=256)
+    input: str | list[InputMessage] = Field(min_length=1)
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    metadata: dict[str, str] = Field(default_factory=dict)
+    user: str | None = Field(None, max_length=256)
+    store: bool = True
+    background: bool = False
+    service_tier: ServiceTier | None = None
+    previous_response_id: str | None = Field(None, max_length=64)
+    text: TextConfig | None = None
+    tool_choice: Literal["none", "auto"] = "auto"
+    parallel_tool_calls: bool = True
+    # The sampling options, checked by ChatCompletionRequest (``chat``).
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    structured_outputs: dict[str, Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refused_fields(cls, data: Any) -> Any:
+        return refused_fields(data, RESPONSES_REFUSED)
+
+    @model_validator(mode="after")
+    def _background_is_stored(self) -> ResponseCreate:
+        if self.background and not self.store:  # OpenAI's rule: nothing to poll otherwise
+            raise PydanticCustomError(
+                "invalid_value",
+                "background responses must be stored: store: false cannot go with background: true",
+                {"fields": "store"},
+            )
+        if isinstance(self.input, list) and len(self.input) > MAX_INPUT_ITEMS:
+            raise PydanticCustomError(
+                "too_long", "at most {n} input items", {"n": MAX_INPUT_ITEMS, "fields": "input"}
+            )
+        return self
+
+    def input_messages(self) -> list[dict[str, str]]:
+        """``input`` as chat messages (a string is one user message)."""
+        if isinstance(self.input, str):
+            return [{"role": "user", "content": self.input}]
+        return [{"role": m.role, "content": m.text()} for m in self.input]
+
+    def chat(self, context: list[dict[str, Any]]) -> ChatCompletionRequest:
+        """The chat request this response runs as: the instructions (never carried on to the
+        next response), the ``context`` of a previous response, then the input."""
+        system = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        body: dict[str, Any] = {
+            "model": self.model,
+            "messages": system + context + self.input_messages(),
+            "metadata": self.metadata,
+            "user": self.user,
+            "service_tier": self.service_tier,
+            "max_tokens": self.max_output_tokens,
+            **{name: getattr(self, name) for name in _SAMPLING if getattr(self, name) is not None},
+        }
+        text_format = self.text.format if self.text is not None else None
+        if text_format is not None and text_format.response_format() is not None:
+            body["response_format"] = text_format.response_format()
+        try:
+            return ChatCompletionRequest.model_validate(body)
+        except Exception as exc:
+            errors = getattr(exc, "errors", None)
+            if errors is None:
+                raise
+            code, param, message = pydantic_error(errors()[0])
+            param = _responses_name(param)
+            raise DomainError(Kind.INVALID, code, named(param, message), param=param) from None
+
+    def echo(self) -> dict[str, Any]:
+        """The request's fields a Response object repeats."""
+        text_format = self.text.format if self.text is not None and self.text.format else None
+        return {
+            "instructions": self.instructions,
+            "max_output_tokens": self.max_output_tokens,
+            "metadata": self.metadata,
+            "user": self.user,
+            "store": self.store,
+            "background": self.background,
+            "previous_response_id": self.previous_response_id,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "text": {
+                "format": text_format.model_dump(by_alias=True, exclude_none=True)
+                if text_format
+                else {"type": "text"}
+            },
+            "tool_choice": self.tool_choice,
+            "parallel_tool_calls": self.parallel_tool_calls,
+        }
+
+
+# A job's status as a response's (a job that stopped at max_output_tokens is "incomplete").
+STATUSES = {
+    JobStatus.QUEUED: "queued",
+    JobStatus.RUNNING: "in_progress",
+    JobStatus.SUCCEEDED: "completed",
+    JobStatus.FAILED: "failed",
+    JobStatus.EXPIRED: "failed",
+    JobStatus.CANCELLED: "cancelled",
+}
+
+
+def response_status(job: JobView) -> str:
+    status = STATUSES[JobStatus(job.status)]
+    if status == "completed" and job.finish_reason == "length":
+        return "incomplete"
+    return status
+
+
+def response_object(
+    response_id: str, job: JobView, echo: dict[str, Any], tier: str
+) -> dict[str, Any]:
+    """OpenAI's Response object for a response whose job is ``job`` (as committed or as now)."""
+    status = response_status(job)
+    output: list[dict[str, Any]] = []
+    if job.status == JobStatus.SUCCEEDED:
+        output.append(
+            {
+                "type": "message",
+                "id": "msg_" + response_id.removeprefix("resp_"),
+                "status": "incomplete" if status == "incomplete" else "completed",
+                "role": "assistant",
+                "content": [
+                    {"type": "output_text", "text": job.result_text or "", "annotations": []}
+                ],
+            }
+        )
+    error = None
+    if job.status in (JobStatus.FAILED, JobStatus.EXPIRED):
+        error = {
+            "code": job.error_code or str(job.status),
+            "message": job.error_message or f"the job ended {job.status}",
+        }
+    counted = usage(job) if job.status == JobStatus.SUCCEEDED else None
+    return {
+        "id": response_id,
+        "object": "response",
+        "created_at": int(job.created_at),
+        "model": job.model,
+        "status": status,
+        "error": error,
+        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "output": output,
+        "tools": [],
+        "service_tier": tier,
+        "usage": {
+            "input_tokens": counted["prompt_tokens"],
+            "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": counted["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": counted["total_tokens"],
+        }
+        if counted
+        else None,
+        **echo,
+    }

