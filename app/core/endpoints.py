@@ -2,16 +2,16 @@
 events, each with the event types it receives and a signing secret of its own.
 
 An event for an endpoint is written in the transaction of the change that causes it, as every
-event is (app/core/outbox.py): when a batch ends, one ``batch.<status>`` event per endpoint of
-the batch's tenant that lists that type. Its body is OpenAI's (``webhooks.render_openai``) and
+event is (app/core/outbox.py): when a batch or a background response ends, one
+``batch.<status>`` or ``response.<status>`` event per endpoint of its tenant that lists that
+type. Its body is OpenAI's (``webhooks.render_openai``) and
 it is signed with the endpoint's secret, so the official SDK's ``client.webhooks.unwrap``
 verifies it; retries, the URL policy and redelivery (app/core/deliveries.py) are the outbox's,
 and each endpoint has its delivery log (:func:`events_page`, every attempt recorded)
 (docs/webhooks.md, "Webhook endpoints").
 
 Only event types that inferq sends can be listed: a subscription that never fires would look
-like a delivery problem. OpenAI's ``response.*`` types are refused by name until inferq serves
-the Responses API.
+like a delivery problem.
 """
 
 from __future__ import annotations
@@ -26,15 +26,18 @@ from app.core.errors import DomainError, Kind
 from app.core.models import WebhookEndpoint, WebhookEvent, new_id, now
 from app.core.webhooks import check_webhook_url, new_secret
 
-# The event types an endpoint can receive: a batch's end, by the status it ended in.
-EVENT_TYPES = ("batch.completed", "batch.failed", "batch.expired", "batch.cancelled")
-# OpenAI's types that inferq knows and does not send yet, with why.
-NOT_SENT = {
-    "response.completed": "the Responses API is not served yet",
-    "response.failed": "the Responses API is not served yet",
-    "response.cancelled": "the Responses API is not served yet",
-    "response.incomplete": "the Responses API is not served yet",
-}
+# The event types an endpoint can receive: a batch's end and a background response's, by the
+# status it ended in (app/core/outbox.py).
+EVENT_TYPES = (
+    "batch.completed",
+    "batch.failed",
+    "batch.expired",
+    "batch.cancelled",
+    "response.completed",
+    "response.failed",
+    "response.cancelled",
+    "response.incomplete",
+)
 # A tenant's endpoints: each one multiplies every event, so there is a ceiling.
 MAX_PER_TENANT = 20
 # How long the previous secret keeps signing after a rotation that keeps it (OpenAI's figure).
@@ -205,13 +208,6 @@ def _checked_types(event_types: Sequence[str]) -> list[str]:
             param="event_types",
         )
     for event_type in event_types:
-        if event_type in NOT_SENT:
-            raise DomainError(
-                Kind.INVALID,
-                "unsupported_event_type",
-                f"{event_type} is not sent by inferq: {NOT_SENT[event_type]}",
-                param="event_types",
-            )
         if event_type not in EVENT_TYPES:
             raise DomainError(
                 Kind.INVALID,

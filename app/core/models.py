@@ -100,6 +100,11 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{''.join(reversed(chars)).lower()}"
 
 
+def response_id_of(job_id: str) -> str:
+    """A stored response's id: its job's with another prefix (``job_X`` runs ``resp_X``)."""
+    return "resp_" + job_id.removeprefix("job_")
+
+
 def now() -> float:
     return time.time()
 
@@ -300,6 +305,8 @@ class StoredResponse(Base):
     # instructions (which are not carried on); a next response adds this one's output.
     context: Mapped[str] = mapped_column(Text)
     service_tier: Mapped[str] = mapped_column(String(16))
+    # A background response's end is an event for the tenant's endpoints (response.*).
+    background: Mapped[bool] = mapped_column(Boolean)
     created_at: Mapped[float] = mapped_column(Double)
 
 

@@ -34,6 +34,8 @@ from app.core.models import (
     TERMINAL,
     Batch,
     Job,
+    JobStatus,
+    StoredResponse,
     WebhookAttempt,
     WebhookEndpoint,
     WebhookEvent,
@@ -103,10 +105,84 @@ def _insert_events(owner: str, source: Select[*tuple[Any, ...]]) -> Insert:
     return insert(WebhookEvent).from_select(columns, source).returning(WebhookEvent.id)
 
 
-def record_job_events(connection: Connection, job_ids: Collection[str], stamp: float) -> list[str]:
+def record_job_events(
+    connection: Connection,
+    job_ids: Collection[str],
+    stamp: float,
+    *,
+    hooked: Collection[str] | None = None,
+) -> list[str]:
+    """The events of the jobs among ``job_ids`` that this transaction ended: ``job.<status>``
+    to a job's webhook_url, and ``response.<status>`` to the tenant's endpoints for a
+    background response. ``hooked``: the ones known to have a webhook_url (a worker's leases
+    say so), to spare the look for the others."""
     if not job_ids:
         return []
-    return list(connection.execute(job_events(job_ids, stamp)).scalars())
+    with_url = job_ids if hooked is None else hooked
+    written = list(connection.execute(job_events(with_url, stamp)).scalars()) if with_url else []
+    return written + _response_events(connection, job_ids, stamp)
+
+
+def response_event_type(status: str, finish_reason: str | None) -> str:
+    """OpenAI's event for a background response whose job ended ``status``."""
+    if status == JobStatus.SUCCEEDED:
+        return "response.incomplete" if finish_reason == "length" else "response.completed"
+    if status == JobStatus.CANCELLED:
+        return "response.cancelled"
+    return "response.failed"  # failed, expired
+
+
+def _response_events(connection: Connection, job_ids: Collection[str], stamp: float) -> list[str]:
+    """One ``response.<status>`` event per endpoint of the tenant that lists it, for each
+    background response among the jobs this transaction ended (one query: an indexed look-up
+    that finds nothing for jobs that are not responses)."""
+    found = connection.execute(
+        select(
+            StoredResponse.job_id,
+            Job.tenant,
+            Job.status,
+            Job.finish_reason,
+            WebhookEndpoint.id.label("endpoint_id"),
+            WebhookEndpoint.url,
+            WebhookEndpoint.event_types,
+        )
+        .join(Job, Job.id == StoredResponse.job_id)
+        .join(WebhookEndpoint, WebhookEndpoint.tenant == Job.tenant)
+        .where(
+            StoredResponse.job_id.in_(list(job_ids)),
+            StoredResponse.background.is_(True),
+            Job.finished_at == stamp,
+        )
+    ).all()
+    rows = []
+    for r in found:
+        event_type = response_event_type(r.status, r.finish_reason)
+        if event_type in r.event_types.split(","):
+            rows.append(_endpoint_event(r.tenant, event_type, r.endpoint_id, r.url, stamp))
+            rows[-1]["job_id"] = r.job_id
+    if rows:
+        connection.execute(insert(WebhookEvent), rows)
+    return [row["id"] for row in rows]
+
+
+def _endpoint_event(
+    tenant: str, event_type: str, endpoint_id: str, url: str, stamp: float
+) -> dict[str, Any]:
+    """A new event row for a registered endpoint (OpenAI's body is rendered at delivery)."""
+    return {
+        "id": new_id(ENDPOINT_EVENT_PREFIX),
+        "tenant": tenant,
+        "type": event_type,
+        "endpoint_id": endpoint_id,
+        "url": url,
+        "occurred_at": stamp,
+        "status": str(WebhookStatus.PENDING),
+        "attempts": 0,
+        "round_attempts": 0,
+        "next_attempt_at": stamp,
+        "created_at": stamp,
+        "updated_at": stamp,
+    }
 
 
 def record_batch_event(connection: Connection, batch_id: str, stamp: float) -> list[str]:
@@ -140,19 +216,8 @@ def record_batch_event(connection: Connection, batch_id: str, stamp: float) -> l
         event_type = BATCH_EVENT_PREFIX + ended.status
         rows = [
             {
-                "id": new_id(ENDPOINT_EVENT_PREFIX),
-                "tenant": ended.tenant,
-                "type": event_type,
+                **_endpoint_event(ended.tenant, event_type, endpoint_id, url, stamp),
                 "batch_id": batch_id,
-                "endpoint_id": endpoint_id,
-                "url": url,
-                "occurred_at": stamp,
-                "status": str(WebhookStatus.PENDING),
-                "attempts": 0,
-                "round_attempts": 0,
-                "next_attempt_at": stamp,
-                "created_at": stamp,
-                "updated_at": stamp,
             }
             for endpoint_id, url in _subscribed(connection, ended.tenant, event_type)
         ]

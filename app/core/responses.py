@@ -27,21 +27,10 @@ from sqlalchemy.orm import Session
 from app.core import jobs, transitions
 from app.core.changes import changes
 from app.core.errors import DomainError, Kind
-from app.core.models import TERMINAL, Job, JobStatus, NewJob, StoredResponse
+from app.core.models import TERMINAL, Job, JobStatus, NewJob, StoredResponse, response_id_of
 from app.core.openai_format import ChatCompletionRequest, Ended, JobView
 from app.core.responses_format import ResponseCreate, response_object
 from app.core.schemas import storable
-
-RESPONSE_PREFIX = "resp_"
-JOB_PREFIX = "job_"
-
-
-def response_id_of(job_id: str) -> str:
-    return RESPONSE_PREFIX + job_id.removeprefix(JOB_PREFIX)
-
-
-def job_id_of(response_id: str) -> str:
-    return JOB_PREFIX + response_id.removeprefix(RESPONSE_PREFIX)
 
 
 @dataclass(frozen=True)
@@ -68,6 +57,7 @@ class Prepared:
                 input=json.dumps(_input_items(response_id, self.body)),
                 context=json.dumps(conversation),
                 service_tier=self.chat.tier_used,
+                background=self.body.background,
                 created_at=job.created_at,
             )
         ]
@@ -182,7 +172,7 @@ def input_items(
 
 
 def _input_items(response_id: str, body: ResponseCreate) -> list[dict[str, Any]]:
-    suffix = response_id.removeprefix(RESPONSE_PREFIX)
+    suffix = response_id.removeprefix("resp_")
     return [
         {
             "type": "message",

@@ -539,10 +539,11 @@ def record(tx: Tx, ended: Sequence[tuple[Lease, Outcome]], *, stamp: float) -> l
     """
     written = _write_outcomes(tx, ended, stamp)
     recorded = [item for item, ok in zip(ended, written, strict=True) if ok]
+    ids = [lease.job_id for lease, _ in recorded]
     hooked = [lease.job_id for lease, _ in recorded if lease.webhook]
     after = tx.after
     after.moved += [lease.moved(o.status, JobStatus.RUNNING, o.error_code) for lease, o in recorded]
-    after.events += outbox.record_job_events(tx.connection, hooked, stamp)
+    after.events += outbox.record_job_events(tx.connection, ids, stamp, hooked=hooked)
     after.usage += [lease.usage(o.used) for lease, o in recorded]
     return written
 

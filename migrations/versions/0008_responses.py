@@ -28,6 +28,7 @@ def upgrade() -> None:
         sa.Column("input", sa.Text(), nullable=False),
         sa.Column("context", sa.Text(), nullable=False),
         sa.Column("service_tier", sa.String(length=16), nullable=False),
+        sa.Column("background", sa.Boolean(), nullable=False),
         sa.Column("created_at", sa.Double(), nullable=False),
         sa.ForeignKeyConstraint(["job_id"], ["jobs.id"], ondelete="CASCADE"),
         sa.PrimaryKeyConstraint("id"),

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ import pytest
 from click.testing import CliRunner
 from fastapi.testclient import TestClient
 from openai import OpenAI
-from openai.types.webhooks import BatchCancelledWebhookEvent
+from openai.types.webhooks import BatchCancelledWebhookEvent, ResponseCancelledWebhookEvent
 from sqlalchemy import text
 
 from app.api.main import create_app
@@ -28,6 +29,7 @@ from app.core.keys import create_key
 from app.core.settings import Settings, get_settings
 from tests.support import Receiver
 from tests.unit.conftest import environment
+from tests.unit.inprocess import Worker
 from workers.ops import delivery
 
 # A public address, as the URL policy asks (no DNS here); nothing is ever sent to it: no event
@@ -43,7 +45,9 @@ LINE = {
 
 def events() -> list[Any]:
     with db.transaction() as connection:
-        query = "SELECT id, type, endpoint_id, batch_id, url FROM webhook_events ORDER BY id"
+        query = (
+            "SELECT id, type, endpoint_id, batch_id, job_id, url FROM webhook_events ORDER BY id"
+        )
         return list(connection.execute(text(query)))
 
 
@@ -89,6 +93,10 @@ def test_an_endpoint_is_made_listed_changed_rotated_and_deleted_with_the_sdk(
         "batch.failed",
         "batch.expired",
         "batch.cancelled",
+        "response.completed",
+        "response.failed",
+        "response.cancelled",
+        "response.incomplete",
     ]
 
     deleted = client.webhooks.delete(made.id)
@@ -99,8 +107,8 @@ def test_an_endpoint_is_made_listed_changed_rotated_and_deleted_with_the_sdk(
 @pytest.mark.parametrize(
     ("body", "param", "code"),
     [
-        (  # OpenAI's type, which inferq does not send yet: refused by name
-            {"event_types": ["response.completed"]},
+        (  # OpenAI's type of something inferq does not have: refused by name
+            {"event_types": ["fine_tuning.job.succeeded"]},
             "event_types",
             "unsupported_event_type",
         ),
@@ -241,10 +249,10 @@ def test_the_cli_adds_lists_and_removes_a_tenants_endpoint(core: Settings) -> No
     assert runner.invoke(cli, ["webhooks", "list", "--tenant", "other"]).stdout == ""
 
     refused = runner.invoke(
-        cli, ["webhooks", "add", "--tenant", "acme", "--events", "response.completed", PUBLIC]
+        cli, ["webhooks", "add", "--tenant", "acme", "--events", "video.completed", PUBLIC]
     )
     assert refused.exit_code == 1
-    assert "unsupported_event_type: response.completed is not sent" in refused.stderr
+    assert "unsupported_event_type: 'video.completed' is not an event type" in refused.stderr
     foreign = runner.invoke(cli, ["webhooks", "remove", "--tenant", "other", endpoint_id])
     assert foreign.exit_code == 1 and "webhook_endpoint_not_found" in foreign.stderr
     removed = runner.invoke(cli, ["webhooks", "remove", "--tenant", "acme", endpoint_id])
@@ -268,7 +276,7 @@ def test_a_tenant_has_at_most_twenty_endpoints_and_a_bad_change_changes_nothing(
     with pytest.raises(openai.UnprocessableEntityError):
         client.webhooks.update(first.id, url="http://10.0.0.1/hook")
     with pytest.raises(openai.UnprocessableEntityError):
-        client.webhooks.update(first.id, event_types=["batch.failed", "response.failed"])
+        client.webhooks.update(first.id, event_types=["batch.failed", "eval.run.failed"])
     kept = client.webhooks.retrieve(first.id)
     assert (kept.url, kept.event_types, kept.updated_at) == (
         PUBLIC,
@@ -276,3 +284,46 @@ def test_a_tenant_has_at_most_twenty_endpoints_and_a_bad_change_changes_nothing(
         first.updated_at,
     )
     assert client.webhooks.update(first.id, name="n0").updated_at == first.updated_at
+
+
+def test_a_background_responses_end_goes_to_the_endpoints_that_list_it(
+    client: OpenAI, receiver: Receiver
+) -> None:
+    with environment(require_auth="true", webhook_allow_private="true") as settings:
+        hooked = client.webhooks.create(
+            name="responses",
+            url=receiver.url("/ok/responses"),
+            event_types=["response.cancelled", "response.completed"],
+        )
+        made = client.responses.create(model=settings.model_name, input="hi", background=True)
+        assert client.responses.cancel(made.id).status == "cancelled"
+        # A foreground response is answered on the line: no event (OpenAI's rule too).
+        [event] = events()
+        assert (event.type, event.endpoint_id) == ("response.cancelled", hooked.id)
+        assert delivery.deliver(event.id, settings) == "delivered"
+        [request] = receiver.received("/ok/responses")
+        unwrapped = client.webhooks.unwrap(
+            request["body"], request["headers"], secret=hooked.signing_secret
+        )
+        assert isinstance(unwrapped, ResponseCancelledWebhookEvent)
+        assert unwrapped.data.id == made.id
+
+
+def test_a_background_response_that_a_worker_finishes_is_an_event(
+    client: OpenAI, keyed: Settings
+) -> None:
+    hooked = client.webhooks.create(
+        name="responses", url=PUBLIC, event_types=["response.incomplete", "response.failed"]
+    )
+    with Worker(keyed):
+        made = client.responses.create(
+            model=keyed.model_name, input="hi", background=True, max_output_tokens=3
+        )
+        for _ in range(100):
+            if events():
+                break
+            time.sleep(0.05)
+    # The simulated engine stops at max_output_tokens: the response is incomplete.
+    [event] = events()
+    assert (event.type, event.endpoint_id) == ("response.incomplete", hooked.id)
+    assert event.job_id == "job_" + made.id.removeprefix("resp_")

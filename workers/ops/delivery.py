@@ -34,6 +34,7 @@ from app.core.models import (
     WebhookStatus,
     new_id,
     now,
+    response_id_of,
 )
 from app.core.outbox import SWEEP_BATCH
 from app.core.settings import Settings
@@ -121,9 +122,10 @@ def _claim(event_id: str, settings: Settings) -> Claimed | None:
         if body is None:
             # Rendered once, at the first attempt: every retry sends the same bytes.
             if endpoint is not None:
-                body = webhooks.render_openai(
-                    event_id, row.type, row.occurred_at, row.batch_id or row.job_id or ""
-                )
+                # OpenAI's data is the id of what the event is about: a batch, or a response
+                # (whose job it is).
+                about = row.batch_id or response_id_of(row.job_id or "")
+                body = webhooks.render_openai(event_id, row.type, row.occurred_at, about)
             else:
                 data = outbox.event_data(session, row.job_id, row.batch_id)
                 body = webhooks.render(row.type, row.occurred_at, data)
