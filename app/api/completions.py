@@ -159,7 +159,7 @@ class _Call:
             _abandon(self.tenant, self.job.id)
 
 
-class _EventStream(StreamingResponse):
+class EventStream(StreamingResponse):
     """SSE whose end, however it comes (done, disconnect, cancellation), closes the call."""
 
     def __init__(self, call: _Call, events: AsyncGenerator[str, None], headers: dict[str, str]):
@@ -196,7 +196,7 @@ async def _served(requested: str | None) -> str:
     return model
 
 
-async def _start(
+async def start(
     body: ChatCompletionRequest | CompletionRequest,
     request: Request,
     tenant: str,
@@ -234,7 +234,7 @@ async def outcome(
 ) -> JobView | None:
     """A call answered once its job has ended: the job as committed (None: the caller left).
     ``attach``: rows committed with the job (a stored response)."""
-    call, ended = await _start(body, request, tenant, attach)
+    call, ended = await start(body, request, tenant, attach)
     if ended is None:
         return None  # _start closed the call: the job is cancelled
     await call.close()
@@ -247,16 +247,33 @@ def enqueue(
     tenant: str,
     caller: Limits,
     attach: Callable[[NewJob], list[Any]] | None = None,
+    reply_to: str | None = None,
 ) -> NewJob | Job:
     """A call that answers at once (a background response): its job is committed and waits,
-    like any job, for a worker of its model (no relay: nobody is waiting on the line)."""
-    return _submit(tenant, body, catalog.resolve(body.model), caller, None, attach)
+    like any job, for a worker of its model; nobody waits on the line, so it relays only to a
+    kept log (``reply_to``: ``relay.log_address()``), if to anything."""
+    return _submit(tenant, body, catalog.resolve(body.model), caller, reply_to, attach)
+
+
+async def followed(
+    call: _Call, first: relay.Entry | JobView
+) -> AsyncGenerator[relay.Entry | JobView, None]:
+    """A streamed call's pieces of output as they come, then its job as committed; stops
+    early when the caller leaves (``EventStream`` then closes the call, cancelling the job)."""
+    item = first
+    try:
+        while isinstance(item, relay.Entry):
+            yield item
+            item = await call.next()
+    except _Left:
+        return
+    yield item
 
 
 async def complete(
     body: ChatCompletionRequest | CompletionRequest, request: Request, tenant: str
 ) -> Response:
-    call, first = await _start(body, request, tenant)
+    call, first = await start(body, request, tenant)
     if first is None:
         return Response(status_code=499)
     headers = {JOB_HEADER: call.job.id}
@@ -267,7 +284,7 @@ async def complete(
         if not body.stream:
             return JSONResponse(response_body(first, body.tier_used), headers=headers)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return _EventStream(
+    return EventStream(
         call,
         _events(call, first, include_usage, body.tier_used),
         {**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
@@ -304,7 +321,7 @@ async def _events(
                 yield _sse(tiered(job, text=item.text))
             item = await call.next()
     except _Left:
-        return  # _EventStream closes the call, which cancels the job
+        return  # EventStream closes the call, which cancels the job
     final = item
     if final.status == JobStatus.SUCCEEDED:
         text, result = "".join(sent), final.result_text or ""

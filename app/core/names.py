@@ -42,6 +42,9 @@ OPS_QUEUES: tuple[str, ...] = (WEBHOOK_QUEUE, MAINTENANCE_QUEUE)
 CONTROL_CHANNEL = "inferq:control"
 # A waiting API call's channel is this prefix + its process (app/core/relay.py).
 REPLY_CHANNEL_PREFIX = "inferq:reply:"
+# A background streamed response's kept relay messages, a Redis stream per response, that any
+# API process reads (app/core/relay.py, "kept logs").
+RESPONSE_EVENTS_PREFIX = "inferq:response-events:"
 # Presence records (workers/presence.py), one prefix per role: readers of inference workers
 # (`inferq up`, `inferq status`, the dispatcher) never see an ops worker as one of them.
 WORKERS_KEY_PREFIX = "inferq:worker:"

@@ -11,6 +11,12 @@ to that channel, as JSON:
 - ``{"k": key, "t": <lease token>, "end": {...}}`` once the job's outcome is committed (every
   relayed job), carrying the committed outcome, so the call answers without reading the row.
 
+**Kept logs.** A background streamed response (app/core/responses.py) has nobody waiting on a
+channel, and its client may read from any API process, now or after a lost connection: its
+``reply_to`` names a Redis stream of its own (``RESPONSE_EVENTS_PREFIX`` + a random key),
+where the same messages are appended (``XADD``), kept ``INFERQ_RESPONSE_EVENTS_KEEP_S`` after
+the last one, and read with :func:`read_log` (docs/openai.md, "Responses").
+
 Pub/sub rather than a stream per job: the subscription exists before the job is submitted, so
 nothing is published before it is heard; one subscriber per process reads every call's output
 from one connection (a blocking read per call, per piece, was most of the API's CPU on the
@@ -43,7 +49,7 @@ from typing import Any
 import redis
 
 from app.core import clients
-from app.core.names import REPLY_CHANNEL_PREFIX
+from app.core.names import REPLY_CHANNEL_PREFIX, RESPONSE_EVENTS_PREFIX
 from app.core.settings import get_settings
 
 log = logging.getLogger("inferq.relay")
@@ -51,6 +57,9 @@ log = logging.getLogger("inferq.relay")
 POLL_S = 1.0  # a waiting call is told each time this passes quietly
 READ_COUNT = 512
 MAX_PENDING = 100_000  # pieces waiting for Redis in one worker
+# A kept log's bound: a response's pieces are merged every relay_merge_ms, so this is minutes
+# of output; a longer one is refused by read_log's reader at its first missing message.
+LOG_MAX_ENTRIES = 100_000
 
 
 def split(address: str) -> tuple[str, str]:
@@ -71,9 +80,10 @@ class Publisher:
     relay). An end message sends what is pending of its job first.
     """
 
-    def __init__(self, client: redis.Redis, merge_ms: float) -> None:
+    def __init__(self, client: redis.Redis, merge_ms: float, keep_s: float = 3600.0) -> None:
         self._client = client
         self._merge_s = merge_ms / 1000
+        self._keep_s = max(1, int(keep_s))  # a kept log's life after its last message
         # (reply_to, lease token, text, or the outcome for the end message)
         self._queue: queue.SimpleQueue[tuple[str, int, str | dict[str, Any]]] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name="relay", daemon=True)
@@ -137,7 +147,12 @@ class Publisher:
     def _write(self, messages: list[tuple[str, dict[str, Any]]]) -> None:
         pipe = self._client.pipeline(transaction=False)
         for channel, body in messages:
-            pipe.publish(channel, json.dumps(body, separators=(",", ":")))
+            data = json.dumps(body, separators=(",", ":"))
+            if channel.startswith(RESPONSE_EVENTS_PREFIX):
+                pipe.xadd(channel, {"m": data}, maxlen=LOG_MAX_ENTRIES, approximate=False)
+                pipe.expire(channel, self._keep_s)
+            else:
+                pipe.publish(channel, data)
         pipe.execute()
 
 
@@ -239,6 +254,36 @@ class Replies:
             return
         if waiting is not None:  # a call that has already gone: nobody to tell
             waiting.put_nowait(entry)
+
+
+def log_address() -> str:
+    """A new ``reply_to`` whose relay messages are kept (a background streamed response): a
+    log's key, and a key part the messages carry but nobody reads."""
+    return f"{RESPONSE_EVENTS_PREFIX}{secrets.token_hex(12)}/0"
+
+
+def is_log(address: str | None) -> bool:
+    return address is not None and address.startswith(RESPONSE_EVENTS_PREFIX)
+
+
+async def read_log(
+    address: str, after: str = "0", block_s: float = POLL_S
+) -> list[tuple[str, Entry]]:
+    """The kept messages of the log at ``address`` after log id ``after``, oldest first,
+    waiting up to ``block_s`` for one when there are none yet (0: not at all)."""
+    key, _ = split(address)
+    block = int(block_s * 1000) or None
+    found: Any = await clients.async_redis().xread({key: after}, count=READ_COUNT, block=block)
+    entries = []
+    for _, messages in found or []:
+        for log_id, fields in messages:
+            body = json.loads({_text(k): v for k, v in fields.items()}["m"])
+            entries.append((_text(log_id), Entry(int(body["t"]), body.get("d"), body.get("end"))))
+    return entries
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def replies() -> Replies:

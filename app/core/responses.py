@@ -65,10 +65,7 @@ class Prepared:
     def render(self, job: JobView | NewJob | Job) -> dict[str, Any]:
         """The Response object of this request's job: as it ended, or just committed."""
         if isinstance(job, NewJob):
-            job = Ended(
-                job.id, job.created_at, job.model, job.messages, JobStatus.QUEUED,
-                None, None, None, None, None, None, None,
-            )  # fmt: skip
+            job = _queued(job)
         return response_object(response_id_of(job.id), job, self.body.echo(), self.chat.tier_used)
 
 
@@ -119,8 +116,21 @@ def get(
     return row, job
 
 
-def render(row: StoredResponse, job: Job) -> dict[str, Any]:
+def render(row: StoredResponse, job: JobView) -> dict[str, Any]:
     return response_object(row.id, job, json.loads(row.request), row.service_tier)
+
+
+def opening(row: StoredResponse, job: Job) -> dict[str, Any]:
+    """The response as it was created (queued, no output): what its stream's first events
+    carry, the same whenever the stream is read."""
+    return render(row, _queued(job))
+
+
+def _queued(job: NewJob | Job) -> Ended:
+    return Ended(
+        job.id, job.created_at, job.model, job.messages, JobStatus.QUEUED,
+        None, None, None, None, None, None, None,
+    )  # fmt: skip
 
 
 def cancel(session: Session, tenant: str, response_id: str) -> tuple[StoredResponse, Job]:

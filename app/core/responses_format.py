@@ -9,8 +9,8 @@ vLLM's ``ResponsesRequest`` is in ``RESPONSES_REFUSED`` with the reason, as for 
 default (or null) it asks for nothing and is accepted, any other value is a 422 naming it
 (docs/openai.md, "Responses").
 
-What is not served yet is refused by name too: ``stream`` (ask with ``background: true`` and
-poll), function ``tools`` and input items other than messages.
+What is not served yet is refused by name too: function ``tools`` and input items other than
+messages. Streams are OpenAI's events, numbered (:class:`EventLog`).
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ _TRANSFER = "disaggregated serving (KV or encoder-cache transfer) is not part of
 # vLLM's ResponsesRequest fields inferq does not take, with vLLM's default (which asks for
 # nothing and is accepted) and why.
 RESPONSES_REFUSED: dict[str, tuple[Any, str]] = {
-    "stream": (False, f"{_NOT_YET}: ask with background: true and poll GET /v1/responses/{{id}}"),
     "tools": ([], f"function tools are {_NOT_YET}: use /v1/chat/completions for tools"),
     "max_tool_calls": (None, "tools are not served yet by inferq's Responses API"),
     "include": (None, "nothing optional is added to a response's output"),
@@ -162,6 +161,7 @@ class ResponseCreate(StrictModel):
     user: str | None = Field(None, max_length=256)
     store: bool = True
     background: bool = False
+    stream: bool = False
     service_tier: ServiceTier | None = None
     previous_response_id: str | None = Field(None, max_length=64)
     text: TextConfig | None = None
@@ -323,3 +323,86 @@ def response_object(
         else None,
         **echo,
     }
+
+
+class EventLog:
+    """OpenAI's stream events of one response, numbered in the order they are made.
+
+    They are made from the job's relay messages alone (its pieces and its end) and from what
+    the job was when the stream began, so every API process that reads the same messages makes
+    the same events with the same ``sequence_number``s: a client that lost its connection
+    resumes with ``starting_after`` anywhere (docs/openai.md, "Responses").
+    """
+
+    def __init__(self, response_id: str, opening: dict[str, Any]) -> None:
+        self.response_id = response_id
+        self.item_id = "msg_" + response_id.removeprefix("resp_")
+        self.events: list[dict[str, Any]] = []
+        self.token: int | None = None
+        self.text: list[str] = []
+        self.done = False
+        self._add("response.created", response={**opening, "status": "queued"})
+        self._add("response.in_progress", response={**opening, "status": "in_progress"})
+
+    def piece(self, token: int, text: str) -> None:
+        """A piece of output of the job's attempt ``token``."""
+        if self.done:
+            return
+        if self.token is None:
+            self.token = token
+            self._open()
+        elif token != self.token:
+            # The job started over on another worker: what was sent cannot be taken back. The
+            # response goes on; its end is at GET /v1/responses/{id} and in its webhook.
+            self._add(
+                "error",
+                code="job_restarted",
+                message="the response's job restarted on another worker: GET "
+                f"/v1/responses/{self.response_id} has its outcome",
+                param=None,
+            )
+            self.done = True
+            return
+        if text:
+            self.text.append(text)
+            self._add("response.output_text.delta", **self._at(), delta=text, logprobs=[])
+
+    def end(self, final: dict[str, Any], text: str | None) -> None:
+        """The job has ended: ``final`` is the Response object; ``text`` its output (None
+        without one)."""
+        if self.done:
+            return
+        if text is not None:
+            sent = "".join(self.text)
+            if self.token is None:
+                self._open()
+            if len(text) > len(sent) and text.startswith(sent):
+                # Pieces the relay lost (Redis restarted, say): the row has the whole text.
+                self.piece(self.token or 0, text[len(sent) :])
+            part = {"type": "output_text", "text": text, "annotations": []}
+            self._add("response.output_text.done", **self._at(), text=text, logprobs=[])
+            self._add("response.content_part.done", **self._at(), part=part)
+            item = {**self._item("completed"), "content": [part]}
+            self._add("response.output_item.done", output_index=0, item=item)
+        self._add(f"response.{final['status']}", response=final)
+        self.done = True
+
+    def _open(self) -> None:
+        self._add("response.output_item.added", output_index=0, item=self._item("in_progress"))
+        part = {"type": "output_text", "text": "", "annotations": []}
+        self._add("response.content_part.added", **self._at(), part=part)
+
+    def _item(self, status: str) -> dict[str, Any]:
+        return {
+            "id": self.item_id,
+            "type": "message",
+            "status": status,
+            "role": "assistant",
+            "content": [],
+        }
+
+    def _at(self) -> dict[str, Any]:
+        return {"item_id": self.item_id, "output_index": 0, "content_index": 0}
+
+    def _add(self, event_type: str, **fields: Any) -> None:
+        self.events.append({"type": event_type, "sequence_number": len(self.events), **fields})

@@ -334,6 +334,12 @@ class Settings(BaseSettings):
         description="A streamed call's first piece of output goes out at once; later pieces "
         "are sent together at most this often.",
     )
+    response_events_keep_s: float = Field(
+        3600.0,
+        gt=0,
+        description="How long a background streamed response's events stay in Redis after "
+        "the last one, for a client to resume with starting_after.",
+    )
     files_dir: Path | None = Field(
         None, description="Where uploaded and generated files are stored; empty: data_dir/files."
     )

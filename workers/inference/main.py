@@ -53,7 +53,9 @@ def build_executor(
 ) -> Executor:
     """An executor on ``runner`` with its recorder, the recorder's relay publisher and webhook
     announcer, and an intake (``intake``, else one from ``settings``); not started."""
-    publisher = relay.Publisher(clients.redis_client(), settings.relay_merge_ms)
+    publisher = relay.Publisher(
+        clients.redis_client(), settings.relay_merge_ms, settings.response_events_keep_s
+    )
     recorder = Recorder(worker_id, publisher, outbox.Announcer())
     return Executor(
         runner,

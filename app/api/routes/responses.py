@@ -10,14 +10,14 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from app.api import completions
+from app.api import completions, response_stream
 from app.api.auth import Tenant, caller_limits
 from app.api.deps import SessionDep
 from app.api.schemas import ErrorBody
-from app.core import queries, responses
+from app.core import queries, relay, responses
 from app.core.db import session_scope
 from app.core.errors import DomainError, Kind
-from app.core.models import JobStatus
+from app.core.models import JobStatus, StoredResponse, response_id_of
 from app.core.openai_format import job_error
 from app.core.responses_format import ResponseCreate
 
@@ -31,36 +31,58 @@ def _prepare(tenant: str, body: ResponseCreate) -> responses.Prepared:
 
 @router.post("/responses", response_model=None)
 async def create_response(body: ResponseCreate, request: Request, tenant: Tenant) -> Response:
-    """A response; ``background: true`` answers at once (``queued``), else when it has ended."""
+    """A response; ``background: true`` answers at once (``queued``), else when it has ended;
+    ``stream: true`` answers with OpenAI's events as it runs."""
     prepared = await run_in_threadpool(_prepare, tenant, body)
-    headers = {}
+    if body.stream and not body.background:
+        return await response_stream.foreground(prepared, request, tenant)
     if body.background:
+        # Streamed: its job relays to a kept log that any API process can follow.
+        chat = prepared.chat.model_copy(update={"stream": body.stream})
+        reply_to = relay.log_address() if body.stream else None
         job = await run_in_threadpool(
-            completions.enqueue, prepared.chat, tenant, caller_limits(request), prepared.attach
+            completions.enqueue, chat, tenant, caller_limits(request), prepared.attach, reply_to
         )
+        if body.stream:
+            row, _ = await run_in_threadpool(_stored, tenant, response_id_of(job.id))
+            return await response_stream.follow(row, request, None)
         return JSONResponse(prepared.render(job), headers={completions.JOB_HEADER: job.id})
     ended = await completions.outcome(prepared.chat, request, tenant, prepared.attach)
     if ended is None:
         return Response(status_code=499)  # the caller left: its job is cancelled
-    headers[completions.JOB_HEADER] = ended.id
     if ended.status != JobStatus.SUCCEEDED:
         raise job_error(ended)
-    return JSONResponse(prepared.render(ended), headers=headers)
+    return JSONResponse(prepared.render(ended), headers={completions.JOB_HEADER: ended.id})
 
 
-@router.get("/responses/{response_id}")
-def get_response(
-    response_id: str, tenant: Tenant, session: SessionDep, stream: bool = False
-) -> dict[str, Any]:
-    """A stored response as it is now (poll a background one until it has ended)."""
+def _stored(tenant: str, response_id: str) -> tuple[StoredResponse, dict[str, Any]]:
+    with session_scope() as session:
+        row, job = responses.get(session, tenant, response_id)
+        session.expunge(row)
+        return row, responses.render(row, job)
+
+
+@router.get("/responses/{response_id}", response_model=None)
+async def get_response(
+    response_id: str,
+    tenant: Tenant,
+    request: Request,
+    stream: bool = False,
+    starting_after: Annotated[int | None, Query(ge=-1)] = None,
+) -> Response:
+    """A stored response as it is now (poll a background one until it has ended); with
+    ``stream=true``, its events, after ``starting_after`` (a resumed stream)."""
+    row, body = await run_in_threadpool(_stored, tenant, response_id)
     if stream:
+        return await response_stream.follow(row, request, starting_after)
+    if starting_after is not None:
         raise DomainError(
             Kind.INVALID,
-            "unsupported_parameter",
-            "stream is not served yet by inferq's Responses API: poll without it",
-            param="stream",
+            "invalid_starting_after",
+            "starting_after goes with stream=true",
+            param="starting_after",
         )
-    return responses.render(*responses.get(session, tenant, response_id))
+    return JSONResponse(body)
 
 
 @router.post("/responses/{response_id}/cancel")
