@@ -8,17 +8,23 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import io
 import json
+import re
+import unittest.mock
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
 import openai
 import pytest
-from openai import AsyncOpenAI
+from fastapi.testclient import TestClient
+from openai import AsyncOpenAI, OpenAI
 from pydantic import ValidationError
 from sqlalchemy import text
 
+from app.api.main import create_app
 from app.core import db
 from app.core.db import session_scope
 from app.core.keys import create_key
@@ -318,3 +324,37 @@ def test_a_background_stream_is_resumed_after_a_dropped_connection(core: Setting
     assert whole[-1].type == "response.incomplete" and beyond == 422
     row = job_of(whole[-1].response.id)
     assert row.reply_to.startswith("inferq:response-events:") and row.relay == "tokens"
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_the_docs_table_names_every_field_taken_or_refused() -> None:
+    page = (REPO / "docs" / "openai.md").read_text()
+    section = page.split("## Responses", 1)[1].split("\n## ", 1)[0]
+    documented = set(re.findall(r"^\| `(\w+)` \|", section, re.M))
+    assert documented == set(ResponseCreate.model_fields) | set(RESPONSES_REFUSED)
+
+
+def test_the_readme_samples_are_what_the_api_answers(core: Settings) -> None:
+    """README's Responses part: the curl's answer has the fields the API answers, and the SDK
+    sample runs as written (its client pointed at the app in this process)."""
+    readme = (REPO / "README.md").read_text()
+    part = readme[readme.index("The Responses API is durable here") :]
+    curl, answer, program = re.findall(r"```(?:bash|json|python)\n(.*?)```", part, re.S)[:3]
+    body = json.loads(curl.split("-d '", 1)[1].rsplit("'", 1)[0])
+    sample = json.loads(answer)
+    with Worker(core), TestClient(create_app()) as http:
+        made = http.post("/v1/responses", json=body)
+        assert made.status_code == 200, made.text
+        assert set(made.json()) == set(sample)
+        assert {k: made.json()[k] for k in ("object", "status", "model", "background")} == {
+            k: sample[k] for k in ("object", "status", "model", "background")
+        }
+        printed = io.StringIO()
+        client = OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http)
+        namespace = {"print": lambda *a: printed.write(" ".join(map(str, a)))}
+        with unittest.mock.patch("openai.OpenAI", lambda **_: client):
+            exec(compile(program, "README.md", "exec"), namespace)
+    status, _, text_out = printed.getvalue().partition(" ")
+    assert status == "incomplete" and text_out  # the demo model writes until its limit
