@@ -222,6 +222,42 @@ def test_vllm_streams_chat_completions(vllm_stack: tuple[Stack, int]) -> None:
     assert plain.usage is not None and plain.usage.completion_tokens == 8
 
 
+def test_vllm_answers_the_responses_api_plain_streamed_and_by_a_schema(
+    vllm_stack: tuple[Stack, int],
+) -> None:
+    """OpenAI's Responses API on the real engine, through the official SDK: a plain response,
+    the same streamed (its deltas add up to the stored text), and text.format's JSON schema."""
+    stack, _ = vllm_stack
+    client = OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    plain = client.responses.create(
+        model="inferq-demo", input="Hello!", instructions="Be brief.", max_output_tokens=16,
+        temperature=0,
+    )  # fmt: skip
+    assert plain.status in ("completed", "incomplete") and plain.output_text
+    assert plain.usage is not None and plain.usage.output_tokens <= 16
+    events = list(
+        client.responses.create(
+            model="inferq-demo",
+            input="Hello!",
+            instructions="Be brief.",
+            max_output_tokens=16,
+            temperature=0,
+            stream=True,
+        )
+    )
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert len(deltas) > 1 and events[-1].type in ("response.completed", "response.incomplete")
+    assert "".join(deltas) == events[-1].response.output_text == plain.output_text  # greedy
+    shaped = client.responses.create(
+        model="inferq-demo",
+        input="Is a queue fair? Answer in JSON.",
+        max_output_tokens=60,
+        temperature=0,
+        text={"format": {"type": "json_schema", "name": "a", "schema": ANSWER}},
+    )
+    jsonschema.validate(json.loads(shaped.output_text), ANSWER)
+
+
 def published_tokenizer(stack: Stack) -> tuple[dict, Tokenizer]:
     """The model card and tokenizer the worker published for the API."""
     store = redis.Redis.from_url(stack.redis_url)

@@ -20,7 +20,7 @@ from standardwebhooks import Webhook
 from app.core.settings import DEMO_MODEL_NAME
 from tests.conftest import PostgresDatabases, backend_stack_for
 from tests.integration.test_api import assert_error
-from tests.support import Receiver, Stack, queue, wait_until
+from tests.support import Receiver, Stack, free_port, queue, wait_until
 
 SECRET = "whsec_" + "MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
 MODEL = DEMO_MODEL_NAME
@@ -512,6 +512,74 @@ def test_batch_expiry_and_its_signed_webhook(
     assert event["type"] == "batch.expired"
     assert event["data"]["id"] == batch.id and event["data"]["status"] == "expired"
     assert event["data"]["error_file_id"] == done.error_file_id
+
+
+def test_responses_on_real_processes_resumed_on_a_second_api(client: OpenAI, stack: Stack) -> None:
+    """The Responses API through the SDK, unchanged, on the real API and worker processes: a
+    plain response, one in the flex tier, a conversation, a background stream whose connection
+    drops and resumes on a second API process, and a running background response cancelled."""
+    made = client.responses.create(model=DEMO_MODEL_NAME, input="Name a queue", max_output_tokens=4)
+    assert made.status == "incomplete" and made.output_text
+    flex = client.responses.create(
+        model=DEMO_MODEL_NAME, input="later", max_output_tokens=2, service_tier="flex"
+    )
+    assert flex.service_tier == "flex"
+    assert job(stack, "job_" + flex.id.removeprefix("resp_"))["lane"] == "standard"
+    follow_up = client.responses.create(
+        model=DEMO_MODEL_NAME, input="Another", previous_response_id=made.id, max_output_tokens=2
+    )
+    assert follow_up.previous_response_id == made.id
+    messages = stack.scalar(
+        "SELECT messages FROM jobs WHERE id = :i", i="job_" + follow_up.id.removeprefix("resp_")
+    )
+    assert [
+        m["content"] for m in (json.loads(messages) if isinstance(messages, str) else messages)
+    ] == [
+        "Name a queue",
+        made.output_text,
+        "Another",
+    ]
+
+    second = stack.spawn("api-2", "api", env={"INFERQ_API_PORT": str(port := free_port())})
+    try:
+        wait_until(
+            lambda: httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200,
+            60,
+            "the second API",
+        )
+        stream = client.responses.create(
+            model=DEMO_MODEL_NAME, input="Go on", max_output_tokens=30, background=True,
+            stream=True,
+        )  # fmt: skip
+        first = []
+        for event in stream:
+            first.append(event)
+            if len(first) == 6:
+                break
+        stream.close()  # the connection drops
+        other = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        response_id = first[0].response.id
+        rest = list(
+            other.responses.retrieve(
+                response_id, stream=True, starting_after=first[-1].sequence_number
+            )
+        )
+        whole = list(client.responses.retrieve(response_id, stream=True))
+        assert [e.model_dump() for e in first + rest] == [e.model_dump() for e in whole]
+        assert whole[-1].type == "response.incomplete"
+        assert "".join(e.delta for e in whole if e.type == "response.output_text.delta") == (
+            whole[-1].response.output_text
+        )
+    finally:
+        second.stop()
+
+    long = client.responses.create(
+        model=DEMO_MODEL_NAME, input="Keep going", max_output_tokens=1900, background=True
+    )
+    wait_until(lambda: client.responses.retrieve(long.id).status == "in_progress", 30, "it to run")
+    cancelled = client.responses.cancel(long.id)
+    assert cancelled.status == "cancelled", cancelled.status
+    assert job(stack, "job_" + long.id.removeprefix("resp_"))["status"] == "cancelled"
 
 
 def test_a_registered_endpoint_gets_batch_completed_and_the_sdk_unwraps_it(
