@@ -16,7 +16,9 @@ with its reaper every second) against PostgreSQL and a Redis database of their o
   and sent by the dispatcher;
 - a message taken off its lane by a worker that dies before claiming it (Redis keeps no
   redelivery of its own): the reaper unsends its job and the dispatcher sends it again;
-- the same message delivered twice: the job runs once.
+- the same message delivered twice: the job runs once;
+- a background response (the Responses API) with its worker and its API killed with -9: it
+  ends once, with one webhook event.
 
 Each prints a ``RECOVERY <scenario> <seconds>`` line (``pytest -s``) for docs/reliability.md.
 """
@@ -32,6 +34,7 @@ from typing import Any
 
 import pytest
 import redis
+from openai import OpenAI
 from sqlalchemy import text
 
 from tests.conftest import PostgresDatabases, fresh_redis_url
@@ -251,3 +254,59 @@ def test_a_message_fetched_and_never_claimed_is_sent_again(stack: Stack) -> None
     done = stack.wait_job(job_id, timeout=60)
     report("fetched-never-claimed (worker up -> succeeded)", time.time() - began)
     assert done["status"] == "succeeded" and done["attempts"] == 1
+
+
+def test_a_background_response_outlives_its_worker_and_its_api_killed(stack: Stack) -> None:
+    """A background response (OpenAI's Responses API) is a job: with the worker running it and
+    the API that accepted it both killed with -9, it is run again elsewhere, ends once, and
+    its endpoint gets one response.* event, which the official SDK verifies."""
+    receiver = Receiver()
+    try:
+        with stack.client() as c:
+            endpoint = c.post(
+                "/v1/webhook_endpoints",
+                json={
+                    "name": "responses",
+                    "url": receiver.url("/ok/responses"),
+                    "event_types": ["response.completed", "response.incomplete"],
+                },
+            ).json()
+            made = c.post(
+                "/v1/responses",
+                json={
+                    "model": "inferq-demo",
+                    "input": "tell me about queues",
+                    "max_output_tokens": 40,
+                    "background": True,
+                },
+            ).json()
+        assert made["status"] == "queued", made
+        job_id = "job_" + made["id"].removeprefix("resp_")
+        first = stack.start_worker()
+        wait_until(lambda: running_on(stack, [job_id], first.pid), 30, "the response to run")
+        [api] = [p for p in stack.procs if p.name == "api" and p.alive()]
+        first.signal(signal.SIGKILL)
+        api.signal(signal.SIGKILL)
+        first.popen.wait(10)
+        api.popen.wait(10)
+
+        stack.start_worker()
+        stack.start_api(dispatcher=False)  # the dispatcher lived on
+        with stack.client() as c:
+
+            def ended() -> dict[str, Any] | None:
+                found = c.get(f"/v1/responses/{made['id']}").json()
+                return found if found["status"] not in ("queued", "in_progress") else None
+
+            done = wait_until(ended, 90, "the response to end")
+        assert done["status"] == "incomplete" and done["output"][0]["content"][0]["text"]
+        assert rows(stack, [job_id])[job_id]["attempts"] == 2
+        wait_until(lambda: receiver.received("/ok/responses"), 30, "the response's event")
+        time.sleep(2 * HEARTBEAT_S)  # a second event, if one were made, has had time
+        [delivery] = receiver.received("/ok/responses")
+        event = OpenAI(api_key="unused").webhooks.unwrap(
+            delivery["body"], delivery["headers"], secret=endpoint["signing_secret"]
+        )
+        assert event.type == "response.incomplete" and event.data.id == made["id"]
+    finally:
+        receiver.close()
