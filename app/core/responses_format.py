@@ -29,7 +29,7 @@ from app.core.openai_format import (
     refused_fields,
     usage,
 )
-from app.core.schemas import StrictModel
+from app.core.schemas import JobParams, StrictModel
 
 _NOT_YET = "not served yet by inferq's Responses API"
 _MULTIMODAL = "inferq serves text: multimodal inputs are not accepted"
@@ -63,24 +63,6 @@ RESPONSES_REFUSED: dict[str, tuple[Any, str]] = {
     "vllm_xargs": (None, "free-form engine arguments would bypass the request's validation"),
     "chat_template_kwargs": (None, _TEMPLATE),
 }
-# Sampling options passed on to the chat request under the same names (JobParams').
-_SAMPLING = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "logit_bias",
-    "seed",
-    "stop",
-    "stop_token_ids",
-    "ignore_eos",
-    "include_stop_str_in_output",
-    "skip_special_tokens",
-    "structured_outputs",
-)
 MAX_INPUT_ITEMS = 1000
 
 
@@ -220,7 +202,7 @@ class ResponseCreate(StrictModel):
             "user": self.user,
             "service_tier": self.service_tier,
             "max_tokens": self.max_output_tokens,
-            **{name: getattr(self, name) for name in _SAMPLING if getattr(self, name) is not None},
+            **{name: getattr(self, name) for name in SAMPLING if getattr(self, name) is not None},
         }
         text_format = self.text.format if self.text is not None else None
         if text_format is not None and text_format.response_format() is not None:
@@ -256,6 +238,10 @@ class ResponseCreate(StrictModel):
             "tool_choice": self.tool_choice,
             "parallel_tool_calls": self.parallel_tool_calls,
         }
+
+
+# The sampling options, passed on to the chat request under the same names (JobParams').
+SAMPLING = tuple(name for name in ResponseCreate.model_fields if name in JobParams.model_fields)
 
 
 # A job's status as a response's (a job that stopped at max_output_tokens is "incomplete").

@@ -21,7 +21,6 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 from openai import AsyncOpenAI, OpenAI
-from pydantic import ValidationError
 from sqlalchemy import text
 
 from app.api.main import create_app
@@ -249,81 +248,6 @@ def test_every_field_of_vllms_responses_request_is_taken_or_refused() -> None:
     assert vllm_fields - taken - set(RESPONSES_REFUSED) == set()
     assert set(RESPONSES_REFUSED) <= vllm_fields  # nothing refused that vLLM does not have
     assert taken & set(RESPONSES_REFUSED) == set()
-
-
-def test_a_refused_field_asks_for_nothing_at_its_default_and_is_named_otherwise() -> None:
-    base = {"model": "m", "input": "hi"}
-    plain = ResponseCreate.model_validate(base)
-    for name, (default, reason) in RESPONSES_REFUSED.items():
-        assert ResponseCreate.model_validate({**base, name: None}) == plain, name
-        assert ResponseCreate.model_validate({**base, name: default}) == plain, name
-        with pytest.raises(ValidationError) as error:
-            ResponseCreate.model_validate({**base, name: "something else"})
-        first = error.value.errors()[0]
-        assert first["type"] == "unsupported_parameter", name
-        assert name in first["msg"] and reason in first["msg"]
-
-
-def test_a_streamed_response_sends_openais_events_numbered_in_order(core: Settings) -> None:
-    async def scenario(client: AsyncOpenAI) -> list[Any]:
-        stream = await client.responses.create(
-            model=core.model_name, input="Stream to me", max_output_tokens=12, stream=True
-        )
-        return [event async for event in stream]
-
-    with Worker(core):
-        events = sdk(scenario)
-    types = [e.type for e in events]
-    assert types[:4] == [
-        "response.created",
-        "response.in_progress",
-        "response.output_item.added",
-        "response.content_part.added",
-    ]
-    assert types[-4:] == [
-        "response.output_text.done",
-        "response.content_part.done",
-        "response.output_item.done",
-        "response.incomplete",
-    ]
-    assert set(types[4:-4]) == {"response.output_text.delta"}
-    assert [e.sequence_number for e in events] == list(range(len(events)))
-    final = events[-1].response
-    row = job_of(final.id)
-    assert "".join(e.delta for e in events[4:-4]) == row.result_text == final.output_text
-    assert events[-4].text == row.result_text and row.relay == "tokens"
-
-
-def test_a_background_stream_is_resumed_after_a_dropped_connection(core: Settings) -> None:
-    async def scenario(client: AsyncOpenAI) -> tuple[list[Any], list[Any], list[Any], int]:
-        stream = await client.responses.create(
-            model=core.model_name, input="Go on", max_output_tokens=16, background=True,
-            stream=True,
-        )  # fmt: skip
-        first = []
-        async for event in stream:
-            first.append(event)
-            if len(first) == 5:
-                break  # the connection is dropped
-        await stream.close()
-        response_id = first[0].response.id
-        rest_stream = await client.responses.retrieve(
-            response_id, stream=True, starting_after=first[-1].sequence_number
-        )
-        rest = [event async for event in rest_stream]
-        whole_stream = await client.responses.retrieve(response_id, stream=True)
-        whole = [event async for event in whole_stream]
-        with pytest.raises(openai.UnprocessableEntityError) as beyond:
-            await client.responses.retrieve(response_id, stream=True, starting_after=len(whole) + 3)
-        return first, rest, whole, beyond.value.status_code
-
-    with Worker(core):
-        first, rest, whole, beyond = sdk(scenario)
-    # Every event once, in order, the same as a reader from the start gets.
-    assert [e.model_dump() for e in first + rest] == [e.model_dump() for e in whole]
-    assert whole[-1].type == "response.incomplete" and beyond == 422
-    row = job_of(whole[-1].response.id)
-    assert row.reply_to.startswith("inferq:response-events:") and row.relay == "tokens"
 
 
 REPO = Path(__file__).resolve().parents[2]

@@ -24,6 +24,7 @@ from app.core.openai_format import (
     ChatCompletionRequest,
     CompletionRequest,
 )
+from app.core.responses_format import RESPONSES_REFUSED, ResponseCreate
 from app.core.schemas import JobChoice, JobCreate, JobParams
 from app.core.settings import DEMO_MODEL_NAME
 
@@ -64,8 +65,9 @@ def test_an_explicit_null_is_the_default_on_every_optional_field(
     [
         (ChatCompletionRequest, CHAT, CHAT_REFUSED),
         (CompletionRequest, COMPLETION, COMPLETION_REFUSED),
+        (ResponseCreate, {"model": DEMO_MODEL_NAME, "input": "hi"}, RESPONSES_REFUSED),
     ],
-    ids=["chat", "completions"],
+    ids=["chat", "completions", "responses"],
 )
 def test_a_refused_field_asks_for_nothing_at_its_default_and_is_named_otherwise(
     model: type[BaseModel], base: dict[str, Any], refused: dict[str, tuple[Any, str]]
