@@ -152,6 +152,11 @@ class _Call:
             if await self.request.is_disconnected():
                 raise _Left
 
+    def let_go(self) -> None:
+        """The caller was told that the job goes on without it (it restarted on another
+        worker, and what was streamed cannot be taken back): closing cancels nothing."""
+        self.finished = True
+
     async def close(self) -> None:
         """Stop listening; a caller that leaves before its job ends cancels the job."""
         self.waiter.close()
@@ -313,6 +318,7 @@ async def _events(
                 # The job was handed to another worker and starts over: what was sent cannot
                 # be taken back. The job itself goes on; its result is at GET /v1/jobs/{id}.
                 message = f"the job restarted on another worker; see GET /v1/jobs/{job.id}"
+                call.let_go()
                 yield _sse(error_body(409, "job_restarted", message, None))
                 yield _sse("[DONE]")
                 return

@@ -33,6 +33,7 @@ from app.core.responses_format import EventLog
 
 HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 ROW_CHECK_S = 2.0  # while a followed log is quiet, the job's row is read this often
+END_GRACE_S = 10.0  # how long an ended job's end message is waited for in its kept log
 
 
 def sse(event: dict[str, Any]) -> str:
@@ -61,6 +62,8 @@ async def foreground(prepared: responses.Prepared, request: Request, tenant: str
                 log.piece(item.token, item.text or "")
             else:
                 log.end(prepared.render(item), _final_text(item))
+            if log.restarted:
+                call.let_go()  # the response goes on; GET /v1/responses/{id} has its end
             for event in log.events[sent:]:
                 yield sse(event)
             sent = len(log.events)
@@ -110,18 +113,39 @@ async def follow(row: StoredResponse, request: Request, starting_after: int | No
             block_s = 0
         return found
 
+    terminal_at: float | None = None
+
     async def from_row() -> None:
         """End from the row a job that ended with no end message kept: never relayed, its
-        log expired, or lost with Redis (a kept one is given a moment to arrive: the worker
-        sends it just after the commit)."""
-        nonlocal job
+        log expired, or the message lost with Redis. While its log exists the end message is
+        waited for (``END_GRACE_S``): the worker sends it just after its commit, and a stream
+        ended from the row would number its events otherwise than one read from the log."""
+        nonlocal job, terminal_at
         job = await run_in_threadpool(_load, row.job_id)
-        if job.status in TERMINAL and not (kept and await read(relay.POLL_S)) and not log.done:
-            log.end(responses.render(row, job), _final_text(job))
+        if job.status not in TERMINAL or log.done:
+            return
+        if kept and job.reply_to is not None and await relay.log_exists(job.reply_to):
+            terminal_at = terminal_at or time.monotonic()
+            if time.monotonic() - terminal_at < END_GRACE_S:
+                return
+        log.end(responses.render(row, job), _final_text(job))
 
     await read(0)
     if not log.done:
         await from_row()
+    # A starting_after past the events made so far may be one another process has made
+    # already: wait for them a while before refusing it.
+    deadline = time.monotonic() + END_GRACE_S
+    while (
+        starting_after is not None
+        and starting_after >= len(log.events)
+        and not log.done
+        and time.monotonic() < deadline
+    ):
+        if not await read(relay.POLL_S):
+            if not kept:
+                await anyio.sleep(relay.POLL_S)
+            await from_row()
     if starting_after is not None and starting_after >= len(log.events):
         raise DomainError(
             Kind.INVALID,

@@ -99,7 +99,7 @@ def update(
     event_types: Sequence[str] | None = None,
 ) -> WebhookEndpoint:
     """Change what is given; ``updated_at`` moves only when something changed (OpenAI's rule).
-    Events already written keep the URL they were written with."""
+    Pending events and their retries go to the new URL (workers/ops/delivery.py)."""
     row = get(session, tenant, endpoint_id)
     changes: dict[str, str] = {}
     if name is not None:

@@ -27,7 +27,7 @@ from sqlalchemy import Insert, Select, String, func, insert, literal, select, up
 from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
-from app.core import broker
+from app.core import broker, webhooks
 from app.core.db import session_scope
 from app.core.models import (
     BATCH_TERMINAL,
@@ -138,7 +138,7 @@ def _response_events(connection: Connection, job_ids: Collection[str], stamp: fl
     that finds nothing for jobs that are not responses)."""
     found = connection.execute(
         select(
-            StoredResponse.job_id,
+            StoredResponse.id,
             Job.tenant,
             Job.status,
             Job.finish_reason,
@@ -158,8 +158,11 @@ def _response_events(connection: Connection, job_ids: Collection[str], stamp: fl
     for r in found:
         event_type = response_event_type(r.status, r.finish_reason)
         if event_type in r.event_types.split(","):
-            rows.append(_endpoint_event(r.tenant, event_type, r.endpoint_id, r.url, stamp))
-            rows[-1]["job_id"] = r.job_id
+            row = _endpoint_event(r.tenant, event_type, r.endpoint_id, r.url, stamp)
+            # The body now, naming the response: the event outlives a response deleted before
+            # it is delivered (it is not tied to the job's row).
+            row["body"] = webhooks.render_openai(row["id"], event_type, stamp, r.id)
+            rows.append(row)
     if rows:
         connection.execute(insert(WebhookEvent), rows)
     return [row["id"] for row in rows]
@@ -299,7 +302,11 @@ class Announcer:
 
 
 def job_event(session: Session, job: Job) -> WebhookEvent | None:
-    return session.scalars(select(WebhookEvent).where(WebhookEvent.job_id == job.id)).first()
+    """The event of the job's own webhook_url (not an endpoint's)."""
+    query = select(WebhookEvent).where(
+        WebhookEvent.job_id == job.id, WebhookEvent.endpoint_id.is_(None)
+    )
+    return session.scalars(query).first()
 
 
 def attempts(session: Session, event: WebhookEvent) -> list[WebhookAttempt]:

@@ -57,8 +57,8 @@ log = logging.getLogger("inferq.relay")
 POLL_S = 1.0  # a waiting call is told each time this passes quietly
 READ_COUNT = 512
 MAX_PENDING = 100_000  # pieces waiting for Redis in one worker
-# A kept log's bound: a response's pieces are merged every relay_merge_ms, so this is minutes
-# of output; a longer one is refused by read_log's reader at its first missing message.
+# A kept log's bound: a response's pieces are merged every relay_merge_ms, so this is far more
+# than a response's output (max_tokens_limit tokens at most, a piece each at worst).
 LOG_MAX_ENTRIES = 100_000
 
 
@@ -280,6 +280,10 @@ async def read_log(
             body = json.loads({_text(k): v for k, v in fields.items()}["m"])
             entries.append((_text(log_id), Entry(int(body["t"]), body.get("d"), body.get("end"))))
     return entries
+
+
+async def log_exists(address: str) -> bool:
+    return bool(await clients.async_redis().exists(split(address)[0]))
 
 
 def _text(value: bytes | str) -> str:

@@ -327,6 +327,7 @@ class EventLog:
         self.token: int | None = None
         self.text: list[str] = []
         self.done = False
+        self.restarted = False  # the job started over elsewhere: the stream ended early
         self._add("response.created", response={**opening, "status": "queued"})
         self._add("response.in_progress", response={**opening, "status": "in_progress"})
 
@@ -347,7 +348,7 @@ class EventLog:
                 f"/v1/responses/{self.response_id} has its outcome",
                 param=None,
             )
-            self.done = True
+            self.done = self.restarted = True
             return
         if text:
             self.text.append(text)
@@ -361,10 +362,12 @@ class EventLog:
         if text is not None:
             sent = "".join(self.text)
             if self.token is None:
+                self.token = 0  # no piece came: the item opens here, once
                 self._open()
             if len(text) > len(sent) and text.startswith(sent):
-                # Pieces the relay lost (Redis restarted, say): the row has the whole text.
-                self.piece(self.token or 0, text[len(sent) :])
+                # Pieces the relay lost (Redis restarted, say), or a stream made from the row:
+                # the row has the whole text.
+                self.piece(self.token, text[len(sent) :])
             part = {"type": "output_text", "text": text, "annotations": []}
             self._add("response.output_text.done", **self._at(), text=text, logprobs=[])
             self._add("response.content_part.done", **self._at(), part=part)

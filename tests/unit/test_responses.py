@@ -111,8 +111,25 @@ def test_a_background_response_is_queued_then_polled_to_its_end(core: Settings) 
         )
         return made, await until_ended(client, made.id)
 
+    async def from_the_row(client: AsyncOpenAI, response_id: str) -> list[Any]:
+        return [e async for e in await client.responses.retrieve(response_id, stream=True)]
+
     with Worker(core):
         made, ended = sdk(scenario)
+    # Created without stream: a stream of it is made from its row, its output one delta.
+    events = sdk(lambda client: from_the_row(client, made.id))
+    assert [e.type for e in events] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.incomplete",
+    ]
+    assert events[4].delta == ended.output_text
     assert made.status == "queued" and made.output == [] and made.background
     assert ended.status == "incomplete" and ended.output_text == job_of(made.id).result_text
     assert job_of(made.id).lane == "standard" and ended.service_tier == "flex"

@@ -188,10 +188,12 @@ def test_a_batch_end_goes_to_each_subscribed_endpoint_and_the_sdk_unwraps_it(
         # Rotated keeping the old secret: a redelivery verifies with either for 24 hours.
         rotated = client.webhooks.rotate_secret(hooked.id, keep_old_secret_active_for_24_hours=True)
         base = f"/webhook_endpoints/{hooked.id}/events/{event.id}"
+        # Moved: the event is sent again where the endpoint points now.
+        client.webhooks.update(hooked.id, url=receiver.url("/ok/moved"))
         resent: Any = client.post(f"{base}/redeliver", cast_to=object, body={})
         assert (resent["id"], resent["status"]) == (event.id, "pending")
         assert delivery.deliver(event.id, settings) == "delivered"
-        again = receiver.received("/ok/cancels")[1]
+        [again] = receiver.received("/ok/moved")
         assert again["body"] == request["body"]  # the same bytes, the same webhook-id
         for secret in (hooked.signing_secret, rotated.signing_secret):
             client.webhooks.verify_signature(again["body"], again["headers"], secret=secret)
@@ -326,4 +328,12 @@ def test_a_background_response_that_a_worker_finishes_is_an_event(
     # The simulated engine stops at max_output_tokens: the response is incomplete.
     [event] = events()
     assert (event.type, event.endpoint_id) == ("response.incomplete", hooked.id)
-    assert event.job_id == "job_" + made.id.removeprefix("resp_")
+    # Its body is written with it, naming the response, and it is not the job's: deleting the
+    # response right after it ended leaves the event to be delivered.
+    with db.transaction() as connection:
+        body = connection.execute(
+            text("SELECT body FROM webhook_events WHERE id = :i"), {"i": event.id}
+        ).scalar_one()
+    assert json.loads(body)["data"] == {"id": made.id} and event.job_id is None
+    client.responses.delete(made.id)
+    assert [e.id for e in events()] == [event.id]

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import httpx
 from sqlalchemy import or_, select, update
+from sqlalchemy.exc import IntegrityError
 
 from app.core import broker, endpoints, outbox, webhooks
 from app.core.db import session_scope, with_db_retry
@@ -138,7 +139,9 @@ def _claim(event_id: str, settings: Settings) -> Claimed | None:
             else webhooks.signing_secrets(settings)
         )
     kind = "redelivery" if row.round_attempts == 1 and row.attempts > 1 else "scheduled"
-    return Claimed(event_id, row.url, body, row.attempts, row.round_attempts, kind, signing)
+    # An endpoint's events go where it points now: a tenant that moves it moves its retries.
+    url = endpoint.url if endpoint is not None else row.url
+    return Claimed(event_id, url, body, row.attempts, row.round_attempts, kind, signing)
 
 
 def send(url: str, event_id: str, body: str, settings: Settings, secrets: list[str]) -> Sent:
@@ -240,10 +243,19 @@ def _record(claimed: Claimed, sent: Sent, settings: Settings) -> str:
             outcome, values = WebhookStatus.FAILED, {"next_attempt_at": None}
         else:
             outcome, values = WebhookStatus.PENDING, {"next_attempt_at": stamp + delay}
+    try:
+        return _write_attempt(claimed, sent, stamp, outcome, values)
+    except IntegrityError:
+        # Removed during the attempt, with its endpoint: there is no log left to write to.
+        return "skipped"
+
+
+def _write_attempt(
+    claimed: Claimed, sent: Sent, stamp: float, outcome: str, values: dict[str, float | None]
+) -> str:
     with session_scope() as session:
         if session.get(WebhookEvent, claimed.event_id) is None:
-            # Removed during the attempt, with its endpoint: there is no log left to write to.
-            return "skipped"
+            return "skipped"  # removed with its endpoint during the attempt
         session.add(
             WebhookAttempt(
                 id=new_id("wha"),
