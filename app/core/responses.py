@@ -29,7 +29,7 @@ from app.core.changes import changes
 from app.core.errors import DomainError, Kind
 from app.core.models import TERMINAL, Job, JobStatus, NewJob, StoredResponse, response_id_of
 from app.core.openai_format import ChatCompletionRequest, Ended, JobView
-from app.core.responses_format import ResponseCreate, response_object
+from app.core.responses_format import ResponseCreate, assistant_turn, response_object
 from app.core.schemas import storable
 
 
@@ -97,7 +97,7 @@ def _previous_context(
             param="previous_response_id",
         )
     turns: list[dict[str, Any]] = json.loads(row.context)
-    return [*turns, {"role": "assistant", "content": job.result_text or ""}]
+    return [*turns, assistant_turn(job)]
 
 
 def get(
@@ -184,12 +184,6 @@ def input_items(
 def _input_items(response_id: str, body: ResponseCreate) -> list[dict[str, Any]]:
     suffix = response_id.removeprefix("resp_")
     return [
-        {
-            "type": "message",
-            "id": f"msg_{suffix}_{i}",
-            "status": "completed",
-            "role": message["role"],
-            "content": [{"type": "input_text", "text": message["content"]}],
-        }
-        for i, message in enumerate(body.input_messages())
+        {"id": f"{'msg' if item['type'] == 'message' else 'item'}_{suffix}_{i}", **item}
+        for i, item in enumerate(body.input_items())
     ]

@@ -9,8 +9,10 @@ vLLM's ``ResponsesRequest`` is in ``RESPONSES_REFUSED`` with the reason, as for 
 default (or null) it asks for nothing and is accepted, any other value is a 422 naming it
 (docs/openai.md, "Responses").
 
-What is not served yet is refused by name too: function ``tools`` and input items other than
-messages. Streams are OpenAI's events, numbered (:class:`EventLog`).
+Function ``tools`` are chat's (``tool_choice`` ``auto``, ``required``, ``none`` or a named
+function): the calls come back as ``function_call`` output items, and their outputs go in as
+``function_call_output`` input items. Not served yet, refused by name: tools with ``stream``,
+other item types and logprobs. Streams are OpenAI's events, numbered (:class:`EventLog`).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from app.core.openai_format import (
     refused_fields,
     usage,
 )
-from app.core.schemas import JobParams, StrictModel
+from app.core.schemas import MAX_TOOLS, TOOL_NAME, JobParams, StrictModel
 
 _NOT_YET = "not served yet by inferq's Responses API"
 _MULTIMODAL = "inferq serves text: multimodal inputs are not accepted"
@@ -38,8 +40,7 @@ _TRANSFER = "disaggregated serving (KV or encoder-cache transfer) is not part of
 # vLLM's ResponsesRequest fields inferq does not take, with vLLM's default (which asks for
 # nothing and is accepted) and why.
 RESPONSES_REFUSED: dict[str, tuple[Any, str]] = {
-    "tools": ([], f"function tools are {_NOT_YET}: use /v1/chat/completions for tools"),
-    "max_tool_calls": (None, "tools are not served yet by inferq's Responses API"),
+    "max_tool_calls": (None, "the model's calls are bounded by max_output_tokens"),
     "include": (None, "nothing optional is added to a response's output"),
     "prompt": (None, "stored prompt templates are OpenAI's; send the input itself"),
     "reasoning": (None, "reasoning models' options are not offered"),
@@ -88,6 +89,49 @@ class InputMessage(StrictModel):
         return "".join(part.text for part in self.content)
 
 
+class FunctionCallItem(StrictModel):
+    """A call the model made, sent back in ``input`` (with its output after it)."""
+
+    type: Literal["function_call"]
+    id: str | None = None
+    status: str | None = None
+    call_id: str = Field(min_length=1, max_length=128)
+    name: str = Field(pattern=TOOL_NAME)
+    arguments: str
+
+
+class FunctionCallOutputItem(StrictModel):
+    """What a call returned: the tool's answer, as text."""
+
+    type: Literal["function_call_output"]
+    id: str | None = None
+    status: str | None = None
+    call_id: str = Field(min_length=1, max_length=128)
+    output: str
+
+
+InputItem = InputMessage | FunctionCallItem | FunctionCallOutputItem
+
+
+class FunctionTool(StrictModel):
+    """A function tool as the Responses API gives it (flat, where chat nests ``function``)."""
+
+    type: Literal["function"]
+    name: str = Field(pattern=TOOL_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    def chat(self) -> dict[str, Any]:
+        spec = self.model_dump(exclude={"type"}, exclude_none=True)
+        return {"type": "function", "function": spec}
+
+
+class NamedFunction(StrictModel):
+    type: Literal["function"]
+    name: str = Field(pattern=TOOL_NAME)
+
+
 class TextFormat(StrictModel):
     """``text.format``: plain text, a JSON object, or JSON by a schema (``response_format``)."""
 
@@ -120,6 +164,7 @@ _CHAT_NAMES = {
     "response_format.json_schema": "text.format",
     "response_format": "text.format",
     "messages": "input",
+    "tools": "tools",
 }
 
 
@@ -136,7 +181,7 @@ class ResponseCreate(StrictModel):
     """A ``POST /v1/responses`` body: what inferq takes of vLLM's ``ResponsesRequest``."""
 
     model: str = Field(min_length=1, max_length=256)
-    input: str | list[InputMessage] = Field(min_length=1)
+    input: str | list[InputItem] = Field(min_length=1)
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1)
     metadata: dict[str, str] = Field(default_factory=dict)
@@ -147,7 +192,8 @@ class ResponseCreate(StrictModel):
     service_tier: ServiceTier | None = None
     previous_response_id: str | None = Field(None, max_length=64)
     text: TextConfig | None = None
-    tool_choice: Literal["none", "auto"] = "auto"
+    tools: list[FunctionTool] = Field(default_factory=list, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedFunction = "auto"
     parallel_tool_calls: bool = True
     # The sampling options, checked by ChatCompletionRequest (``chat``).
     temperature: float | None = None
@@ -179,17 +225,57 @@ class ResponseCreate(StrictModel):
                 "background responses must be stored: store: false cannot go with background: true",
                 {"fields": "store"},
             )
+        if self.stream and self.tools and self.tool_choice != "none":
+            # Calls are read from the whole output (docs/openai.md, "Tools").
+            raise PydanticCustomError(
+                "unsupported_parameter",
+                "tools are not supported with stream: ask without stream (the response has "
+                "the calls)",
+                {"fields": "tools"},
+            )
         if isinstance(self.input, list) and len(self.input) > MAX_INPUT_ITEMS:
             raise PydanticCustomError(
                 "too_long", "at most {n} input items", {"n": MAX_INPUT_ITEMS, "fields": "input"}
             )
         return self
 
-    def input_messages(self) -> list[dict[str, str]]:
-        """``input`` as chat messages (a string is one user message)."""
+    def input_messages(self) -> list[dict[str, Any]]:
+        """``input`` as chat messages (a string is one user message): calls sent back are the
+        assistant's ``tool_calls`` (consecutive ones in one message), their outputs ``tool``
+        messages."""
         if isinstance(self.input, str):
             return [{"role": "user", "content": self.input}]
-        return [{"role": m.role, "content": m.text()} for m in self.input]
+        messages: list[dict[str, Any]] = []
+        for item in self.input:
+            if isinstance(item, InputMessage):
+                messages.append({"role": item.role, "content": item.text()})
+            elif isinstance(item, FunctionCallOutputItem):
+                messages.append(
+                    {"role": "tool", "tool_call_id": item.call_id, "content": item.output}
+                )
+            else:
+                call = {
+                    "id": item.call_id,
+                    "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments},
+                }
+                last = messages[-1] if messages else None
+                if last is not None and last["role"] == "assistant" and last.get("tool_calls"):
+                    last["tool_calls"].append(call)
+                else:
+                    messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        return messages
+
+    def input_items(self) -> list[dict[str, Any]]:
+        """``input`` as OpenAI lists it back (``input_items``), without ids."""
+        if isinstance(self.input, str):
+            return [_message_item("user", self.input)]
+        return [
+            _message_item(item.role, item.text())
+            if isinstance(item, InputMessage)
+            else item.model_dump(exclude={"id", "status"})
+            for item in self.input
+        ]
 
     def chat(self, context: list[dict[str, Any]]) -> ChatCompletionRequest:
         """The chat request this response runs as: the instructions (never carried on to the
@@ -207,6 +293,15 @@ class ResponseCreate(StrictModel):
         text_format = self.text.format if self.text is not None else None
         if text_format is not None and text_format.response_format() is not None:
             body["response_format"] = text_format.response_format()
+        if self.tools:
+            body["tools"] = [tool.chat() for tool in self.tools]
+            body["parallel_tool_calls"] = self.parallel_tool_calls
+            choice = self.tool_choice
+            body["tool_choice"] = (
+                {"type": "function", "function": {"name": choice.name}}
+                if isinstance(choice, NamedFunction)
+                else choice
+            )
         try:
             return ChatCompletionRequest.model_validate(body)
         except Exception as exc:
@@ -235,7 +330,10 @@ class ResponseCreate(StrictModel):
                 if text_format
                 else {"type": "text"}
             },
-            "tool_choice": self.tool_choice,
+            "tools": [tool.model_dump(exclude_none=True) for tool in self.tools],
+            "tool_choice": self.tool_choice
+            if isinstance(self.tool_choice, str)
+            else self.tool_choice.model_dump(),
             "parallel_tool_calls": self.parallel_tool_calls,
         }
 
@@ -255,6 +353,27 @@ STATUSES = {
 }
 
 
+def output_calls(job: JobView) -> list[dict[str, Any]]:
+    """The calls the job's (first) choice made, as chat holds them (workers/inference/tools.py)."""
+    return list((job.choices or [{}])[0].get("tool_calls") or [])
+
+
+def assistant_turn(job: JobView) -> dict[str, Any]:
+    """The job's output as the assistant's message of a conversation that goes on."""
+    calls = output_calls(job)
+    if calls:
+        return {
+            "role": "assistant",
+            "content": (job.choices or [{}])[0].get("content") or None,
+            "tool_calls": calls,
+        }
+    return {"role": "assistant", "content": job.result_text or ""}
+
+
+def _message_item(role: str, text: str) -> dict[str, Any]:
+    return {"type": "message", "role": role, "content": [{"type": "input_text", "text": text}]}
+
+
 def response_status(job: JobView) -> str:
     status = STATUSES[JobStatus(job.status)]
     if status == "completed" and job.finish_reason == "length":
@@ -268,18 +387,32 @@ def response_object(
     """OpenAI's Response object for a response whose job is ``job`` (as committed or as now)."""
     status = response_status(job)
     output: list[dict[str, Any]] = []
+    calls = output_calls(job) if job.status == JobStatus.SUCCEEDED else []
     if job.status == JobStatus.SUCCEEDED:
-        output.append(
-            {
-                "type": "message",
-                "id": "msg_" + response_id.removeprefix("resp_"),
-                "status": "incomplete" if status == "incomplete" else "completed",
-                "role": "assistant",
-                "content": [
-                    {"type": "output_text", "text": job.result_text or "", "annotations": []}
-                ],
-            }
-        )
+        # A choice that made calls keeps the rest of its text as ``content`` (may be empty).
+        text = (job.choices or [{}])[0].get("content") if calls else job.result_text
+        if text or not calls:
+            output.append(
+                {
+                    "type": "message",
+                    "id": "msg_" + response_id.removeprefix("resp_"),
+                    "status": "incomplete" if status == "incomplete" else "completed",
+                    "role": "assistant",
+                    "content": [{"type": "output_text", "text": text or "", "annotations": []}],
+                }
+            )
+    suffix = response_id.removeprefix("resp_")
+    output += [
+        {
+            "type": "function_call",
+            "id": f"fc_{suffix}_{i}",
+            "call_id": call["id"],
+            "name": call["function"]["name"],
+            "arguments": call["function"]["arguments"],
+            "status": "completed",
+        }
+        for i, call in enumerate(calls)
+    ]
     error = None
     if job.status in (JobStatus.FAILED, JobStatus.EXPIRED):
         error = {
@@ -296,7 +429,6 @@ def response_object(
         "error": error,
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
         "output": output,
-        "tools": [],
         "service_tier": tier,
         "usage": {
             "input_tokens": counted["prompt_tokens"],

@@ -585,6 +585,41 @@ def test_vllm_calls_tools_as_its_server_does(vllm_stack: tuple[Stack, int]) -> N
     assert job["result"]["choices"][0]["tool_calls"][0]["function"]["name"] == "get_weather"
 
 
+def test_vllm_calls_tools_through_the_responses_api(vllm_stack: tuple[Stack, int]) -> None:
+    """Function tools on the Responses API, on the real engine: a named function's call comes
+    back as a function_call item, and its output, sent back with previous_response_id, goes on
+    as the conversation's tool message."""
+    stack, _ = vllm_stack
+    client = OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    tools = [{"type": "function", **t["function"]} for t in TOOLS]
+    asked = client.responses.create(
+        model="inferq-demo",
+        input="What is the weather in Oslo?",
+        tools=tools,
+        tool_choice={"type": "function", "name": "get_weather"},
+        max_output_tokens=128,
+        temperature=0,
+    )
+    (call,) = [item for item in asked.output if item.type == "function_call"]
+    assert call.name == "get_weather" and call.call_id.startswith("call_")
+    jsonschema.validate(json.loads(call.arguments), WEATHER)
+    answered = client.responses.create(
+        model="inferq-demo",
+        previous_response_id=asked.id,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}],
+        tools=tools,
+        tool_choice="none",
+        max_output_tokens=3,
+    )
+    assert answered.output_text
+    job_id = "job_" + answered.id.removeprefix("resp_")
+    stored = stack.scalar("SELECT messages FROM jobs WHERE id = :i", i=job_id)
+    messages = json.loads(stored) if isinstance(stored, str) else stored
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool"]
+    assert messages[1]["tool_calls"][0]["id"] == call.call_id
+    assert messages[2] == {"role": "tool", "tool_call_id": call.call_id, "content": "sunny"}
+
+
 def test_vllm_runs_a_lora_adapter_of_its_model(vllm_stack: tuple[Stack, int]) -> None:
     """A job naming the adapter runs on the demo model's worker through vLLM's LoRA support:
     greedy decoding of the same prompt gives another text than the base model's, the same one

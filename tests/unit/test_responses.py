@@ -27,12 +27,24 @@ from app.api.main import create_app
 from app.core import db
 from app.core.db import session_scope
 from app.core.keys import create_key
-from app.core.responses_format import RESPONSES_REFUSED, ResponseCreate
+from app.core.openai_format import Ended
+from app.core.responses_format import (
+    RESPONSES_REFUSED,
+    ResponseCreate,
+    assistant_turn,
+    response_object,
+)
 from app.core.settings import Settings
 from tests.unit.conftest import environment
 from tests.unit.inprocess import BASE_URL, Worker, run
 
 T = TypeVar("T")
+TOOL = {
+    "type": "function",
+    "name": "lookup",
+    "description": "Look a queue up by name.",
+    "parameters": {"type": "object", "properties": {"name": {"type": "string"}}},
+}
 
 
 def sdk(scenario: Callable[[AsyncOpenAI], Awaitable[T]], key: str = "none") -> T:
@@ -200,7 +212,9 @@ def test_a_response_not_stored_answers_and_cannot_be_found(core: Settings) -> No
     [
         ({"previous_response_id": "resp_nope"}, "previous_response_id", 404),
         ({"background": True, "store": False}, "store", 422),
-        ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools", 422),
+        ({"tools": [TOOL], "stream": True}, "tools", 422),
+        ({"tools": [TOOL], "tool_choice": {"type": "function", "name": "g"}}, "tool_choice", 422),
+        ({"input": [{"type": "function_call_output", "output": "x"}]}, "input", 422),
         ({"truncation": "auto"}, "truncation", 422),
         ({"max_output_tokens": 0}, "max_output_tokens", 422),
         ({"temperature": 3}, "temperature", 422),
@@ -299,3 +313,63 @@ def test_the_readme_samples_are_what_the_api_answers(core: Settings) -> None:
             exec(compile(program, "README.md", "exec"), namespace)
     status, _, text_out = printed.getvalue().partition(" ")
     assert status == "incomplete" and text_out  # the demo model writes until its limit
+
+
+def test_function_tools_are_chats_and_their_calls_come_back_as_items() -> None:
+    """The Responses shapes of tools, calls and call outputs, translated to chat's and back
+    (the calls themselves are the engine's: tests/integration/test_engines.py)."""
+    call = {"type": "function_call", "call_id": "call_1", "name": "lookup", "arguments": "{}"}
+    body = ResponseCreate.model_validate(
+        {
+            "model": "m",
+            "input": [
+                {"role": "user", "content": "Where is queue a?"},
+                call,
+                {"type": "function_call_output", "call_id": "call_1", "output": "in Redis"},
+            ],
+            "tools": [TOOL],
+            "tool_choice": {"type": "function", "name": "lookup"},
+        }
+    )
+    chat = body.chat([])
+    assert chat.chosen() == {"name": "lookup"}
+    assert [t.function.name for t in chat.tools or []] == ["lookup"]
+    assert [m.model_dump(exclude_none=True) for m in chat.messages] == [
+        {"role": "user", "content": "Where is queue a?"},
+        {
+            "role": "assistant",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "lookup", "arguments": "{}"},
+                }
+            ],
+        },
+        {"role": "tool", "content": "in Redis", "tool_call_id": "call_1"},
+    ]
+    made = {
+        "id": "call_9",
+        "type": "function",
+        "function": {"name": "lookup", "arguments": '{"name": "b"}'},
+    }
+    job = Ended(
+        "job_x", 1.0, "m", None, "succeeded", "<tool_call>...</tool_call>", "tool_calls",
+        [{"index": 0, "text": "<tool_call>...</tool_call>", "finish_reason": "tool_calls",
+          "logprobs": None, "content": None, "tool_calls": [made]}],
+        5, 7, None, None,
+    )  # fmt: skip
+    response = response_object("resp_x", job, body.echo(), "default")
+    assert response["output"] == [
+        {
+            "type": "function_call",
+            "id": "fc_x_0",
+            "call_id": "call_9",
+            "name": "lookup",
+            "arguments": '{"name": "b"}',
+            "status": "completed",
+        }
+    ]
+    assert response["tools"] == [TOOL] and response["status"] == "completed"
+    # A conversation that goes on from it has the calls as the assistant's turn.
+    assert assistant_turn(job) == {"role": "assistant", "content": None, "tool_calls": [made]}
