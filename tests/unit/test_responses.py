@@ -236,6 +236,21 @@ def test_bad_input_names_the_field_and_writes_nothing(
     assert count("jobs") == 0
 
 
+def test_tools_on_a_model_whose_workers_have_no_parser_are_refused(core: Settings) -> None:
+    """tool_choice auto needs the model's tool parser; the SIMULATED engine's card has none."""
+
+    async def scenario(client: AsyncOpenAI) -> openai.APIStatusError:
+        with pytest.raises(openai.APIStatusError) as refused:
+            await client.responses.create(model=core.model_name, input="hi", tools=[TOOL])
+        return refused.value
+
+    with Worker(core):
+        refused = sdk(scenario)
+    assert refused.status_code == 400 and isinstance(refused.body, dict)
+    assert (refused.body["code"], refused.body["param"]) == ("tools_not_supported", "tool_choice")
+    assert count("jobs") == 0
+
+
 def test_a_previous_response_still_running_or_of_another_tenant_is_refused(
     core: Settings,
 ) -> None:
