@@ -313,7 +313,7 @@ def run_direct(
     for req, rec in zip(requests, records, strict=True):
         times: list[float] = rec["token_times"]
 
-        def on_delta(_text: str, n: int, times: list[float] = times) -> None:
+        def on_delta(_text: str, n: int, _index: int, times: list[float] = times) -> None:
             times.extend([time.time()] * n)
 
         def on_done(_f: object, rec: dict[str, Any] = rec) -> None:

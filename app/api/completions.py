@@ -43,6 +43,7 @@ from app.core.openai_format import (
     CompletionRequest,
     Ended,
     JobView,
+    choices_of,
     chunk,
     endpoint_of,
     job_error,
@@ -291,7 +292,7 @@ async def complete(
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return EventStream(
         call,
-        _events(call, first, include_usage, body.tier_used),
+        _events(call, first, include_usage, body.tier_used, body.n),
         {**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
 
@@ -301,40 +302,43 @@ def _sse(data: dict[str, Any] | str) -> str:
 
 
 async def _events(
-    call: _Call, first: relay.Entry | JobView, include_usage: bool, tier: str
+    call: _Call, first: relay.Entry | JobView, include_usage: bool, tier: str, n: int
 ) -> AsyncGenerator[str, None]:
-    """The SSE body: role, pieces as they come, the rest of the committed text, finish, usage;
-    every chunk echoes the service ``tier``."""
+    """The SSE body: each choice's role, pieces as they come (each with its choice's index),
+    the rest of each committed text, each finish, usage; every chunk echoes the service
+    ``tier``."""
     job = call.job
     tiered = functools.partial(chunk, tier=tier)
     if endpoint_of(job) == CHAT:
-        yield _sse(tiered(job, role=True, text=""))
-    sent: list[str] = []
-    item = first
+        for index in range(n):
+            yield _sse(tiered(job, role=True, text="", index=index))
+    sent: dict[int, list[str]] = {}
     token = first.token if isinstance(first, relay.Entry) else None
-    try:
-        while isinstance(item, relay.Entry):
-            if item.token != token:
-                # The job was handed to another worker and starts over: what was sent cannot
-                # be taken back. The job itself goes on; its result is at GET /v1/jobs/{id}.
-                message = f"the job restarted on another worker; see GET /v1/jobs/{job.id}"
-                call.let_go()
-                yield _sse(error_body(409, "job_restarted", message, None))
-                yield _sse("[DONE]")
-                return
-            if item.text:
-                sent.append(item.text)
-                yield _sse(tiered(job, text=item.text))
-            item = await call.next()
-    except _Left:
-        return  # EventStream closes the call, which cancels the job
-    final = item
+    final: JobView | None = None
+    async for item in followed(call, first):
+        if not isinstance(item, relay.Entry):
+            final = item
+        elif item.token != token:
+            # The job was handed to another worker and starts over: what was sent cannot be
+            # taken back. The job itself goes on; its result is at GET /v1/jobs/{id}.
+            message = f"the job restarted on another worker; see GET /v1/jobs/{job.id}"
+            call.let_go()
+            yield _sse(error_body(409, "job_restarted", message, None))
+            yield _sse("[DONE]")
+            return
+        elif item.text:
+            sent.setdefault(item.index, []).append(item.text)
+            yield _sse(tiered(job, text=item.text, index=item.index))
+    if final is None:
+        return  # the caller left: EventStream closes the call, which cancels the job
     if final.status == JobStatus.SUCCEEDED:
-        text, result = "".join(sent), final.result_text or ""
-        if len(result) > len(text) and result.startswith(text):
-            # Pieces the relay lost (Redis restarted, say): the row has the whole text.
-            yield _sse(tiered(final, text=result[len(text) :]))
-        yield _sse(tiered(final, finish_reason=final.finish_reason))
+        for choice in choices_of(final):
+            index, result = choice["index"], choice["text"] or ""
+            text = "".join(sent.get(index, []))
+            if len(result) > len(text) and result.startswith(text):
+                # Pieces the relay lost (Redis restarted, say): the row has the whole text.
+                yield _sse(tiered(final, text=result[len(text) :], index=index))
+            yield _sse(tiered(final, finish_reason=choice["finish_reason"], index=index))
         if include_usage:
             yield _sse(tiered(final, with_usage=True))
     else:

@@ -230,16 +230,15 @@ class _Request(JobParams):
         return "default" if self.lane_used == Lane.REALTIME else "flex"
 
     @model_validator(mode="after")
-    def _streams_one_choice(self) -> _Request:
-        # A stream relays one choice's text as it comes (app/core/relay.py); several choices
-        # and logprobs are in the committed result (docs/openai.md, "vLLM's fields").
-        asked = "n" if self.n > 1 else "logprobs" if self.logprobs is not None else None
-        if self.stream and asked:
+    def _streams_no_logprobs(self) -> _Request:
+        # A stream relays each choice's text as it comes (app/core/relay.py); logprobs are in
+        # the committed result (docs/openai.md, "vLLM's fields").
+        if self.stream and self.logprobs is not None:
             raise PydanticCustomError(
                 "unsupported_parameter",
-                "{field} is not supported with stream: ask without stream (the response has "
-                "every choice and its logprobs)",
-                {"field": asked, "fields": asked},
+                "logprobs is not supported with stream: ask without stream (the response has "
+                "every choice's logprobs)",
+                {"fields": "logprobs"},
             )
         return self
 
@@ -476,7 +475,7 @@ def completion_logprobs(tokens: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def _choices(job: JobView) -> list[dict[str, Any]]:
+def choices_of(job: JobView) -> list[dict[str, Any]]:
     """Every choice of a succeeded job, stored (n > 1, logprobs) or its one result."""
     if job.choices is not None:
         return job.choices
@@ -488,7 +487,7 @@ def response_body(job: JobView, tier: str | None = None) -> dict[str, Any]:
     ``tier``: the ``service_tier`` it echoes (a call's, ``_Request.tier_used``)."""
     chat = endpoint_of(job) == CHAT
     choices = []
-    for c in _choices(job):
+    for c in choices_of(job):
         tokens = c["logprobs"]
         if chat:
             message: dict[str, Any] = {"role": "assistant", "content": c["text"]}
@@ -531,8 +530,10 @@ def chunk(
     finish_reason: str | None = None,
     with_usage: bool = False,
     tier: str | None = None,
+    index: int = 0,
 ) -> dict[str, Any]:
-    """One streamed chunk (``chat.completion.chunk`` or ``text_completion``).
+    """One streamed chunk (``chat.completion.chunk`` or ``text_completion``) of choice
+    ``index``.
 
     With ``with_usage`` it is the final usage chunk OpenAI sends for
     ``stream_options.include_usage``: no choices, the job's usage.
@@ -556,9 +557,9 @@ def chunk(
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
-        choice: dict[str, Any] = {"index": 0, "delta": delta}
+        choice: dict[str, Any] = {"index": index, "delta": delta}
     else:
-        choice = {"index": 0, "text": text or ""}
+        choice = {"index": index, "text": text or ""}
     choice["logprobs"] = None
     choice["finish_reason"] = finish_reason
     body["choices"] = [choice]

@@ -7,7 +7,8 @@ writes ``<channel>/<key>`` into its job's ``reply_to``. The worker that holds th
 to that channel, as JSON:
 
 - ``{"k": key, "t": <lease token>, "d": <text>}`` for each piece of output (``relay="tokens"``),
-  the first one at once and later ones merged while they queue up;
+  the first one at once and later ones merged while they queue up; a piece of a choice other
+  than the first (``n`` > 1) says which: ``"i": <index>``;
 - ``{"k": key, "t": <lease token>, "end": {...}}`` once the job's outcome is committed (every
   relayed job), carrying the committed outcome, so the call answers without reading the row.
 
@@ -84,26 +85,29 @@ class Publisher:
         self._client = client
         self._merge_s = merge_ms / 1000
         self._keep_s = max(1, int(keep_s))  # a kept log's life after its last message
-        # (reply_to, lease token, text, or the outcome for the end message)
-        self._queue: queue.SimpleQueue[tuple[str, int, str | dict[str, Any]]] = queue.SimpleQueue()
+        # (reply_to, lease token, choice index, text, or the outcome for the end message)
+        self._queue: queue.SimpleQueue[tuple[str, int, int, str | dict[str, Any]]] = (
+            queue.SimpleQueue()
+        )
         self._thread = threading.Thread(target=self._loop, name="relay", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
-    def piece(self, reply_to: str, token: int, text: str) -> None:
+    def piece(self, reply_to: str, token: int, text: str, index: int = 0) -> None:
         # While Redis is away pieces would pile up: past a bound they are dropped (the API
         # sends what a call missed from the committed outcome); end messages never are.
         if self._queue.qsize() < MAX_PENDING:
-            self._queue.put((reply_to, token, text))
+            self._queue.put((reply_to, token, index, text))
 
     def end(self, reply_to: str, token: int, outcome: dict[str, Any]) -> None:
         """The outcome is committed: ``outcome`` is what was committed (see ``Ended``)."""
-        self._queue.put((reply_to, token, outcome))
+        self._queue.put((reply_to, token, 0, outcome))
 
     def _loop(self) -> None:
         started: dict[tuple[str, int], None] = {}  # calls whose first piece went out
-        pending: dict[tuple[str, int], list[str]] = {}  # later pieces, not yet sent
+        # later pieces, not yet sent, by call and choice
+        pending: dict[tuple[str, int], dict[int, list[str]]] = {}
         due = 0.0
         while True:
             try:
@@ -117,25 +121,25 @@ class Publisher:
                 except queue.Empty:
                     break
             out: list[tuple[str, dict[str, Any]]] = []
-            for reply_to, token, payload in items:
+            for reply_to, token, index, payload in items:
                 call = (reply_to, token)
                 if isinstance(payload, str):
                     if call in started:
                         if not pending:
                             due = time.monotonic() + self._merge_s
-                        pending.setdefault(call, []).append(payload)
+                        pending.setdefault(call, {}).setdefault(index, []).append(payload)
                         continue
                     started[call] = None
                     while len(started) > MAX_PENDING:  # calls that never ended (handed back)
                         del started[next(iter(started))]
-                    out.append(_message(call, {"d": payload}))
+                    out.append(_piece(call, index, payload))
                 else:
-                    if call in pending:
-                        out.append(_message(call, {"d": "".join(pending.pop(call))}))
+                    out += [_piece(call, i, "".join(t)) for i, t in pending.pop(call, {}).items()]
                     started.pop(call, None)
                     out.append(_message(call, {"end": payload}))
             if pending and time.monotonic() >= due:
-                out += [_message(call, {"d": "".join(texts)}) for call, texts in pending.items()]
+                for call, choices in pending.items():
+                    out += [_piece(call, i, "".join(texts)) for i, texts in choices.items()]
                 pending.clear()
             if out:
                 try:
@@ -156,6 +160,10 @@ class Publisher:
         pipe.execute()
 
 
+def _piece(call: tuple[str, int], index: int, text: str) -> tuple[str, dict[str, Any]]:
+    return _message(call, {"d": text, "i": index} if index else {"d": text})
+
+
 def _message(call: tuple[str, int], fields: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     """(channel, body) of a relay message for ``call`` = (reply_to, lease token)."""
     channel, key = split(call[0])
@@ -170,6 +178,12 @@ class Entry:
     token: int
     text: str | None  # None: the outcome is committed (``ended``)
     ended: dict[str, Any] | None = None
+    index: int = 0  # the choice a piece is of
+
+    @classmethod
+    def of(cls, body: dict[str, Any]) -> Entry:
+        """A relay message's body as an entry."""
+        return cls(int(body["t"]), body.get("d"), body.get("end"), int(body.get("i", 0)))
 
 
 @dataclass
@@ -248,7 +262,7 @@ class Replies:
         try:
             body = json.loads(data)
             waiting = self._waiting.get(str(body["k"]))
-            entry = Entry(int(body["t"]), body.get("d"), body.get("end"))
+            entry = Entry.of(body)
         except (ValueError, KeyError, TypeError):
             log.warning("ignoring a malformed reply %r", data)
             return
@@ -278,7 +292,7 @@ async def read_log(
     for _, messages in found or []:
         for log_id, fields in messages:
             body = json.loads({_text(k): v for k, v in fields.items()}["m"])
-            entries.append((_text(log_id), Entry(int(body["t"]), body.get("d"), body.get("end"))))
+            entries.append((_text(log_id), Entry.of(body)))
     return entries
 
 

@@ -258,6 +258,43 @@ def test_vllm_answers_the_responses_api_plain_streamed_and_by_a_schema(
     jsonschema.validate(json.loads(shaped.output_text), ANSWER)
 
 
+def test_vllm_streams_several_choices_by_index(vllm_stack: tuple[Stack, int]) -> None:
+    """n > 1 streamed, as vLLM's server streams it: each choice's role, its pieces and its
+    finish under its own index; the pieces of each add up to the stored choice."""
+    stack, _ = vllm_stack
+    client = OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    streamed = client.chat.completions.create(
+        model="inferq-demo",
+        messages=[{"role": "user", "content": "Hello!"}],
+        max_tokens=12,
+        n=3,
+        seed=7,
+        stream=True,
+    )
+    chunks = list(streamed)
+    by_index: dict[int, list[str]] = {}
+    roles, finishes = set(), {}
+    for c in chunks:
+        for choice in c.choices:
+            if choice.delta.role:
+                roles.add(choice.index)
+            if choice.delta.content:
+                by_index.setdefault(choice.index, []).append(choice.delta.content)
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+    assert roles == {0, 1, 2} and finishes == {0: "length", 1: "length", 2: "length"}
+    job = stack.wait_job(chunks[0].id)
+    stored = {c["index"]: c["text"] for c in job["result"]["choices"]}
+    assert {i: "".join(p) for i, p in by_index.items()} == stored
+    assert any(len(p) > 1 for p in by_index.values())  # relayed piece by piece
+    text = list(
+        client.completions.create(
+            model="inferq-demo", prompt="def f(x):", max_tokens=6, n=2, seed=3, stream=True
+        )
+    )
+    assert {c.choices[0].index for c in text if c.choices} == {0, 1}
+
+
 def published_tokenizer(stack: Stack) -> tuple[dict, Tokenizer]:
     """The model card and tokenizer the worker published for the API."""
     store = redis.Redis.from_url(stack.redis_url)

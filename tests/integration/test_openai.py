@@ -253,9 +253,11 @@ def test_what_vllm_serve_takes_is_taken(client: OpenAI, stack: Stack) -> None:
         before = stack.scalar("SELECT count(*) FROM jobs")
         bad = c.post("/v1/jobs", json={"prompt": "hi", "params": {"min_p": 2}})
         assert_error(bad, 422, "less_than_equal", "params.min_p")
-        bad = c.post(CHAT, json={"model": MODEL, "messages": messages, "n": 2, "stream": True})
-        error = assert_error(bad, 422, "unsupported_parameter", "n")
-        assert error["message"].startswith("n is not supported with stream")  # named once
+        bad = c.post(
+            CHAT, json={"model": MODEL, "messages": messages, "logprobs": True, "stream": True}
+        )
+        error = assert_error(bad, 422, "unsupported_parameter", "logprobs")
+        assert error["message"].startswith("logprobs is not supported with stream")  # once
         bad = c.post(COMPLETIONS, json={"model": MODEL, "prompt": "hi", "n": 99})
         assert_error(bad, 422, "value_error", "n")
         assert stack.scalar("SELECT count(*) FROM jobs") == before

@@ -149,7 +149,6 @@ def test_out_of_range_options_are_refused_naming_the_field(field: str, value: An
 @pytest.mark.parametrize(
     ("body", "field"),
     [
-        ({**COMPLETION, "n": 2, "stream": True}, "n"),
         ({**COMPLETION, "logprobs": 1, "stream": True}, "logprobs"),
         ({**CHAT, "logprobs": True, "stream": True}, "logprobs"),
         ({**CHAT, "top_logprobs": 2}, "top_logprobs"),

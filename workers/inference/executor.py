@@ -174,14 +174,15 @@ class Executor:
         self.intake.entered(len(started))
         return set(started)
 
-    def _relay_pieces(self, claim: Claim) -> Callable[[str, int], None] | None:
-        """The engine's output pieces of a streamed job go to its caller (on the loop thread)."""
+    def _relay_pieces(self, claim: Claim) -> Callable[[str, int, int], None] | None:
+        """The engine's output pieces of a streamed job go to its caller (on the loop thread),
+        each with its choice's index."""
         if claim.relay != "tokens" or claim.reply_to is None:
             return None
         reply_to, token, publish = claim.reply_to, claim.token, self.recorder.relay.piece
         if claim.echo:  # the caller's first piece is what the output starts with
             publish(reply_to, token, claim.echo)
-        return lambda text, _tokens: publish(reply_to, token, text) if text else None
+        return lambda text, _tokens, index: publish(reply_to, token, text, index) if text else None
 
     def _ending(
         self, claim: Claim, future: concurrent.futures.Future[GenResult]
