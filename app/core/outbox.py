@@ -157,27 +157,28 @@ def _response_events(connection: Connection, job_ids: Collection[str], stamp: fl
     rows = []
     for r in found:
         event_type = response_event_type(r.status, r.finish_reason)
-        if event_type in r.event_types.split(","):
-            row = _endpoint_event(r.tenant, event_type, r.endpoint_id, r.url, stamp)
-            # The body now, naming the response: the event outlives a response deleted before
-            # it is delivered (it is not tied to the job's row).
-            row["body"] = webhooks.render_openai(row["id"], event_type, stamp, r.id)
-            rows.append(row)
+        if _lists(r.event_types, event_type):
+            # Not tied to the job's row: the event outlives a response deleted before it is
+            # delivered.
+            rows.append(_endpoint_event(r.tenant, event_type, r.id, r.endpoint_id, r.url, stamp))
     if rows:
         connection.execute(insert(WebhookEvent), rows)
     return [row["id"] for row in rows]
 
 
 def _endpoint_event(
-    tenant: str, event_type: str, endpoint_id: str, url: str, stamp: float
+    tenant: str, event_type: str, about: str, endpoint_id: str, url: str, stamp: float
 ) -> dict[str, Any]:
-    """A new event row for a registered endpoint (OpenAI's body is rendered at delivery)."""
+    """A new event row for a registered endpoint, about the batch or response ``about``, with
+    its body in OpenAI's shape written now (every attempt sends these bytes)."""
+    event_id = new_id(ENDPOINT_EVENT_PREFIX)
     return {
-        "id": new_id(ENDPOINT_EVENT_PREFIX),
+        "id": event_id,
         "tenant": tenant,
         "type": event_type,
         "endpoint_id": endpoint_id,
         "url": url,
+        "body": webhooks.render_openai(event_id, event_type, stamp, about),
         "occurred_at": stamp,
         "status": str(WebhookStatus.PENDING),
         "attempts": 0,
@@ -219,7 +220,7 @@ def record_batch_event(connection: Connection, batch_id: str, stamp: float) -> l
         event_type = BATCH_EVENT_PREFIX + ended.status
         rows = [
             {
-                **_endpoint_event(ended.tenant, event_type, endpoint_id, url, stamp),
+                **_endpoint_event(ended.tenant, event_type, batch_id, endpoint_id, url, stamp),
                 "batch_id": batch_id,
             }
             for endpoint_id, url in _subscribed(connection, ended.tenant, event_type)
@@ -237,7 +238,12 @@ def _subscribed(connection: Connection, tenant: str, event_type: str) -> list[tu
             WebhookEndpoint.tenant == tenant
         )
     )
-    return [(r.id, r.url) for r in rows if event_type in r.event_types.split(",")]
+    return [(r.id, r.url) for r in rows if _lists(r.event_types, event_type)]
+
+
+def _lists(event_types: str, event_type: str) -> bool:
+    """Whether an endpoint's ``event_types`` (comma-separated, as stored) has ``event_type``."""
+    return event_type in event_types.split(",")
 
 
 def event_data(session: Session, job_id: str | None, batch_id: str | None) -> dict[str, Any]:

@@ -35,7 +35,6 @@ from app.core.models import (
     WebhookStatus,
     new_id,
     now,
-    response_id_of,
 )
 from app.core.outbox import SWEEP_BATCH
 from app.core.settings import Settings
@@ -114,22 +113,17 @@ def _claim(event_id: str, settings: Settings) -> Claimed | None:
         ).first()
         if row is None:
             return None
-        # A registered endpoint's event: OpenAI's body, the endpoint's secrets (as they are now:
-        # a rotation applies to the retries). Else inferq's body and the deployment's secrets.
+        # A registered endpoint's event (its OpenAI body written with it, app/core/outbox.py)
+        # is signed with the endpoint's secrets as they are now: a rotation applies to the
+        # retries. Else inferq's body and the deployment's secrets.
         endpoint = (
             session.get(WebhookEndpoint, row.endpoint_id) if row.endpoint_id is not None else None
         )
         body = row.body
         if body is None:
             # Rendered once, at the first attempt: every retry sends the same bytes.
-            if endpoint is not None:
-                # OpenAI's data is the id of what the event is about: a batch, or a response
-                # (whose job it is).
-                about = row.batch_id or response_id_of(row.job_id or "")
-                body = webhooks.render_openai(event_id, row.type, row.occurred_at, about)
-            else:
-                data = outbox.event_data(session, row.job_id, row.batch_id)
-                body = webhooks.render(row.type, row.occurred_at, data)
+            data = outbox.event_data(session, row.job_id, row.batch_id)
+            body = webhooks.render(row.type, row.occurred_at, data)
             session.execute(
                 update(WebhookEvent).where(WebhookEvent.id == event_id).values(body=body)
             )
@@ -244,18 +238,18 @@ def _record(claimed: Claimed, sent: Sent, settings: Settings) -> str:
         else:
             outcome, values = WebhookStatus.PENDING, {"next_attempt_at": stamp + delay}
     try:
-        return _write_attempt(claimed, sent, stamp, outcome, values)
+        _write_attempt(claimed, sent, stamp, outcome, values)
     except IntegrityError:
-        # Removed during the attempt, with its endpoint: there is no log left to write to.
+        # The event was removed with its endpoint during the attempt: no log to write to.
         return "skipped"
+    return "delivered" if sent.ok else ("failed" if outcome == WebhookStatus.FAILED else "retry")
 
 
 def _write_attempt(
     claimed: Claimed, sent: Sent, stamp: float, outcome: str, values: dict[str, float | None]
-) -> str:
+) -> None:
+    """The attempt in the event's log, and its outcome on the event."""
     with session_scope() as session:
-        if session.get(WebhookEvent, claimed.event_id) is None:
-            return "skipped"  # removed with its endpoint during the attempt
         session.add(
             WebhookAttempt(
                 id=new_id("wha"),
@@ -282,7 +276,6 @@ def _write_attempt(
             )
             .values(status=outcome, updated_at=stamp, **values)
         )
-    return "delivered" if sent.ok else ("failed" if outcome == WebhookStatus.FAILED else "retry")
 
 
 def sweep() -> int:
