@@ -19,12 +19,13 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
 from app.core.errors import DomainError, Kind, named, pydantic_error
 from app.core.models import JobStatus
 from app.core.openai_format import (
+    CHAT_REFUSED,
     ChatCompletionRequest,
     JobView,
     ServiceTier,
@@ -34,35 +35,36 @@ from app.core.openai_format import (
 from app.core.schemas import MAX_TOOLS, TOOL_NAME, JobParams, StrictModel
 
 _NOT_YET = "not served yet by inferq's Responses API"
-_MULTIMODAL = "inferq serves text: multimodal inputs are not accepted"
-_TEMPLATE = "the worker applies the model's own chat template, unchanged"
-_TRANSFER = "disaggregated serving (KV or encoder-cache transfer) is not part of inferq"
+# Fields ResponsesRequest shares with vLLM's chat request: refused as on chat, for its reasons.
+_AS_ON_CHAT = (
+    "include_reasoning",
+    "cache_salt",
+    "watermarking",
+    "session_id",
+    "media_io_kwargs",
+    "mm_processor_kwargs",
+    "mm_payload",
+    "return_mm_kwargs",
+    "kv_transfer_params",
+    "ec_transfer_params",
+    "vllm_xargs",
+    "chat_template_kwargs",
+)
 # vLLM's ResponsesRequest fields inferq does not take, with vLLM's default (which asks for
 # nothing and is accepted) and why.
 RESPONSES_REFUSED: dict[str, tuple[Any, str]] = {
+    **{name: CHAT_REFUSED[name] for name in _AS_ON_CHAT},
     "max_tool_calls": (None, "the model's calls are bounded by max_output_tokens"),
     "include": (None, "nothing optional is added to a response's output"),
     "prompt": (None, "stored prompt templates are OpenAI's; send the input itself"),
     "reasoning": (None, "reasoning models' options are not offered"),
-    "include_reasoning": (True, "reasoning models' options are not offered"),
     "truncation": ("disabled", "inputs are never cut: one longer than the context fails"),
     "top_logprobs": (0, f"logprobs in a response's output are {_NOT_YET}"),
     "prompt_cache_key": (None, "the prefix cache is shared by every tenant of a deployment"),
-    "cache_salt": (None, "the prefix cache is shared by every tenant of a deployment"),
-    "watermarking": (None, "output watermarking is not offered"),
     "request_id": (None, "the response's id is its job's (GET /v1/jobs/job_<same suffix>)"),
-    "session_id": (None, "not offered"),
     "priority": (0, "service_tier picks the lane, and the lane decides the priority"),
-    "media_io_kwargs": (None, _MULTIMODAL),
-    "mm_processor_kwargs": (None, _MULTIMODAL),
-    "mm_payload": ("tensors", _MULTIMODAL),
-    "return_mm_kwargs": (None, _MULTIMODAL),
     "enable_response_messages": (False, "a response's output is its items, not token messages"),
     "previous_input_messages": (None, "previous_response_id carries a conversation on"),
-    "kv_transfer_params": (None, _TRANSFER),
-    "ec_transfer_params": (None, _TRANSFER),
-    "vllm_xargs": (None, "free-form engine arguments would bypass the request's validation"),
-    "chat_template_kwargs": (None, _TEMPLATE),
 }
 MAX_INPUT_ITEMS = 1000
 
@@ -164,7 +166,6 @@ _CHAT_NAMES = {
     "response_format.json_schema": "text.format",
     "response_format": "text.format",
     "messages": "input",
-    "tools": "tools",
 }
 
 
@@ -291,8 +292,9 @@ class ResponseCreate(StrictModel):
             **{name: getattr(self, name) for name in SAMPLING if getattr(self, name) is not None},
         }
         text_format = self.text.format if self.text is not None else None
-        if text_format is not None and text_format.response_format() is not None:
-            body["response_format"] = text_format.response_format()
+        response_format = text_format.response_format() if text_format is not None else None
+        if response_format is not None:
+            body["response_format"] = response_format
         if self.tools:
             body["tools"] = [tool.chat() for tool in self.tools]
             body["parallel_tool_calls"] = self.parallel_tool_calls
@@ -304,11 +306,8 @@ class ResponseCreate(StrictModel):
             )
         try:
             return ChatCompletionRequest.model_validate(body)
-        except Exception as exc:
-            errors = getattr(exc, "errors", None)
-            if errors is None:
-                raise
-            code, param, message = pydantic_error(errors()[0])
+        except ValidationError as exc:
+            code, param, message = pydantic_error(exc.errors()[0])
             param = _responses_name(param)
             raise DomainError(Kind.INVALID, code, named(param, message), param=param) from None
 
@@ -353,9 +352,19 @@ STATUSES = {
 }
 
 
+def message_id(response_id: str) -> str:
+    """The id of a response's output message (in its object and in its stream's events)."""
+    return "msg_" + response_id.removeprefix("resp_")
+
+
+def _first_choice(job: JobView) -> dict[str, Any]:
+    """The job's first stored choice (a response has one); {} when it stored none."""
+    return (job.choices or [{}])[0]
+
+
 def output_calls(job: JobView) -> list[dict[str, Any]]:
     """The calls the job's (first) choice made, as chat holds them (workers/inference/tools.py)."""
-    return list((job.choices or [{}])[0].get("tool_calls") or [])
+    return list(_first_choice(job).get("tool_calls") or [])
 
 
 def assistant_turn(job: JobView) -> dict[str, Any]:
@@ -364,7 +373,7 @@ def assistant_turn(job: JobView) -> dict[str, Any]:
     if calls:
         return {
             "role": "assistant",
-            "content": (job.choices or [{}])[0].get("content") or None,
+            "content": _first_choice(job).get("content") or None,
             "tool_calls": calls,
         }
     return {"role": "assistant", "content": job.result_text or ""}
@@ -390,12 +399,12 @@ def response_object(
     calls = output_calls(job) if job.status == JobStatus.SUCCEEDED else []
     if job.status == JobStatus.SUCCEEDED:
         # A choice that made calls keeps the rest of its text as ``content`` (may be empty).
-        text = (job.choices or [{}])[0].get("content") if calls else job.result_text
+        text = _first_choice(job).get("content") if calls else job.result_text
         if text or not calls:
             output.append(
                 {
                     "type": "message",
-                    "id": "msg_" + response_id.removeprefix("resp_"),
+                    "id": message_id(response_id),
                     "status": "incomplete" if status == "incomplete" else "completed",
                     "role": "assistant",
                     "content": [{"type": "output_text", "text": text or "", "annotations": []}],
@@ -454,7 +463,7 @@ class EventLog:
 
     def __init__(self, response_id: str, opening: dict[str, Any]) -> None:
         self.response_id = response_id
-        self.item_id = "msg_" + response_id.removeprefix("resp_")
+        self.item_id = message_id(response_id)
         self.events: list[dict[str, Any]] = []
         self.token: int | None = None
         self.text: list[str] = []
