@@ -83,10 +83,12 @@ def _load(job_id: str) -> Job:
         return job
 
 
-async def follow(row: StoredResponse, request: Request, starting_after: int | None) -> Response:
-    """Stream a background response from its kept log (or its row), from the start or after
-    ``starting_after``; refuses a ``starting_after`` past the last event made so far."""
-    job = await run_in_threadpool(_load, row.job_id)
+async def follow(
+    row: StoredResponse, job: Job, request: Request, starting_after: int | None
+) -> Response:
+    """Stream a background response (``row``, with its ``job`` as just read) from its kept log
+    (or its row), from the start or after ``starting_after``; refuses a ``starting_after``
+    past the last event made so far."""
     log = EventLog(row.id, responses.opening(row, job))
     kept = relay.is_log(job.reply_to) and job.relay == "tokens"
     cursor = "0"

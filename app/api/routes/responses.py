@@ -17,7 +17,7 @@ from app.api.schemas import ErrorBody
 from app.core import queries, relay, responses
 from app.core.db import session_scope
 from app.core.errors import DomainError, Kind
-from app.core.models import JobStatus, StoredResponse, response_id_of
+from app.core.models import Job, JobStatus, StoredResponse, response_id_of
 from app.core.openai_format import job_error
 from app.core.responses_format import ResponseCreate
 
@@ -44,8 +44,8 @@ async def create_response(body: ResponseCreate, request: Request, tenant: Tenant
             completions.enqueue, chat, tenant, caller_limits(request), prepared.attach, reply_to
         )
         if body.stream:
-            row, _ = await run_in_threadpool(_stored, tenant, response_id_of(job.id))
-            return await response_stream.follow(row, request, None)
+            row, stored = await run_in_threadpool(_stored, tenant, response_id_of(job.id))
+            return await response_stream.follow(row, stored, request, None)
         return JSONResponse(prepared.render(job), headers={completions.JOB_HEADER: job.id})
     ended = await completions.outcome(prepared.chat, request, tenant, prepared.attach)
     if ended is None:
@@ -55,11 +55,12 @@ async def create_response(body: ResponseCreate, request: Request, tenant: Tenant
     return JSONResponse(prepared.render(ended), headers={completions.JOB_HEADER: ended.id})
 
 
-def _stored(tenant: str, response_id: str) -> tuple[StoredResponse, dict[str, Any]]:
+def _stored(tenant: str, response_id: str) -> tuple[StoredResponse, Job]:
+    """The tenant's stored response and its job, read once, for use outside the session."""
     with session_scope() as session:
         row, job = responses.get(session, tenant, response_id)
-        session.expunge(row)
-        return row, responses.render(row, job)
+        session.expunge_all()
+        return row, job
 
 
 @router.get("/responses/{response_id}", response_model=None)
@@ -72,9 +73,9 @@ async def get_response(
 ) -> Response:
     """A stored response as it is now (poll a background one until it has ended); with
     ``stream=true``, its events, after ``starting_after`` (a resumed stream)."""
-    row, body = await run_in_threadpool(_stored, tenant, response_id)
+    row, job = await run_in_threadpool(_stored, tenant, response_id)
     if stream:
-        return await response_stream.follow(row, request, starting_after)
+        return await response_stream.follow(row, job, request, starting_after)
     if starting_after is not None:
         raise DomainError(
             Kind.INVALID,
@@ -82,7 +83,7 @@ async def get_response(
             "starting_after goes with stream=true",
             param="starting_after",
         )
-    return JSONResponse(body)
+    return JSONResponse(responses.render(row, job))
 
 
 @router.post("/responses/{response_id}/cancel")
