@@ -35,7 +35,7 @@ from app.core import snapshot
 from app.core.models import TERMINAL, Job
 from app.core.settings import Settings
 from workers.engines import create_engine as create_model_engine
-from workers.engines.base import GenRequest
+from workers.engines.base import GenChunk, GenRequest
 from workers.inference.runner import Runner
 
 SUBMIT_BATCH = 250
@@ -313,8 +313,8 @@ def run_direct(
     for req, rec in zip(requests, records, strict=True):
         times: list[float] = rec["token_times"]
 
-        def on_delta(_text: str, n: int, _index: int, times: list[float] = times) -> None:
-            times.extend([time.time()] * n)
+        def on_delta(chunk: GenChunk, times: list[float] = times) -> None:
+            times.extend([time.time()] * chunk.num_tokens)
 
         def on_done(_f: object, rec: dict[str, Any] = rec) -> None:
             rec["finished_at"] = time.time()

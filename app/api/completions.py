@@ -297,6 +297,22 @@ async def complete(
     )
 
 
+def _missed(calls: list[dict[str, Any]], sent: dict[int, list[str]]) -> list[dict[str, Any]]:
+    """The pieces of a choice's committed ``calls`` that were not streamed (``sent``: the
+    argument pieces sent, by call): a call none of whose pieces came whole, the rest of one
+    whose arguments came in part."""
+    rest: list[dict[str, Any]] = []
+    for at, made in enumerate(calls):
+        arguments = made["function"]["arguments"]
+        if at not in sent:
+            rest.append({"index": at, **made})
+            continue
+        streamed = "".join(sent[at])
+        if len(arguments) > len(streamed) and arguments.startswith(streamed):
+            rest.append({"index": at, "function": {"arguments": arguments[len(streamed) :]}})
+    return rest
+
+
 def _sse(data: dict[str, Any] | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
@@ -304,15 +320,17 @@ def _sse(data: dict[str, Any] | str) -> str:
 async def _events(
     call: _Call, first: relay.Entry | JobView, include_usage: bool, tier: str, n: int
 ) -> AsyncGenerator[str, None]:
-    """The SSE body: each choice's role, pieces as they come (each with its choice's index),
-    the rest of each committed text, each finish, usage; every chunk echoes the service
-    ``tier``."""
+    """The SSE body: each choice's role, pieces as they come (each with its choice's index:
+    text, or a message's content and pieces of its tool calls), the rest of each committed
+    message, each finish, usage; every chunk echoes the service ``tier``."""
     job = call.job
     tiered = functools.partial(chunk, tier=tier)
     if endpoint_of(job) == CHAT:
         for index in range(n):
             yield _sse(tiered(job, role=True, text="", index=index))
     sent: dict[int, list[str]] = {}
+    # by choice, then by call: the arguments sent so far
+    sent_calls: dict[int, dict[int, list[str]]] = {}
     token = first.token if isinstance(first, relay.Entry) else None
     final: JobView | None = None
     async for item in followed(call, first):
@@ -326,18 +344,26 @@ async def _events(
             yield _sse(error_body(409, "job_restarted", message, None))
             yield _sse("[DONE]")
             return
-        elif item.text:
-            sent.setdefault(item.index, []).append(item.text)
-            yield _sse(tiered(job, text=item.text, index=item.index))
+        elif item.text or item.calls:
+            if item.text:
+                sent.setdefault(item.index, []).append(item.text)
+            for piece in item.calls:
+                made = sent_calls.setdefault(item.index, {}).setdefault(piece["index"], [])
+                made.append(piece.get("function", {}).get("arguments") or "")
+            yield _sse(tiered(job, text=item.text or None, index=item.index, calls=item.calls))
     if final is None:
         return  # the caller left: EventStream closes the call, which cancels the job
     if final.status == JobStatus.SUCCEEDED:
         for choice in choices_of(final):
-            index, result = choice["index"], choice["text"] or ""
+            index = choice["index"]
+            # A choice with tool calls says its content apart from its text.
+            result = (choice["content"] if "content" in choice else choice["text"]) or ""
             text = "".join(sent.get(index, []))
-            if len(result) > len(text) and result.startswith(text):
-                # Pieces the relay lost (Redis restarted, say): the row has the whole text.
-                yield _sse(tiered(final, text=result[len(text) :], index=index))
+            # Pieces the relay lost (Redis restarted, say): the row has the whole message.
+            missed = result[len(text) :] if result.startswith(text) else ""
+            rest = _missed(choice.get("tool_calls") or [], sent_calls.get(index, {}))
+            if missed or rest:
+                yield _sse(tiered(final, text=missed or None, index=index, calls=rest))
             yield _sse(tiered(final, finish_reason=choice["finish_reason"], index=index))
         if include_usage:
             yield _sse(tiered(final, with_usage=True))

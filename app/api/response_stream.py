@@ -28,7 +28,7 @@ from app.core import relay, responses
 from app.core.db import session_scope
 from app.core.errors import DomainError, Kind
 from app.core.models import TERMINAL, Job, JobStatus, StoredResponse, response_id_of
-from app.core.openai_format import Ended, JobView, job_error
+from app.core.openai_format import Ended, job_error
 from app.core.responses_format import EventLog
 
 HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -38,10 +38,6 @@ END_GRACE_S = 10.0  # how long an ended job's end message is waited for in its k
 
 def sse(event: dict[str, Any]) -> str:
     return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
-
-
-def _final_text(job: JobView) -> str | None:
-    return (job.result_text or "") if job.status == JobStatus.SUCCEEDED else None
 
 
 async def foreground(prepared: responses.Prepared, request: Request, tenant: str) -> Response:
@@ -59,9 +55,9 @@ async def foreground(prepared: responses.Prepared, request: Request, tenant: str
         sent = 0
         async for item in completions.followed(call, first):
             if isinstance(item, relay.Entry):
-                log.piece(item.token, item.text or "")
+                log.piece(item.token, item.text or "", item.calls)
             else:
-                log.end(prepared.render(item), _final_text(item))
+                log.end(prepared.render(item))
             if log.restarted:
                 call.let_go()  # the response goes on; GET /v1/responses/{id} has its end
             for event in log.events[sent:]:
@@ -105,10 +101,9 @@ async def follow(
             for log_id, entry in entries:
                 cursor = log_id
                 if entry.text is not None:
-                    log.piece(entry.token, entry.text)
+                    log.piece(entry.token, entry.text, entry.calls)
                 elif entry.ended is not None:
-                    ended = Ended.of(job, entry.ended)
-                    log.end(responses.render(row, ended), _final_text(ended))
+                    log.end(responses.render(row, Ended.of(job, entry.ended)))
             found = found or bool(entries)
             if len(entries) < relay.READ_COUNT:
                 break
@@ -130,7 +125,7 @@ async def follow(
             terminal_at = terminal_at or time.monotonic()
             if time.monotonic() - terminal_at < END_GRACE_S:
                 return
-        log.end(responses.render(row, job), _final_text(job))
+        log.end(responses.render(row, job))
 
     await read(0)
     if not log.done:

@@ -301,18 +301,6 @@ class ChatCompletionRequest(_Request, ToolUse):
         return data
 
     @model_validator(mode="after")
-    def _tool_calls_are_not_streamed(self) -> ChatCompletionRequest:
-        # Tool calls are parsed from a choice's whole text (docs/openai.md, "Tools").
-        if self.stream and self.chosen() != "none":
-            raise PydanticCustomError(
-                "unsupported_parameter",
-                "tools are not supported with stream: ask without stream (the response has "
-                "the tool calls)",
-                {"fields": "tools"},
-            )
-        return self
-
-    @model_validator(mode="after")
     def _top_needs_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and self.logprobs is None:  # vLLM's rule
             raise PydanticCustomError(
@@ -531,9 +519,10 @@ def chunk(
     with_usage: bool = False,
     tier: str | None = None,
     index: int = 0,
+    calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """One streamed chunk (``chat.completion.chunk`` or ``text_completion``) of choice
-    ``index``.
+    ``index``; ``calls``: pieces of its tool calls (``delta.tool_calls``).
 
     With ``with_usage`` it is the final usage chunk OpenAI sends for
     ``stream_options.include_usage``: no choices, the job's usage.
@@ -557,6 +546,8 @@ def chunk(
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
+        if calls:
+            delta["tool_calls"] = calls
         choice: dict[str, Any] = {"index": index, "delta": delta}
     else:
         choice = {"index": index, "text": text or ""}

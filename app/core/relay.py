@@ -8,7 +8,9 @@ to that channel, as JSON:
 
 - ``{"k": key, "t": <lease token>, "d": <text>}`` for each piece of output (``relay="tokens"``),
   the first one at once and later ones merged while they queue up; a piece of a choice other
-  than the first (``n`` > 1) says which: ``"i": <index>``;
+  than the first (``n`` > 1) says which: ``"i": <index>``; a job with tools relays its
+  message's content as ``"d"`` and pieces of its calls as ``"c"``: OpenAI's
+  ``delta.tool_calls`` entries (workers/inference/tools.py);
 - ``{"k": key, "t": <lease token>, "end": {...}}`` once the job's outcome is committed (every
   relayed job), carrying the committed outcome, so the call answers without reading the row.
 
@@ -44,7 +46,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis
@@ -85,8 +87,8 @@ class Publisher:
         self._client = client
         self._merge_s = merge_ms / 1000
         self._keep_s = max(1, int(keep_s))  # a kept log's life after its last message
-        # (reply_to, lease token, choice index, text, or the outcome for the end message)
-        self._queue: queue.SimpleQueue[tuple[str, int, int, str | dict[str, Any]]] = (
+        # (reply_to, lease token, choice index, a piece, or the outcome for the end message)
+        self._queue: queue.SimpleQueue[tuple[str, int, int, Piece | dict[str, Any]]] = (
             queue.SimpleQueue()
         )
         self._thread = threading.Thread(target=self._loop, name="relay", daemon=True)
@@ -94,11 +96,18 @@ class Publisher:
     def start(self) -> None:
         self._thread.start()
 
-    def piece(self, reply_to: str, token: int, text: str, index: int = 0) -> None:
+    def piece(
+        self,
+        reply_to: str,
+        token: int,
+        text: str,
+        index: int = 0,
+        calls: list[dict[str, Any]] | None = None,
+    ) -> None:
         # While Redis is away pieces would pile up: past a bound they are dropped (the API
         # sends what a call missed from the committed outcome); end messages never are.
         if self._queue.qsize() < MAX_PENDING:
-            self._queue.put((reply_to, token, index, text))
+            self._queue.put((reply_to, token, index, Piece(text, calls or [])))
 
     def end(self, reply_to: str, token: int, outcome: dict[str, Any]) -> None:
         """The outcome is committed: ``outcome`` is what was committed (see ``Ended``)."""
@@ -106,8 +115,8 @@ class Publisher:
 
     def _loop(self) -> None:
         started: dict[tuple[str, int], None] = {}  # calls whose first piece went out
-        # later pieces, not yet sent, by call and choice
-        pending: dict[tuple[str, int], dict[int, list[str]]] = {}
+        # later pieces, not yet sent, by call and choice (merged)
+        pending: dict[tuple[str, int], dict[int, Piece]] = {}
         due = 0.0
         while True:
             try:
@@ -123,23 +132,24 @@ class Publisher:
             out: list[tuple[str, dict[str, Any]]] = []
             for reply_to, token, index, payload in items:
                 call = (reply_to, token)
-                if isinstance(payload, str):
+                if isinstance(payload, Piece):
                     if call in started:
                         if not pending:
                             due = time.monotonic() + self._merge_s
-                        pending.setdefault(call, {}).setdefault(index, []).append(payload)
+                        held = pending.setdefault(call, {})
+                        held[index] = held[index].then(payload) if index in held else payload
                         continue
                     started[call] = None
                     while len(started) > MAX_PENDING:  # calls that never ended (handed back)
                         del started[next(iter(started))]
                     out.append(_piece(call, index, payload))
                 else:
-                    out += [_piece(call, i, "".join(t)) for i, t in pending.pop(call, {}).items()]
+                    out += [_piece(call, i, p) for i, p in pending.pop(call, {}).items()]
                     started.pop(call, None)
                     out.append(_message(call, {"end": payload}))
             if pending and time.monotonic() >= due:
                 for call, choices in pending.items():
-                    out += [_piece(call, i, "".join(texts)) for i, texts in choices.items()]
+                    out += [_piece(call, i, p) for i, p in choices.items()]
                 pending.clear()
             if out:
                 try:
@@ -160,8 +170,46 @@ class Publisher:
         pipe.execute()
 
 
-def _piece(call: tuple[str, int], index: int, text: str) -> tuple[str, dict[str, Any]]:
-    return _message(call, {"d": text, "i": index} if index else {"d": text})
+@dataclass(frozen=True)
+class Piece:
+    """A piece of one choice's output: its text (a job with tools: its content) and pieces of
+    its calls."""
+
+    text: str
+    calls: list[dict[str, Any]]
+
+    def then(self, later: Piece) -> Piece:
+        """This piece and the ``later`` one as one; a call's argument pieces that follow each
+        other become one."""
+        calls = [dict(c) for c in self.calls]
+        for piece in later.calls:
+            last = calls[-1] if calls else None
+            if (
+                last is not None
+                and last["index"] == piece["index"]
+                and piece.keys()
+                == {
+                    "index",
+                    "function",
+                }
+            ):
+                function = dict(last.get("function") or {})
+                function["arguments"] = function.get("arguments", "") + (
+                    piece["function"].get("arguments") or ""
+                )
+                last["function"] = function
+            else:
+                calls.append(piece)
+        return Piece(self.text + later.text, calls)
+
+
+def _piece(call: tuple[str, int], index: int, piece: Piece) -> tuple[str, dict[str, Any]]:
+    body: dict[str, Any] = {"d": piece.text}
+    if index:
+        body["i"] = index
+    if piece.calls:
+        body["c"] = piece.calls
+    return _message(call, body)
 
 
 def _message(call: tuple[str, int], fields: dict[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -179,11 +227,14 @@ class Entry:
     text: str | None  # None: the outcome is committed (``ended``)
     ended: dict[str, Any] | None = None
     index: int = 0  # the choice a piece is of
+    calls: list[dict[str, Any]] = field(default_factory=list)  # pieces of its calls
 
     @classmethod
     def of(cls, body: dict[str, Any]) -> Entry:
         """A relay message's body as an entry."""
-        return cls(int(body["t"]), body.get("d"), body.get("end"), int(body.get("i", 0)))
+        return cls(
+            int(body["t"]), body.get("d"), body.get("end"), int(body.get("i", 0)), body.get("c", [])
+        )
 
 
 @dataclass

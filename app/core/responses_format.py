@@ -10,9 +10,10 @@ default (or null) it asks for nothing and is accepted, any other value is a 422 
 (docs/openai.md, "Responses").
 
 Function ``tools`` are chat's (``tool_choice`` ``auto``, ``required``, ``none`` or a named
-function): the calls come back as ``function_call`` output items, and their outputs go in as
-``function_call_output`` input items. Not served yet, refused by name: tools with ``stream``,
-other item types and logprobs. Streams are OpenAI's events, numbered (:class:`EventLog`).
+function): the calls come back as ``function_call`` output items (streamed: their arguments
+piece by piece), and their outputs go in as ``function_call_output`` input items. Not served
+yet, refused by name: other item types and logprobs. Streams are OpenAI's events, numbered
+(:class:`EventLog`).
 """
 
 from __future__ import annotations
@@ -226,14 +227,6 @@ class ResponseCreate(StrictModel):
                 "background responses must be stored: store: false cannot go with background: true",
                 {"fields": "store"},
             )
-        if self.stream and self.tools and self.tool_choice != "none":
-            # Calls are read from the whole output (docs/openai.md, "Tools").
-            raise PydanticCustomError(
-                "unsupported_parameter",
-                "tools are not supported with stream: ask without stream (the response has "
-                "the calls)",
-                {"fields": "tools"},
-            )
         if isinstance(self.input, list) and len(self.input) > MAX_INPUT_ITEMS:
             raise PydanticCustomError(
                 "too_long", "at most {n} input items", {"n": MAX_INPUT_ITEMS, "fields": "input"}
@@ -357,6 +350,11 @@ def message_id(response_id: str) -> str:
     return "msg_" + response_id.removeprefix("resp_")
 
 
+def call_item_id(response_id: str, index: int) -> str:
+    """The id of a response's ``index``-th function_call item (its object and its events)."""
+    return f"fc_{response_id.removeprefix('resp_')}_{index}"
+
+
 def _first_choice(job: JobView) -> dict[str, Any]:
     """The job's first stored choice (a response has one); {} when it stored none."""
     return (job.choices or [{}])[0]
@@ -410,11 +408,10 @@ def response_object(
                     "content": [{"type": "output_text", "text": text or "", "annotations": []}],
                 }
             )
-    suffix = response_id.removeprefix("resp_")
     output += [
         {
             "type": "function_call",
-            "id": f"fc_{suffix}_{i}",
+            "id": call_item_id(response_id, i),
             "call_id": call["id"],
             "name": call["function"]["name"],
             "arguments": call["function"]["arguments"],
@@ -459,6 +456,11 @@ class EventLog:
     the job was when the stream began, so every API process that reads the same messages makes
     the same events with the same ``sequence_number``s: a client that lost its connection
     resumes with ``starting_after`` anywhere (docs/openai.md, "Responses").
+
+    Output items open as their first piece comes, each at the next ``output_index``: the
+    message at its first text, a ``function_call`` at its call's first piece (its name), whose
+    arguments then come as ``response.function_call_arguments.delta``. The end closes every item
+    from the Response object (the job as committed), sending first what the pieces missed.
     """
 
     def __init__(self, response_id: str, opening: dict[str, Any]) -> None:
@@ -467,18 +469,21 @@ class EventLog:
         self.events: list[dict[str, Any]] = []
         self.token: int | None = None
         self.text: list[str] = []
+        self.message_at: int | None = None  # the message's output_index, once opened
+        # by call index: its output_index, item and the argument pieces sent
+        self.calls: dict[int, tuple[int, dict[str, Any], list[str]]] = {}
         self.done = False
         self.restarted = False  # the job started over elsewhere: the stream ended early
         self._add("response.created", response={**opening, "status": "queued"})
         self._add("response.in_progress", response={**opening, "status": "in_progress"})
 
-    def piece(self, token: int, text: str) -> None:
-        """A piece of output of the job's attempt ``token``."""
+    def piece(self, token: int, text: str, calls: list[dict[str, Any]] | None = None) -> None:
+        """A piece of output of the job's attempt ``token``: text, and pieces of calls (chat's
+        ``delta.tool_calls`` entries)."""
         if self.done:
             return
         if self.token is None:
             self.token = token
-            self._open()
         elif token != self.token:
             # The job started over on another worker: what was sent cannot be taken back. The
             # response goes on; its end is at GET /v1/responses/{id} and in its webhook.
@@ -492,47 +497,98 @@ class EventLog:
             self.done = self.restarted = True
             return
         if text:
-            self.text.append(text)
-            self._add("response.output_text.delta", **self._at(), delta=text, logprobs=[])
+            self._text(text)
+        for made in calls or []:
+            at = int(made["index"])
+            arguments = (made.get("function") or {}).get("arguments") or ""
+            if at not in self.calls:
+                self._open_call(at, made["id"], made["function"]["name"])
+            if arguments:
+                self._arguments(at, arguments)
 
-    def end(self, final: dict[str, Any], text: str | None) -> None:
-        """The job has ended: ``final`` is the Response object; ``text`` its output (None
-        without one)."""
+    def end(self, final: dict[str, Any]) -> None:
+        """The job has ended: ``final`` is the Response object."""
         if self.done:
             return
-        if text is not None:
-            sent = "".join(self.text)
-            if self.token is None:
-                self.token = 0  # no piece came: the item opens here, once
-                self._open()
-            if len(text) > len(sent) and text.startswith(sent):
-                # Pieces the relay lost (Redis restarted, say), or a stream made from the row:
-                # the row has the whole text.
-                self.piece(self.token, text[len(sent) :])
-            part = {"type": "output_text", "text": text, "annotations": []}
-            self._add("response.output_text.done", **self._at(), text=text, logprobs=[])
-            self._add("response.content_part.done", **self._at(), part=part)
-            item = {**self._item("completed"), "content": [part]}
-            self._add("response.output_item.done", output_index=0, item=item)
+        called = 0
+        for item in final["output"]:
+            if item["type"] == "message":
+                text = item["content"][0]["text"]
+                sent = "".join(self.text)
+                if len(text) > len(sent) and text.startswith(sent):
+                    # Pieces the relay lost (Redis restarted, say), or a stream made from the
+                    # row: the row has the whole text.
+                    self._text(text[len(sent) :])
+                elif self.message_at is None:
+                    self._open_message()
+                at = {"item_id": self.item_id, "output_index": self.message_at, "content_index": 0}
+                self._add("response.output_text.done", **at, text=text, logprobs=[])
+                self._add("response.content_part.done", **at, part=item["content"][0])
+                self._add("response.output_item.done", output_index=self.message_at, item=item)
+            elif item["type"] == "function_call":
+                if called not in self.calls:
+                    self._open_call(called, item["call_id"], item["name"])
+                output_index, opened, pieces = self.calls[called]
+                sent = "".join(pieces)
+                if len(item["arguments"]) > len(sent) and item["arguments"].startswith(sent):
+                    self._arguments(called, item["arguments"][len(sent) :])
+                self._add(
+                    "response.function_call_arguments.done",
+                    item_id=opened["id"],
+                    output_index=output_index,
+                    arguments=item["arguments"],
+                )
+                self._add("response.output_item.done", output_index=output_index, item=item)
+                called += 1
         self._add(f"response.{final['status']}", response=final)
         self.done = True
 
-    def _open(self) -> None:
-        self._add("response.output_item.added", output_index=0, item=self._item("in_progress"))
-        part = {"type": "output_text", "text": "", "annotations": []}
-        self._add("response.content_part.added", **self._at(), part=part)
+    def _text(self, text: str) -> None:
+        if self.message_at is None:
+            self._open_message()
+        self.text.append(text)
+        at = {"item_id": self.item_id, "output_index": self.message_at, "content_index": 0}
+        self._add("response.output_text.delta", **at, delta=text, logprobs=[])
 
-    def _item(self, status: str) -> dict[str, Any]:
-        return {
+    def _open_message(self) -> None:
+        self.message_at = self._next_index()
+        item = {
             "id": self.item_id,
             "type": "message",
-            "status": status,
+            "status": "in_progress",
             "role": "assistant",
             "content": [],
         }
+        self._add("response.output_item.added", output_index=self.message_at, item=item)
+        part = {"type": "output_text", "text": "", "annotations": []}
+        at = {"item_id": self.item_id, "output_index": self.message_at, "content_index": 0}
+        self._add("response.content_part.added", **at, part=part)
 
-    def _at(self) -> dict[str, Any]:
-        return {"item_id": self.item_id, "output_index": 0, "content_index": 0}
+    def _open_call(self, at: int, call_id: str, name: str) -> None:
+        item = {
+            "type": "function_call",
+            "id": call_item_id(self.response_id, at),
+            "call_id": call_id,
+            "name": name,
+            "arguments": "",
+            "status": "in_progress",
+        }
+        output_index = self._next_index()
+        self.calls[at] = (output_index, item, [])
+        self._add("response.output_item.added", output_index=output_index, item=item)
+
+    def _arguments(self, at: int, arguments: str) -> None:
+        output_index, item, pieces = self.calls[at]
+        pieces.append(arguments)
+        self._add(
+            "response.function_call_arguments.delta",
+            item_id=item["id"],
+            output_index=output_index,
+            delta=arguments,
+        )
+
+    def _next_index(self) -> int:
+        return len(self.calls) + (self.message_at is not None)
 
     def _add(self, event_type: str, **fields: Any) -> None:
         self.events.append({"type": event_type, "sequence_number": len(self.events), **fields})

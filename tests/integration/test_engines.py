@@ -657,6 +657,93 @@ def test_vllm_calls_tools_through_the_responses_api(vllm_stack: tuple[Stack, int
     assert messages[2] == {"role": "tool", "tool_call_id": call.call_id, "content": "sunny"}
 
 
+def test_vllm_streams_tool_calls_into_the_calls_it_answers_without_stream(
+    vllm_stack: tuple[Stack, int],
+) -> None:
+    """The official SDK's ``chat.completions.stream`` accumulates the streamed
+    ``delta.tool_calls`` (index, id, name, argument pieces) into the same calls as the answer
+    without stream, for a named function, ``required`` and ``auto`` (vLLM's hermes parser
+    reading the model's words piece by piece); the job keeps the calls streamed, ids included.
+    Greedy decoding makes the same text both ways."""
+    stack, _ = vllm_stack
+    client = OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    strict = [{**t, "function": {**t["function"], "strict": True}} for t in TOOLS]
+    forced = '<tool_call>{"name": "get_time", "arguments": {"zone": "CET"}}</tool_call>'
+    asks: list[dict[str, Any]] = [
+        {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+        {"tool_choice": "required", "parallel_tool_calls": False},
+        {"extra_body": {"structured_outputs": {"regex": re.escape("Sure. " + forced)}}},
+    ]
+    for ask in asks:
+        fields = {
+            "model": "inferq-demo",
+            "messages": [{"role": "user", "content": "What is the weather in Oslo?"}],
+            "tools": strict,
+            "max_tokens": 128,
+            "temperature": 0,
+            **ask,
+        }
+        answered = client.chat.completions.create(**fields).choices[0]
+        pieces: list[Any] = []
+        with client.chat.completions.stream(**fields) as stream:
+            for event in stream:
+                if event.type == "chunk" and event.chunk.choices:
+                    pieces += event.chunk.choices[0].delta.tool_calls or []
+            final = stream.get_final_completion()
+        streamed = final.choices[0]
+        assert streamed.finish_reason == answered.finish_reason, ask
+        # The role's chunk opens the content with "" (as vLLM's server): no content is "" here.
+        assert (streamed.message.content or None) == answered.message.content, ask
+        made, expected = streamed.message.tool_calls, answered.message.tool_calls
+        assert made and expected and len(made) == len(expected), ask
+        for one, other in zip(made, expected, strict=True):
+            assert one.function.name == other.function.name, ask
+            assert json.loads(one.function.arguments) == json.loads(other.function.arguments)
+        # A call's first piece names it (with the id it keeps); a named function's arguments
+        # are its text, whose first token goes out at once and the rest after.
+        assert pieces[0].id == made[0].id and pieces[0].function.name == made[0].function.name
+        if isinstance(ask.get("tool_choice"), dict):
+            assert len(pieces) > 1
+        job = stack.client().get(f"/v1/jobs/{final.id}").json()
+        stored = job["result"]["choices"][0]["tool_calls"]
+        assert [c["id"] for c in stored] == [c.id for c in made]
+        assert [c["function"]["arguments"] for c in stored] == [
+            c.function.arguments for c in made
+        ]
+    # auto with a text before the call: the text is the content, streamed as such.
+    assert final.choices[0].message.content == "Sure. "
+    assert final.choices[0].finish_reason == "tool_calls"
+
+
+def test_vllm_streams_function_calls_of_a_response(vllm_stack: tuple[Stack, int]) -> None:
+    """A streamed response with a named function: the call is a function_call item whose
+    arguments come as ``response.function_call_arguments.delta`` events, and the SDK's stream
+    ends with the same call as the response made without stream."""
+    stack, _ = vllm_stack
+    client = OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    fields: dict[str, Any] = {
+        "model": "inferq-demo",
+        "input": "What is the weather in Oslo?",
+        "tools": [{"type": "function", **t["function"]} for t in TOOLS],
+        "tool_choice": {"type": "function", "name": "get_weather"},
+        "max_output_tokens": 128,
+        "temperature": 0,
+    }
+    answered = client.responses.create(**fields)
+    with client.responses.stream(**fields) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert kinds.count("response.function_call_arguments.delta") > 1
+    assert kinds[-1] == "response.completed"
+    (call,) = [item for item in final.output if item.type == "function_call"]
+    (expected,) = [item for item in answered.output if item.type == "function_call"]
+    assert call.name == expected.name == "get_weather"
+    assert call.arguments == expected.arguments
+    (kept,) = client.responses.retrieve(final.id).output
+    assert kept.type == "function_call"
+    assert (kept.call_id, kept.arguments) == (call.call_id, call.arguments)
+
+
 def test_vllm_runs_a_lora_adapter_of_its_model(vllm_stack: tuple[Stack, int]) -> None:
     """A job naming the adapter runs on the demo model's worker through vLLM's LoRA support:
     greedy decoding of the same prompt gives another text than the base model's, the same one

@@ -300,7 +300,6 @@ def test_tools_the_model_cannot_call_are_refused_by_name(client: OpenAI, stack: 
     with stack.client() as c:
         chat = {"model": MODEL, "messages": messages}
         for body, param in (
-            ({**chat, "tools": tools, "stream": True, "tool_choice": "required"}, "tools"),
             (
                 {
                     **chat,

@@ -147,3 +147,25 @@ def test_a_tier_the_lane_contradicts_or_one_not_offered_is_refused(core: Setting
     assert "bulk" in error["message"], error
     assert scale.status_code == 422 and scale.json()["error"]["param"] == "service_tier"
     assert jobs() == 0
+
+
+def test_the_pieces_of_calls_a_stream_missed_are_sent_from_the_committed_calls() -> None:
+    """A streamed chat's end sends what the relay lost of each committed call: a call none of
+    whose pieces came whole (its id and name too), the rest of one that came in part, nothing
+    for one that came whole."""
+    from app.api.completions import _missed
+
+    def made(call_id: str, arguments: str) -> dict[str, Any]:
+        return {
+            "id": call_id,
+            "type": "function",
+            "function": {"name": "f", "arguments": arguments},
+        }
+
+    committed = [made("call_a", '{"a": 1}'), made("call_b", '{"b": 2}'), made("call_c", "{}")]
+    sent = {0: ["", '{"a": 1}'], 1: ['{"b"']}
+    assert _missed(committed, sent) == [
+        {"index": 1, "function": {"arguments": ": 2}"}},
+        {"index": 2, **made("call_c", "{}")},
+    ]
+    assert _missed(committed[:1], sent) == []

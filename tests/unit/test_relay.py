@@ -52,3 +52,44 @@ def test_a_quiet_call_is_told_when_nothing_came(core: Settings) -> None:
             waiter.close()
 
     assert asyncio.run(scenario()) is None
+
+
+def test_pieces_of_tool_calls_are_merged_call_by_call(core: Settings) -> None:
+    """A job with tools relays content and pieces of calls: merged pieces keep each call's
+    opening (id, name) and join the argument pieces that follow it, call by call."""
+    publisher = relay.Publisher(clients.redis_client(), merge_ms=200)
+    publisher.start()
+    opening = {"index": 0, "id": "call_a", "type": "function", "function": {"name": "f"}}
+
+    def args(index: int, text: str) -> dict[str, object]:
+        return {"index": index, "function": {"arguments": text}}
+
+    async def scenario() -> list[relay.Entry]:
+        waiter = await relay.replies().register()
+        publisher.piece(waiter.reply_to, 1, "Sure. ")
+        first = await waiter.next(timeout_s=5)
+        publisher.piece(waiter.reply_to, 1, "", calls=[opening])
+        publisher.piece(waiter.reply_to, 1, "", calls=[args(0, '{"a"')])
+        publisher.piece(waiter.reply_to, 1, "", calls=[args(0, ": 1}")])
+        second = {"index": 1, "id": "call_b", "type": "function", "function": {"name": "g"}}
+        publisher.piece(waiter.reply_to, 1, "", calls=[second, args(1, "{}")])
+        publisher.end(waiter.reply_to, 1, {"status": "succeeded"})
+        entries = [first]
+        while entries[-1] is None or entries[-1].ended is None:
+            entries.append(await waiter.next(timeout_s=5))
+        waiter.close()
+        return [e for e in entries if e is not None]
+
+    first, merged, end = asyncio.run(scenario())
+    assert (first.text, first.calls) == ("Sure. ", [])
+    assert merged.text == ""
+    assert merged.calls == [
+        {**opening, "function": {"name": "f", "arguments": '{"a": 1}'}},
+        {
+            "index": 1,
+            "id": "call_b",
+            "type": "function",
+            "function": {"name": "g", "arguments": "{}"},
+        },
+    ]
+    assert end.ended == {"status": "succeeded"}

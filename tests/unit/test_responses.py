@@ -30,6 +30,7 @@ from app.core.keys import create_key
 from app.core.openai_format import Ended
 from app.core.responses_format import (
     RESPONSES_REFUSED,
+    EventLog,
     ResponseCreate,
     assistant_turn,
     response_object,
@@ -212,7 +213,6 @@ def test_a_response_not_stored_answers_and_cannot_be_found(core: Settings) -> No
     [
         ({"previous_response_id": "resp_nope"}, "previous_response_id", 404),
         ({"background": True, "store": False}, "store", 422),
-        ({"tools": [TOOL], "stream": True}, "tools", 422),
         ({"tools": [TOOL], "tool_choice": {"type": "function", "name": "g"}}, "tool_choice", 422),
         ({"input": [{"type": "function_call_output", "output": "x"}]}, "input", 422),
         ({"truncation": "auto"}, "truncation", 422),
@@ -388,3 +388,75 @@ def test_function_tools_are_chats_and_their_calls_come_back_as_items() -> None:
     assert response["tools"] == [TOOL] and response["status"] == "completed"
     # A conversation that goes on from it has the calls as the assistant's turn.
     assert assistant_turn(job) == {"role": "assistant", "content": None, "tool_calls": [made]}
+
+
+def _called(text: str, content: str | None, calls: list[tuple[str, str, str]]) -> Ended:
+    """A job that ended with ``calls`` (id, name, arguments) after ``content``."""
+    made = [
+        {"id": i, "type": "function", "function": {"name": n, "arguments": a}} for i, n, a in calls
+    ]
+    choice = {"index": 0, "text": text, "finish_reason": "tool_calls", "content": content}
+    return Ended(
+        "job_x",
+        0.0,
+        "m",
+        [],
+        "succeeded",
+        text,
+        "tool_calls",
+        [{**choice, "tool_calls": made}],
+        3,
+        9,
+        None,
+        None,
+    )
+
+
+@pytest.mark.parametrize("lost", [False, True])
+def test_streamed_function_calls_are_items_the_sdk_accumulates(lost: bool) -> None:
+    """A stream's content and pieces of calls become a message and function_call items, each
+    at the next output_index, the arguments as ``function_call_arguments.delta``; the end
+    closes each from the Response object, sending first what the relay lost (``lost``: only
+    the opening pieces came). The official SDK's stream state accumulates the events into the
+    same output as the Response object."""
+    from openai._models import construct_type
+    from openai.lib.streaming.responses._responses import ResponseStreamState
+    from openai.types.responses import ResponseStreamEvent
+
+    opening = response_object("resp_x", _called("", None, []), {}, "default")
+    ended = _called("...", "Sure. ", [("call_a", "f", '{"a": 1}'), ("call_b", "g", "{}")])
+    final = response_object("resp_x", ended, {}, "default")
+    log = EventLog("resp_x", {**opening, "status": "in_progress", "output": []})
+    log.piece(1, "Sure")
+    log.piece(1, "", [{"index": 0, "id": "call_a", "type": "function", "function": {"name": "f"}}])
+    if not lost:
+        log.piece(1, ". ", [{"index": 0, "function": {"arguments": '{"a": 1}'}}])
+        log.piece(
+            1, "", [{"index": 1, "id": "call_b", "function": {"name": "g", "arguments": "{"}}]
+        )
+        log.piece(1, "", [{"index": 1, "function": {"arguments": "}"}}])
+    log.end(final)
+    assert [e["sequence_number"] for e in log.events] == list(range(len(log.events)))
+    added = [e for e in log.events if e["type"] == "response.output_item.added"]
+    assert [(e["output_index"], e["item"]["type"]) for e in added] == [
+        (0, "message"),
+        (1, "function_call"),
+        (2, "function_call"),
+    ]
+    deltas = [e["delta"] for e in log.events if e["type"].endswith("arguments.delta")]
+    assert "".join(deltas) == '{"a": 1}{}'
+    state = ResponseStreamState(input_tools=openai.omit, text_format=openai.omit)
+    for event in log.events:
+        state.handle_event(construct_type(type_=ResponseStreamEvent, value=event))
+    # What the SDK built from the deltas (its snapshot), and the response it ended with.
+    built = [state._output_items[at] for at in sorted(state._output_items)]
+    assert built[0].type == "message" and built[0].content[0].text == "Sure. "
+    calls = [(i.call_id, i.name, i.arguments) for i in built if i.type == "function_call"]
+    assert calls == [("call_a", "f", '{"a": 1}'), ("call_b", "g", "{}")]
+    completed = state._completed_response
+    assert completed is not None
+    assert (
+        [i.id for i in completed.output]
+        == [i.id for i in built]
+        == [i["id"] for i in final["output"]]
+    )

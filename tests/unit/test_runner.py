@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from app.core.settings import Settings
-from workers.engines.base import GenRequest
+from workers.engines.base import GenChunk, GenRequest
 from workers.engines.simulated import CostModel, SimulatedEngine
 from workers.inference.runner import BulkPacer, GenResult, Runner
 
@@ -62,7 +62,7 @@ def test_abort_from_another_thread(runner: Runner) -> None:
     streamed: list[str] = []
     future = runner.submit(
         GenRequest("c", prompt="x", max_tokens=100_000),
-        on_delta=lambda text, n, index: streamed.append(text),
+        on_delta=lambda chunk: streamed.append(chunk.text),
     )
     time.sleep(0.2)
     runner.abort("c", "cancelled")
@@ -105,7 +105,7 @@ def test_bulk_pacing_keeps_bulk_prefills_out_of_a_realtime_first_token() -> None
         ]
         in_engine: list[int] = []
 
-        def on_delta(_text: str, _n: int, _index: int) -> None:
+        def on_delta(_chunk: GenChunk) -> None:
             if not in_engine:  # the realtime request's first token: who is in the engine?
                 stats = runner.engine.stats()
                 in_engine.append(stats.running + stats.waiting)

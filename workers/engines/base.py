@@ -54,6 +54,26 @@ class GenChunk:
     index: int = 0  # which choice (a request with ``n`` > 1 has several)
     # With ``logprobs`` asked: one ``token_logprob`` per token of ``text``.
     logprobs: list[dict[str, Any]] | None = None
+    # The ids of the tokens of ``text`` (an engine that has them): tool parsers read them.
+    token_ids: Sequence[int] = ()
+
+
+@dataclass
+class ToolDelta:
+    """What one piece of a choice's output adds to its message: ``content`` and pieces of
+    ``calls``, OpenAI's ``delta.tool_calls`` entries (``index``; ``id``, ``type`` and the
+    function's ``name`` on a call's first piece; pieces of ``arguments``)."""
+
+    content: str = ""
+    calls: list[dict[str, Any]] = field(default_factory=list)
+
+
+class ToolStream(Protocol):
+    """The calls in one choice's output as it streams (``Engine.tool_stream``)."""
+
+    def feed(self, text: str, token_ids: Sequence[int], finished: bool) -> ToolDelta:
+        """The message's part of the next piece of output (``finished``: the last one)."""
+        ...
 
 
 @dataclass
@@ -184,6 +204,12 @@ class Engine(Protocol):
         """The model's own tool calls in ``text`` (``tool_choice: auto``): the content around
         them and the calls (``name`` and ``arguments``, a JSON text). Only an engine with a
         tool parser is asked (one that honours ``tools`` with ``auto``)."""
+        ...
+
+    def tool_stream(self, tools: Mapping[str, Any]) -> ToolStream:
+        """A parser of one streamed choice's calls under ``tools`` (``jobs.tools``), as the
+        engine's server streams them: what ``extract_tool_calls`` finds in the whole text, found
+        piece by piece. Only an engine that honours ``tools`` is asked."""
         ...
 
     async def abort(self, request_id: str) -> None: ...

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +29,7 @@ from workers.engines.base import (
     GenRequest,
     StepObserver,
     TokenWindow,
+    ToolStream,
     apply_stop,
     hf_tokenizer_json,
     ignore_step,
@@ -118,6 +119,10 @@ class HFEngine:
         self, text: str, tools: Sequence[dict[str, Any]]
     ) -> tuple[str | None, list[dict[str, Any]]]:
         # Never asked: generate refuses tools (refuse_options), as this engine has no parser.
+        raise EngineRequestError("invalid_request", "tools: not supported by the hf engine")
+
+    def tool_stream(self, tools: Mapping[str, Any]) -> ToolStream:
+        # Never asked either (generate refuses tools).
         raise EngineRequestError("invalid_request", "tools: not supported by the hf engine")
 
     def tokenizer_json(self) -> str | None:

@@ -47,7 +47,7 @@ import itertools
 import random
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +60,7 @@ from workers.engines.base import (
     GenRequest,
     StepObserver,
     TokenWindow,
+    ToolStream,
     apply_stop,
     check_adapter,
     ignore_step,
@@ -217,6 +218,10 @@ class SimulatedEngine:
         self, text: str, tools: Sequence[dict[str, Any]]
     ) -> tuple[str | None, list[dict[str, Any]]]:
         # Never asked: generate refuses tools (refuse_options), as this engine has no parser.
+        raise EngineRequestError("invalid_request", "tools: not supported by the simulated engine")
+
+    def tool_stream(self, tools: Mapping[str, Any]) -> ToolStream:
+        # Never asked either (generate refuses tools).
         raise EngineRequestError("invalid_request", "tools: not supported by the simulated engine")
 
     def tokenizer_json(self) -> str:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from workers.engines.base import (
     GenRequest,
     StepObserver,
     TokenWindow,
+    ToolDelta,
     check_adapter,
     hf_tokenizer_json,
     ignore_step,
@@ -261,6 +262,7 @@ class VLLMEngine:
                         logprobs=None
                         if completion.logprobs is None
                         else _logprobs(completion.token_ids, completion.logprobs, top),
+                        token_ids=completion.token_ids,
                     )
         except VLLMDead as exc:
             raise EngineDeadError(str(exc)) from exc
@@ -304,6 +306,13 @@ class VLLMEngine:
         ]
         return found.content, calls
 
+    def tool_stream(self, tools: Mapping[str, Any]) -> _ToolStream:
+        request = self._tool_request(tools["tools"])
+        parser = None
+        if tools["tool_choice"] == "auto":
+            parser = self._tool_parser_class(self._tokenizer, request.tools)
+        return _ToolStream(tools, request, parser, self._tokenizer)
+
     async def abort(self, request_id: str) -> None:
         if self._llm is not None:
             await self._llm.abort(request_id)
@@ -323,3 +332,66 @@ class VLLMEngine:
         if self._llm is not None:
             self._llm.shutdown()
             self._llm = None
+
+
+class _ToolStream:
+    """One streamed choice's calls, as vLLM's server streams them (its chat serving's
+    ``parse_delta``): a named function's arguments are the text itself, ``required``'s calls
+    are read off the JSON list as it grows, and ``auto`` is the tool parser's streaming
+    extraction, with what it parsed but did not send added at the end."""
+
+    def __init__(self, tools: Mapping[str, Any], request: Any, parser: Any, tokenizer: Any) -> None:
+        self._chosen = tools["tool_choice"]
+        self._request = request
+        self._parser = parser
+        self._tokenizer = tokenizer
+        self._text = ""
+        self._token_ids: list[int] = []
+        self._named = False  # a named function's id and name are sent
+
+    def feed(self, text: str, token_ids: Sequence[int], finished: bool) -> ToolDelta:
+        from vllm.tool_parsers.streaming import (
+            extract_named_tool_call_streaming,
+            extract_required_tool_call_streaming,
+        )
+
+        previous, previous_ids = self._text, self._token_ids
+        self._text, self._token_ids = previous + text, [*previous_ids, *token_ids]
+        if isinstance(self._chosen, Mapping):
+            if not text and self._named:
+                return ToolDelta()
+            message, self._named = extract_named_tool_call_streaming(
+                delta_text=text,
+                function_name=self._chosen["name"],
+                function_name_returned=self._named,
+                tool_call_idx=None,
+                tool_call_id_type="random",
+                tokenizer=self._tokenizer,
+            )
+        elif self._chosen == "required":
+            message, _ = extract_required_tool_call_streaming(
+                previous_text=previous,
+                current_text=self._text,
+                tool_call_idx=None,
+                tool_call_id_type="random",
+            )
+        else:
+            message = self._parser.extract_tool_calls_streaming(
+                previous,
+                self._text,
+                text,
+                previous_ids,
+                self._token_ids,
+                list(token_ids),
+                self._request,
+            )
+        delta = ToolDelta(
+            content=(message.content or "") if message is not None else "",
+            calls=[c.model_dump(exclude_none=True) for c in (message and message.tool_calls) or []],
+        )
+        if finished and self._parser is not None and self._parser.prev_tool_call_arr:
+            rest = self._parser.get_remaining_unstreamed_args()
+            if rest:
+                last = len(self._parser.prev_tool_call_arr) - 1
+                delta.calls.append({"index": last, "function": {"arguments": rest}})
+        return delta

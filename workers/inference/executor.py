@@ -31,7 +31,7 @@ from app.core.models import JobStatus, now
 from app.core.settings import Settings
 from app.core.transitions import Outcome
 from workers import metrics
-from workers.engines.base import EngineDeadError, EngineRequestError
+from workers.engines.base import EngineDeadError, EngineRequestError, GenChunk
 from workers.inference import tools
 from workers.inference.claims import Claim, Released, echo_of, ending_of, request_for, request_id
 from workers.inference.intake import Intake
@@ -62,6 +62,8 @@ class Executor:
         # commits is not missed.
         self._held: dict[str, int | None] = {}
         self._aborts: dict[str, str] = {}
+        # job id -> the calls of a streamed job with tools, found as its output is relayed
+        self._streamed: dict[str, tools.Streamed] = {}
 
     def start(self) -> None:
         """Start the recorder (its thread, the relay's and the announcer's)."""
@@ -151,6 +153,7 @@ class Executor:
                 for job_id in ids:
                     self._held.pop(job_id, None)
                     self._aborts.pop(job_id, None)
+                    self._streamed.pop(job_id, None)
 
     def _start_from(
         self,
@@ -174,15 +177,27 @@ class Executor:
         self.intake.entered(len(started))
         return set(started)
 
-    def _relay_pieces(self, claim: Claim) -> Callable[[str, int, int], None] | None:
+    def _relay_pieces(self, claim: Claim) -> Callable[[GenChunk], None] | None:
         """The engine's output pieces of a streamed job go to its caller (on the loop thread),
-        each with its choice's index."""
+        each with its choice's index; a job with tools relays its content and pieces of its
+        calls instead of its text (workers/inference/tools.py)."""
         if claim.relay != "tokens" or claim.reply_to is None:
             return None
         reply_to, token, publish = claim.reply_to, claim.token, self.recorder.relay.piece
         if claim.echo:  # the caller's first piece is what the output starts with
             publish(reply_to, token, claim.echo)
-        return lambda text, _tokens, index: publish(reply_to, token, text, index) if text else None
+        if claim.request.tool_choice == "none":
+            return lambda c: publish(reply_to, token, c.text, c.index) if c.text else None
+        streamed = self._streamed[claim.job_id] = tools.Streamed(
+            claim.request.tools or {}, self.runner.engine
+        )
+
+        def relay(chunk: GenChunk) -> None:
+            found = streamed.feed(chunk)
+            if found.content or found.calls:
+                publish(reply_to, token, found.content, chunk.index, found.calls)
+
+        return relay
 
     def _ending(
         self, claim: Claim, future: concurrent.futures.Future[GenResult]
@@ -190,7 +205,10 @@ class Executor:
         """How the job left the engine (raises EngineDeadError)."""
         try:
             result = future.result()
-            if claim.request.tools is not None:
+            streamed = self._streamed.pop(claim.job_id, None)
+            if streamed is not None:
+                result = streamed.apply(result)
+            elif claim.request.tools is not None:
                 result = tools.with_calls(result, claim.request.tools, self.runner.engine)
             return ending_of(result, claim.echo)
         except EngineRequestError as exc:

@@ -30,7 +30,7 @@ from app.core.models import LANE_PRIORITY
 from app.core.settings import Settings
 from app.core.transitions import choice
 from workers import metrics
-from workers.engines.base import Engine, EngineStats, GenRequest
+from workers.engines.base import Engine, EngineStats, GenChunk, GenRequest
 
 log = logging.getLogger("inferq.runner")
 
@@ -129,7 +129,7 @@ class MicroBatcher:
 _Spawn = tuple[
     GenRequest,
     float | None,
-    Callable[[str, int, int], None] | None,
+    Callable[[GenChunk], None] | None,
     concurrent.futures.Future[GenResult],
 ]
 
@@ -354,13 +354,13 @@ class Runner:
         req: GenRequest,
         *,
         deadline: float | None = None,
-        on_delta: Callable[[str, int, int], None] | None = None,
+        on_delta: Callable[[GenChunk], None] | None = None,
     ) -> concurrent.futures.Future[GenResult]:
         """Start ``req`` in the engine; the future resolves when it finishes or is stopped.
 
         ``deadline`` is unix time; past it the request is aborted with reason ``deadline``.
-        ``on_delta(text, num_tokens, index)`` is called on the loop thread for every streamed
-        piece, ``index`` the choice's (a request with ``n`` > 1 streams several).
+        ``on_delta(chunk)`` is called on the loop thread for every streamed piece (its
+        ``index`` is the choice's: a request with ``n`` > 1 streams several) and for the last.
         """
         future: concurrent.futures.Future[GenResult] = concurrent.futures.Future()
         self.loop.call_soon_threadsafe(self._spawn, [(req, deadline, on_delta, future)])
@@ -368,7 +368,7 @@ class Runner:
 
     def submit_many(
         self,
-        requests: list[tuple[GenRequest, float | None, Callable[[str, int, int], None] | None]],
+        requests: list[tuple[GenRequest, float | None, Callable[[GenChunk], None] | None]],
     ) -> list[concurrent.futures.Future[GenResult]]:
         """:meth:`submit` for several (request, deadline, on_delta) with one loop wake-up."""
         futures: list[concurrent.futures.Future[GenResult]] = [
@@ -404,7 +404,7 @@ class Runner:
         self,
         req: GenRequest,
         deadline: float | None,
-        on_delta: Callable[[str, int, int], None] | None,
+        on_delta: Callable[[GenChunk], None] | None,
     ) -> GenResult:
         task = asyncio.current_task()
         assert task is not None
@@ -446,8 +446,10 @@ class Runner:
                     tokens += chunk.num_tokens
                     if chunk.prompt_tokens is not None:
                         prompt_tokens = chunk.prompt_tokens
-                    if on_delta is not None and (chunk.text or chunk.num_tokens):
-                        on_delta(chunk.text, chunk.num_tokens, chunk.index)
+                    if on_delta is not None and (
+                        chunk.text or chunk.num_tokens or chunk.finish_reason
+                    ):
+                        on_delta(chunk)
                     if chunk.finish_reason is not None:
                         finishes[chunk.index] = chunk.finish_reason
         except TimeoutError:
