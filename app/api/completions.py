@@ -43,8 +43,10 @@ from app.core.openai_format import (
     CompletionRequest,
     Ended,
     JobView,
+    chat_logprobs,
     choices_of,
     chunk,
+    completion_logprobs,
     endpoint_of,
     job_error,
     response_body,
@@ -321,16 +323,29 @@ async def _events(
     call: _Call, first: relay.Entry | JobView, include_usage: bool, tier: str, n: int
 ) -> AsyncGenerator[str, None]:
     """The SSE body: each choice's role, pieces as they come (each with its choice's index:
-    text, or a message's content and pieces of its tool calls), the rest of each committed
-    message, each finish, usage; every chunk echoes the service ``tier``."""
+    text, or a message's content and pieces of its tool calls, and its tokens' logprobs), the
+    rest of each committed message, each finish, usage; every chunk echoes the service
+    ``tier``."""
     job = call.job
     tiered = functools.partial(chunk, tier=tier)
-    if endpoint_of(job) == CHAT:
+    chat = endpoint_of(job) == CHAT
+    if chat:
         for index in range(n):
             yield _sse(tiered(job, role=True, text="", index=index))
     sent: dict[int, list[str]] = {}
     # by choice, then by call: the arguments sent so far
     sent_calls: dict[int, dict[int, list[str]]] = {}
+    sent_logprobs: dict[int, list[dict[str, Any]]] = {}  # by choice: its tokens' sent so far
+
+    def rendered(index: int, tokens: list[dict[str, Any]]) -> dict[str, Any] | None:
+        """``tokens``' logprobs as a chunk of choice ``index`` has them (None: none)."""
+        if not tokens:
+            return None
+        before = sent_logprobs.setdefault(index, [])
+        at = sum(len(t["token"]) for t in before)
+        before += tokens
+        return chat_logprobs(tokens) if chat else completion_logprobs(tokens, at)
+
     token = first.token if isinstance(first, relay.Entry) else None
     final: JobView | None = None
     async for item in followed(call, first):
@@ -344,13 +359,21 @@ async def _events(
             yield _sse(error_body(409, "job_restarted", message, None))
             yield _sse("[DONE]")
             return
-        elif item.text or item.calls:
+        elif item.text or item.calls or item.logprobs:
             if item.text:
                 sent.setdefault(item.index, []).append(item.text)
             for piece in item.calls:
                 made = sent_calls.setdefault(item.index, {}).setdefault(piece["index"], [])
                 made.append(piece.get("function", {}).get("arguments") or "")
-            yield _sse(tiered(job, text=item.text or None, index=item.index, calls=item.calls))
+            yield _sse(
+                tiered(
+                    job,
+                    text=item.text or None,
+                    index=item.index,
+                    calls=item.calls,
+                    logprobs=rendered(item.index, item.logprobs),
+                )
+            )
     if final is None:
         return  # the caller left: EventStream closes the call, which cancels the job
     if final.status == JobStatus.SUCCEEDED:
@@ -362,8 +385,17 @@ async def _events(
             # Pieces the relay lost (Redis restarted, say): the row has the whole message.
             missed = result[len(text) :] if result.startswith(text) else ""
             rest = _missed(choice.get("tool_calls") or [], sent_calls.get(index, {}))
-            if missed or rest:
-                yield _sse(tiered(final, text=missed or None, index=index, calls=rest))
+            tokens = (choice.get("logprobs") or [])[len(sent_logprobs.get(index, [])) :]
+            if missed or rest or tokens:
+                yield _sse(
+                    tiered(
+                        final,
+                        text=missed or None,
+                        index=index,
+                        calls=rest,
+                        logprobs=rendered(index, tokens),
+                    )
+                )
             yield _sse(tiered(final, finish_reason=choice["finish_reason"], index=index))
         if include_usage:
             yield _sse(tiered(final, with_usage=True))

@@ -229,19 +229,6 @@ class _Request(JobParams):
             return str(self.service_tier)
         return "default" if self.lane_used == Lane.REALTIME else "flex"
 
-    @model_validator(mode="after")
-    def _streams_no_logprobs(self) -> _Request:
-        # A stream relays each choice's text as it comes (app/core/relay.py); logprobs are in
-        # the committed result (docs/openai.md, "vLLM's fields").
-        if self.stream and self.logprobs is not None:
-            raise PydanticCustomError(
-                "unsupported_parameter",
-                "logprobs is not supported with stream: ask without stream (the response has "
-                "every choice's logprobs)",
-                {"fields": "logprobs"},
-            )
-        return self
-
     def _params(self, max_tokens: int | None) -> dict[str, Any]:
         params = self.model_dump(include=_SAMPLING, exclude_defaults=True, by_alias=True)
         constraint = self.response_format.constraint() if self.response_format else {}
@@ -441,11 +428,12 @@ def chat_logprobs(tokens: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def completion_logprobs(tokens: list[dict[str, Any]]) -> dict[str, Any]:
+def completion_logprobs(tokens: list[dict[str, Any]], at: int = 0) -> dict[str, Any]:
     """A choice's stored logprobs as the legacy completions ``logprobs``: per token its text,
-    logprob, offset in the choice's text (no echo: a job with logprobs has none) and a map of
-    the alternatives with the token itself (OpenAI's "up to logprobs + 1")."""
-    offsets, at = [], 0
+    logprob, offset in the choice's text (no echo: a job with logprobs has none; ``at``: where
+    a streamed chunk's first token is) and a map of the alternatives with the token itself
+    (OpenAI's "up to logprobs + 1")."""
+    offsets = []
     for t in tokens:
         offsets.append(at)
         at += len(t["token"])
@@ -520,9 +508,11 @@ def chunk(
     tier: str | None = None,
     index: int = 0,
     calls: list[dict[str, Any]] | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One streamed chunk (``chat.completion.chunk`` or ``text_completion``) of choice
-    ``index``; ``calls``: pieces of its tool calls (``delta.tool_calls``).
+    ``index``; ``calls``: pieces of its tool calls (``delta.tool_calls``); ``logprobs``: its
+    tokens' (``chat_logprobs`` or ``completion_logprobs`` of them).
 
     With ``with_usage`` it is the final usage chunk OpenAI sends for
     ``stream_options.include_usage``: no choices, the job's usage.
@@ -551,7 +541,7 @@ def chunk(
         choice: dict[str, Any] = {"index": index, "delta": delta}
     else:
         choice = {"index": index, "text": text or ""}
-    choice["logprobs"] = None
+    choice["logprobs"] = logprobs
     choice["finish_reason"] = finish_reason
     body["choices"] = [choice]
     return body

@@ -10,7 +10,8 @@ to that channel, as JSON:
   the first one at once and later ones merged while they queue up; a piece of a choice other
   than the first (``n`` > 1) says which: ``"i": <index>``; a job with tools relays its
   message's content as ``"d"`` and pieces of its calls as ``"c"``: OpenAI's
-  ``delta.tool_calls`` entries (workers/inference/tools.py);
+  ``delta.tool_calls`` entries (workers/inference/tools.py); a job with logprobs relays its
+  tokens' as ``"l"`` (``token_logprob`` items, one per token of the piece);
 - ``{"k": key, "t": <lease token>, "end": {...}}`` once the job's outcome is committed (every
   relayed job), carrying the committed outcome, so the call answers without reading the row.
 
@@ -103,11 +104,12 @@ class Publisher:
         text: str,
         index: int = 0,
         calls: list[dict[str, Any]] | None = None,
+        logprobs: list[dict[str, Any]] | None = None,
     ) -> None:
         # While Redis is away pieces would pile up: past a bound they are dropped (the API
         # sends what a call missed from the committed outcome); end messages never are.
         if self._queue.qsize() < MAX_PENDING:
-            self._queue.put((reply_to, token, index, Piece(text, calls or [])))
+            self._queue.put((reply_to, token, index, Piece(text, calls or [], logprobs or [])))
 
     def end(self, reply_to: str, token: int, outcome: dict[str, Any]) -> None:
         """The outcome is committed: ``outcome`` is what was committed (see ``Ended``)."""
@@ -172,11 +174,12 @@ class Publisher:
 
 @dataclass(frozen=True)
 class Piece:
-    """A piece of one choice's output: its text (a job with tools: its content) and pieces of
-    its calls."""
+    """A piece of one choice's output: its text (a job with tools: its content), pieces of
+    its calls and its tokens' logprobs."""
 
     text: str
     calls: list[dict[str, Any]]
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
 
     def then(self, later: Piece) -> Piece:
         """This piece and the ``later`` one as one; a call's argument pieces that follow each
@@ -200,7 +203,7 @@ class Piece:
                 last["function"] = function
             else:
                 calls.append(piece)
-        return Piece(self.text + later.text, calls)
+        return Piece(self.text + later.text, calls, self.logprobs + later.logprobs)
 
 
 def _piece(call: tuple[str, int], index: int, piece: Piece) -> tuple[str, dict[str, Any]]:
@@ -209,6 +212,8 @@ def _piece(call: tuple[str, int], index: int, piece: Piece) -> tuple[str, dict[s
         body["i"] = index
     if piece.calls:
         body["c"] = piece.calls
+    if piece.logprobs:
+        body["l"] = piece.logprobs
     return _message(call, body)
 
 
@@ -228,12 +233,18 @@ class Entry:
     ended: dict[str, Any] | None = None
     index: int = 0  # the choice a piece is of
     calls: list[dict[str, Any]] = field(default_factory=list)  # pieces of its calls
+    logprobs: list[dict[str, Any]] = field(default_factory=list)  # its tokens'
 
     @classmethod
     def of(cls, body: dict[str, Any]) -> Entry:
         """A relay message's body as an entry."""
         return cls(
-            int(body["t"]), body.get("d"), body.get("end"), int(body.get("i", 0)), body.get("c", [])
+            int(body["t"]),
+            body.get("d"),
+            body.get("end"),
+            int(body.get("i", 0)),
+            body.get("c", []),
+            body.get("l", []),
         )
 
 

@@ -469,6 +469,59 @@ def test_vllm_returns_several_choices_with_logprobs_as_its_server_does(
     assert tokenizer.encode(plain.choices[0].text).ids  # the output is not empty
 
 
+def test_vllm_streams_logprobs_as_its_server_does(vllm_stack: tuple[Stack, int]) -> None:
+    """logprobs with stream: each chunk carries its tokens' logprobs (chat's
+    ``logprobs.content``; completions' tokens, logprobs, alternatives and text offsets that go
+    on from chunk to chunk), choice by choice; together they are what the answer without
+    stream has, the end-of-sequence token's included."""
+    stack, _ = vllm_stack
+    client = OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    chat: dict[str, Any] = {
+        "model": "inferq-demo",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 12,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
+    whole = client.chat.completions.create(**chat).choices[0].logprobs
+    assert whole is not None and whole.content
+    pieces = [
+        c.choices[0].logprobs
+        for c in client.chat.completions.create(**chat, stream=True)
+        if c.choices and c.choices[0].logprobs
+    ]
+    assert len(pieces) > 1  # chunk by chunk, not all at the end
+    streamed = [t for piece in pieces for t in piece.content or []]
+    assert [t.token for t in streamed] == [t.token for t in whole.content]
+    for one, other in zip(streamed, whole.content, strict=True):
+        assert one.logprob == pytest.approx(other.logprob, abs=1e-3)
+        assert [t.token for t in one.top_logprobs] == [t.token for t in other.top_logprobs]
+    prompt: dict[str, Any] = {
+        "model": "inferq-demo",
+        "prompt": "def f(x):",
+        "max_tokens": 8,
+        "n": 2,
+        "logprobs": 1,
+        "seed": 3,
+    }
+    answered = client.completions.create(**prompt).choices
+    tokens: dict[int, list[str]] = {0: [], 1: []}
+    texts: dict[int, str] = {0: "", 1: ""}
+    for c in client.completions.create(**prompt, stream=True):
+        for choice in c.choices:
+            texts[choice.index] += choice.text
+            lp = choice.logprobs
+            if lp is not None and lp.tokens:
+                assert lp.text_offset is not None and lp.top_logprobs is not None
+                assert lp.text_offset[0] == len("".join(tokens[choice.index]))
+                tokens[choice.index] += lp.tokens
+    for choice in answered:
+        assert choice.logprobs is not None
+        assert tokens[choice.index] == choice.logprobs.tokens
+        assert texts[choice.index] == choice.text  # the same seed: the same choices
+
+
 ANSWER = {
     "type": "object",
     "properties": {"answer": {"enum": ["yes", "no"]}, "score": {"enum": [1, 2, 3]}},
@@ -707,9 +760,7 @@ def test_vllm_streams_tool_calls_into_the_calls_it_answers_without_stream(
         job = stack.client().get(f"/v1/jobs/{final.id}").json()
         stored = job["result"]["choices"][0]["tool_calls"]
         assert [c["id"] for c in stored] == [c.id for c in made]
-        assert [c["function"]["arguments"] for c in stored] == [
-            c.function.arguments for c in made
-        ]
+        assert [c["function"]["arguments"] for c in stored] == [c.function.arguments for c in made]
     # auto with a text before the call: the text is the content, streamed as such.
     assert final.choices[0].message.content == "Sure. "
     assert final.choices[0].finish_reason == "tool_calls"

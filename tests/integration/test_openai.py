@@ -254,10 +254,10 @@ def test_what_vllm_serve_takes_is_taken(client: OpenAI, stack: Stack) -> None:
         bad = c.post("/v1/jobs", json={"prompt": "hi", "params": {"min_p": 2}})
         assert_error(bad, 422, "less_than_equal", "params.min_p")
         bad = c.post(
-            CHAT, json={"model": MODEL, "messages": messages, "logprobs": True, "stream": True}
+            CHAT, json={"model": MODEL, "messages": messages, "top_logprobs": 2, "stream": True}
         )
-        error = assert_error(bad, 422, "unsupported_parameter", "logprobs")
-        assert error["message"].startswith("logprobs is not supported with stream")  # once
+        error = assert_error(bad, 422, "unsupported_parameter", "top_logprobs")
+        assert error["message"].startswith("top_logprobs needs logprobs: true")  # once
         bad = c.post(COMPLETIONS, json={"model": MODEL, "prompt": "hi", "n": 99})
         assert_error(bad, 422, "value_error", "n")
         assert stack.scalar("SELECT count(*) FROM jobs") == before

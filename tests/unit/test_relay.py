@@ -13,6 +13,9 @@ import asyncio
 from app.core import clients, relay
 from app.core.settings import Settings
 
+UPON = {"token": " upon", "logprob": -0.5, "top_logprobs": []}
+A = {"token": " a", "logprob": -0.1, "top_logprobs": []}
+
 
 def test_pieces_and_the_end_reach_the_waiting_call_in_order(core: Settings) -> None:
     publisher = relay.Publisher(clients.redis_client(), merge_ms=200)
@@ -29,8 +32,8 @@ def test_pieces_and_the_end_reach_the_waiting_call_in_order(core: Settings) -> N
         )
         publisher.piece(waiter.reply_to, 3, "Once")
         first = await waiter.next(timeout_s=5)
-        publisher.piece(waiter.reply_to, 3, " upon")
-        publisher.piece(waiter.reply_to, 3, " a")
+        publisher.piece(waiter.reply_to, 3, " upon", logprobs=[UPON])
+        publisher.piece(waiter.reply_to, 3, " a", logprobs=[A])
         publisher.end(waiter.reply_to, 3, {"status": "succeeded", "result_text": "Once upon a"})
         entries = [first]
         while entries[-1] is None or entries[-1].ended is None:
@@ -40,6 +43,7 @@ def test_pieces_and_the_end_reach_the_waiting_call_in_order(core: Settings) -> N
 
     entries = asyncio.run(scenario())
     assert [(e.token, e.text) for e in entries[:-1]] == [(3, "Once"), (3, " upon a")]
+    assert [e.logprobs for e in entries[:-1]] == [[], [UPON, A]]  # merged with their text
     assert entries[-1].ended == {"status": "succeeded", "result_text": "Once upon a"}
 
 

@@ -149,8 +149,6 @@ def test_out_of_range_options_are_refused_naming_the_field(field: str, value: An
 @pytest.mark.parametrize(
     ("body", "field"),
     [
-        ({**COMPLETION, "logprobs": 1, "stream": True}, "logprobs"),
-        ({**CHAT, "logprobs": True, "stream": True}, "logprobs"),
         ({**CHAT, "top_logprobs": 2}, "top_logprobs"),
         ({**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({**CHAT, "n": 2, "temperature": 0}, "n"),

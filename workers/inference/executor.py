@@ -179,25 +179,32 @@ class Executor:
 
     def _relay_pieces(self, claim: Claim) -> Callable[[GenChunk], None] | None:
         """The engine's output pieces of a streamed job go to its caller (on the loop thread),
-        each with its choice's index; a job with tools relays its content and pieces of its
-        calls instead of its text (workers/inference/tools.py)."""
+        each with its choice's index and, asked for, its tokens' logprobs; a job with tools
+        relays its content and pieces of its calls instead of its text
+        (workers/inference/tools.py)."""
         if claim.relay != "tokens" or claim.reply_to is None:
             return None
         reply_to, token, publish = claim.reply_to, claim.token, self.recorder.relay.piece
         if claim.echo:  # the caller's first piece is what the output starts with
             publish(reply_to, token, claim.echo)
         if claim.request.tool_choice == "none":
-            return lambda c: publish(reply_to, token, c.text, c.index) if c.text else None
+
+            def relay(chunk: GenChunk) -> None:
+                # A token with no text (the end of sequence) still has its logprob.
+                if chunk.text or chunk.logprobs:
+                    publish(reply_to, token, chunk.text, chunk.index, None, chunk.logprobs)
+
+            return relay
         streamed = self._streamed[claim.job_id] = tools.Streamed(
             claim.request.tools or {}, self.runner.engine
         )
 
-        def relay(chunk: GenChunk) -> None:
+        def relay_calls(chunk: GenChunk) -> None:
             found = streamed.feed(chunk)
-            if found.content or found.calls:
-                publish(reply_to, token, found.content, chunk.index, found.calls)
+            if found.content or found.calls or chunk.logprobs:
+                publish(reply_to, token, found.content, chunk.index, found.calls, chunk.logprobs)
 
-        return relay
+        return relay_calls
 
     def _ending(
         self, claim: Claim, future: concurrent.futures.Future[GenResult]
