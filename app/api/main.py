@@ -8,7 +8,7 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app import __version__
-from app.api import errors, handlers, watch
+from app.api import console, errors, handlers, watch
 from app.api.routes import batches, health, jobs, openai, responses, webhooks
 from app.core.settings import get_settings
 
@@ -103,6 +103,7 @@ def create_app() -> FastAPI:
     app.include_router(responses.router)
     app.include_router(batches.router)
     app.include_router(webhooks.router)
+    console.install(app)
     settings = get_settings()
     app.add_middleware(
         BodyLimit,

@@ -95,14 +95,14 @@ def create(session: Session, tenant: str, body: BatchCreate) -> Batch:
     return batch
 
 
-def get(session: Session, tenant: str, batch_id: str) -> Batch:
+def get(session: Session, tenant: str | None, batch_id: str) -> Batch:
     return queries.owned(session, Batch, tenant, batch_id, "batch")
 
 
 def list_page(
-    session: Session, tenant: str, *, limit: int, after: str | None
+    session: Session, tenant: str | None, *, limit: int, after: str | None
 ) -> tuple[list[Batch], bool]:
-    query = select(Batch).where(Batch.tenant == tenant)
+    query = queries.scoped(select(Batch), Batch.tenant, tenant)
     return queries.page(session, query, Batch.id, limit, after)
 
 
@@ -128,7 +128,7 @@ def jobs_by_status(session: Session, batch_id: str) -> dict[str, int]:
     return {status: int(n) for status, n in rows}
 
 
-def cancel(session: Session, tenant: str, batch_id: str) -> Batch:
+def cancel(session: Session, tenant: str | None, batch_id: str) -> Batch:
     """Stop a batch: queued lines never run, running ones are aborted, finished ones are kept."""
     batch = get(session, tenant, batch_id)
     if batch.status == BatchStatus.CANCELLING:

@@ -215,6 +215,11 @@ def keys() -> None:
     type=click.FloatRange(min=0, min_open=True, max=1e6),
     help="The tenant's weight in each lane's fair share (default 1).",
 )
+@click.option(
+    "--admin",
+    is_flag=True,
+    help="An operator's key: the console (/console) shows it every tenant (docs/console.md).",
+)
 def keys_create(
     tenant: str,
     name: str,
@@ -222,6 +227,7 @@ def keys_create(
     tpm: int | None,
     max_queued: int | None,
     weight: float | None,
+    admin: bool,
 ) -> None:
     """Create a key; it is printed once and only its hash is stored.
 
@@ -241,6 +247,7 @@ def keys_create(
             tokens_per_minute=tpm,
             max_queued=max_queued,
             weight=weight,
+            operator=admin,
         )
     click.echo(plaintext)
     click.echo(
@@ -270,6 +277,8 @@ def keys_list(tenant: str | None) -> None:
                 "weight": row.weight,
             }
             overrides = " ".join(f"{k}={v}" for k, v in own.items() if v is not None)
+            if row.operator:
+                overrides += " operator"
             click.echo(
                 f"{row.id}  {row.tenant:<16} {row.prefix}...  {state:<8} {row.name} {overrides}"
             )

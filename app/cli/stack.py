@@ -239,7 +239,8 @@ class Stack:
                 key = path.read_text().strip()
                 if key_for(session, key) is not None:
                     return key
-            _, key = create_key(session, "dev", "inferq up")
+            # The operator's: signed in with it, the console shows every tenant.
+            _, key = create_key(session, "dev", "inferq up", operator=True)
         path.write_text(key + "\n")
         path.chmod(0o600)
         return key
@@ -432,11 +433,13 @@ class Stack:
     ) -> None:
         engine = worker.get("engine")
         label = " (SIMULATED engine: no real model)" if engine == "simulated" else ""
+        sign_in = "sign in with the key" if self.settings.require_auth else "keys are off"
         _say(
             "\ninferq is up\n"
             f"  API       {api}   (OpenAPI docs: {api}/docs)\n"
             f"  OpenAI    base_url={api}/v1   (chat/completions, files, batches)\n"
             f"  API key   {key}\n"
+            f"  console   {api}/console   (jobs, batches, lanes, tenants: {sign_in})\n"
             f"  engine    {engine}{label}, {worker.get('batching')} batching\n"
             f"  models    {self._models(str(worker.get('model')))}\n"
             f"  database  {self.settings.sqlalchemy_url}\n"

@@ -18,6 +18,7 @@ from typing import Any
 class Kind(StrEnum):
     MALFORMED = "malformed"  # the request cannot be run as sent (OpenAI's invalid request)
     UNAUTHENTICATED = "unauthenticated"  # no key, or a key that is unknown or revoked
+    FORBIDDEN = "forbidden"  # a console action without its session's CSRF token
     NOT_FOUND = "not_found"  # no such resource for this tenant
     CONFLICT = "conflict"  # the resource's state does not allow it now
     TOO_LARGE = "too_large"  # a body or file over its size limit

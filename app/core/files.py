@@ -78,7 +78,7 @@ def _commit(
     return row
 
 
-def get(session: Session, tenant: str, file_id: str) -> File:
+def get(session: Session, tenant: str | None, file_id: str) -> File:
     return queries.owned(session, File, tenant, file_id, "file")
 
 

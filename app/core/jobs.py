@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import Text, cast, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -232,29 +232,44 @@ def submit_many(
     return jobs
 
 
-def get(session: Session, tenant: str, job_id: str) -> Job:
+def get(session: Session, tenant: str | None, job_id: str) -> Job:
     return queries.owned(session, Job, tenant, job_id, "job")
 
 
 def list_page(
     session: Session,
-    tenant: str,
+    tenant: str | None,
     *,
     status: str | None,
     lane: str | None,
     limit: int,
     after: str | None,
+    model: str | None = None,
+    batch_id: str | None = None,
+    search: str | None = None,
 ) -> tuple[list[Job], bool]:
-    """Newest first. ``after`` is the last id of the previous page (ids sort by time)."""
-    query = select(Job).where(Job.tenant == tenant)
+    """Newest first. ``after`` is the last id of the previous page (ids sort by time);
+    ``search`` finds a text in a job's id or its metadata (keys and values)."""
+    query = queries.scoped(select(Job), Job.tenant, tenant)
     if status is not None:
         query = query.where(Job.status == status)
     if lane is not None:
         query = query.where(Job.lane == lane)
+    if model is not None:
+        query = query.where(Job.model == model)
+    if batch_id is not None:
+        query = query.where(Job.batch_id == batch_id)
+    if search:
+        query = query.where(
+            or_(
+                Job.id.contains(search, autoescape=True),
+                cast(Job.meta, Text).contains(search, autoescape=True),
+            )
+        )
     return queries.page(session, query, Job.id, limit, after)
 
 
-def cancel(session: Session, tenant: str, job_id: str) -> tuple[Job, bool]:
+def cancel(session: Session, tenant: str | None, job_id: str) -> tuple[Job, bool]:
     """Cancel a job. Returns (job, running): True when its worker was told to abort it."""
     job = get(session, tenant, job_id)
     with changes("api", session=session) as tx:

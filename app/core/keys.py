@@ -32,11 +32,13 @@ def create_key(
     tokens_per_minute: int | None = None,
     max_queued: int | None = None,
     weight: float | None = None,
+    operator: bool = False,
 ) -> tuple[ApiKey, str]:
     """Create a key for ``tenant``; returns the row and the plaintext, which is never stored.
 
     The three limits override the settings' defaults for calls made with this key; ``weight``
-    is the tenant's in the fair share (app/core/fairshare.py; None: 1).
+    is the tenant's in the fair share (app/core/fairshare.py; None: 1); an ``operator`` key
+    signs in to the console as the operator, who sees every tenant (docs/console.md).
     """
     plaintext = KEY_PREFIX + secrets.token_urlsafe(32)
     row = ApiKey(
@@ -50,6 +52,7 @@ def create_key(
         tokens_per_minute=tokens_per_minute,
         max_queued=max_queued,
         weight=weight,
+        operator=operator,
     )
     session.add(row)
     session.flush()

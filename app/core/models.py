@@ -126,6 +126,9 @@ class ApiKey(Base):
     # The tenant's weight in every lane's fair share (None: 1; docs/architecture.md, "Fair
     # share"). A tenant with several keys weighs as its heaviest live key.
     weight: Mapped[float | None] = mapped_column(Double, nullable=True)
+    # An operator's key: the console shows it every tenant (docs/console.md). On /v1 it is a
+    # key of its tenant like any other.
+    operator: Mapped[bool] = mapped_column(Boolean, default=False)
 
 
 class Job(Base):

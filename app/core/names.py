@@ -45,6 +45,8 @@ REPLY_CHANNEL_PREFIX = "inferq:reply:"
 # A background streamed response's kept relay messages, a Redis stream per response, that any
 # API process reads (app/core/relay.py, "kept logs").
 RESPONSE_EVENTS_PREFIX = "inferq:response-events:"
+# A console sign-in, by the SHA-256 of its cookie (app/api/console/sessions.py).
+CONSOLE_SESSION_PREFIX = "inferq:console:session:"
 # Presence records (workers/presence.py), one prefix per role: readers of inference workers
 # (`inferq up`, `inferq status`, the dispatcher) never see an ops worker as one of them.
 WORKERS_KEY_PREFIX = "inferq:worker:"

@@ -2,7 +2,8 @@
 
 Another tenant's row is "not found", never "forbidden", so existence is not leaked. Ids sort by
 creation time (``new_id``), which makes ``after`` (the last id of the previous page) a stable
-cursor for newest-first pages.
+cursor for newest-first pages. A read is scoped to one tenant; ``None`` reads every tenant's
+rows, which only the console's operator does (docs/console.md).
 """
 
 from __future__ import annotations
@@ -19,14 +20,20 @@ from app.core.settings import get_settings
 T = TypeVar("T")
 
 
-def owned(session: Session, model: type[T], tenant: str, row_id: str, what: str) -> T:
-    """The tenant's ``model`` row ``row_id``, else 404 ``<what>_not_found``."""
+def owned(session: Session, model: type[T], tenant: str | None, row_id: str, what: str) -> T:
+    """The tenant's ``model`` row ``row_id`` (any tenant's: ``None``), else 404
+    ``<what>_not_found``."""
     row: Any = session.get(model, row_id) if storable(row_id) else None
-    if row is None or row.tenant != tenant:
+    if row is None or (tenant is not None and row.tenant != tenant):
         param = "id" if what == "job" else f"{what}_id"
         raise DomainError(Kind.NOT_FOUND, f"{what}_not_found", f"no {what} {row_id!r}", param=param)
     result: T = row
     return result
+
+
+def scoped(query: Select[T], column: Any, tenant: str | None) -> Select[T]:
+    """``query`` for the tenant's rows (every tenant's: ``None``)."""
+    return query if tenant is None else query.where(column == tenant)
 
 
 def check_limit(limit: int) -> int:

@@ -97,6 +97,12 @@ class Settings(BaseSettings):
     api_url: str = Field("", description="API base URL for CLI clients; empty: host and port.")
     api_key: SecretStr | None = Field(None, description="API key used by `inferq submit/get`.")
     require_auth: bool = Field(True, description="Require `Authorization: Bearer` on /v1.")
+    console_session_s: float = Field(
+        8 * 3600,
+        gt=0,
+        description="How long a console sign-in lasts (docs/console.md); a revoked key's "
+        "ends at its next page.",
+    )
     max_body_bytes: int = Field(1_048_576, description="Largest request body (413 above).")
     max_prompt_chars: int = Field(200_000, description="Longest prompt or message content.")
     max_messages: int = Field(256, description="Most chat messages in one job.")

@@ -1,7 +1,7 @@
 """What the system looks like right now, read from Redis and the database; shared by
-`inferq status`, `inferq up` and the API's /metrics and /metrics/targets (Prometheus service
-discovery of the workers' own /metrics): each lane's jobs, each tenant's share of them, the
-workers and the last minute's throughput.
+`inferq status`, `inferq up`, the console (app/api/console) and the API's /metrics and
+/metrics/targets (Prometheus service discovery of the workers' own /metrics): each lane's jobs,
+each tenant's share of them, the workers and the last minutes' throughput.
 
 Nothing here is kept in memory between calls: every function reads its source afresh, so any
 process (the CLI, any API process) gives the same answer at the same moment.
@@ -15,8 +15,10 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+import httpx
 import redis
-from sqlalchemy import Connection, case, func, select
+from prometheus_client.parser import text_string_to_metric_families
+from sqlalchemy import BigInteger, Connection, case, cast, func, select
 from sqlalchemy.orm import Session
 
 from app.core.models import Job, JobStatus
@@ -282,3 +284,52 @@ def tenant_jobs(
         )
         for key in sorted(keys, key=_lane_order)
     }
+
+
+def finished_per_minute(
+    db: Session | Connection, now: float, minutes: int = 15, tenant: str | None = None
+) -> list[tuple[float, dict[str, int]]]:
+    """Jobs that finished in each of the last ``minutes`` whole minutes and the one going on,
+    by lane, oldest first: (the minute's start, {lane: jobs}); the tenant's (every tenant's:
+    ``None``)."""
+    start = (int(now) // 60 - minutes) * 60
+    # Integer division of a whole-second stamp: a minute on SQLite and PostgreSQL alike (a
+    # double's CAST rounds on one and truncates on the other: a second's difference at most).
+    minute = cast(Job.finished_at, BigInteger) / 60
+    query = (
+        select(minute, Job.lane, func.count())
+        .where(Job.finished_at >= start)
+        .group_by(minute, Job.lane)
+    )
+    if tenant is not None:
+        query = query.where(Job.tenant == tenant)
+    found: dict[int, dict[str, int]] = {}
+    for at, lane, count in db.execute(query).all():
+        found.setdefault(int(at), {})[lane] = int(count)
+    first = start // 60
+    return [(float(m * 60), found.get(m, {})) for m in range(first, first + minutes + 1)]
+
+
+DRAIN_METRIC = "inferq_backlog_drain_seconds"
+
+
+def drain_estimates(client: redis.Redis, timeout_s: float = 1.0) -> dict[Route, float]:
+    """The backlog's drain estimate per (lane, model), as the ops worker exports it on its
+    /metrics (docs/kubernetes.md, "Autoscaling on the backlog"): {} when no ops worker answers
+    in time (the estimate needs the worker rate it measures; nothing else has it)."""
+    for record in ops_workers(client):
+        url = str(record.get("metrics_url") or "")
+        if not url:
+            continue
+        try:
+            page = httpx.get(url, timeout=timeout_s)
+            page.raise_for_status()
+        except httpx.HTTPError:
+            continue
+        found: dict[Route, float] = {}
+        for family in text_string_to_metric_families(page.text):
+            for sample in family.samples:
+                if sample.name == DRAIN_METRIC:
+                    found[(sample.labels["lane"], sample.labels["model"])] = float(sample.value)
+        return found
+    return {}

@@ -15,6 +15,7 @@ from app.core.errors import DomainError, Kind
 STATUS: dict[Kind, int] = {
     Kind.MALFORMED: 400,
     Kind.UNAUTHENTICATED: 401,
+    Kind.FORBIDDEN: 403,
     Kind.NOT_FOUND: 404,
     Kind.CONFLICT: 409,
     Kind.TOO_LARGE: 413,

@@ -1,0 +1,99 @@
+"""The console's sign-in and scope, in process (the browser tests are
+tests/integration/test_console.py): keys off signs in as the operator at the first page; with
+keys on, only a live key signs in, an operator's key sees every tenant and a tenant's only its
+own, a revoked key's session ends at its next page, and an action needs the session's CSRF
+token."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from app.core.db import session_scope
+from app.core.keys import create_key, revoke_key
+from app.core.settings import Settings, get_settings
+from tests.unit.inprocess import run
+
+JOB = {"prompt": "Hello", "params": {"max_tokens": 4}}
+
+
+def csrf_of(page: str) -> str:
+    marker = 'name="csrf" value="'
+    start = page.index(marker) + len(marker)
+    return page[start : page.index('"', start)]
+
+
+def test_with_keys_off_the_first_page_signs_in_as_the_operator(core: Settings) -> None:
+    async def scenario(client: httpx.AsyncClient) -> tuple[httpx.Response, httpx.Response]:
+        job = (await client.post("/v1/jobs", json=JOB)).json()
+        first = await client.get("/console/jobs")
+        again = await client.get(f"/console/jobs/{job['id']}")
+        return first, again
+
+    first, again = run(scenario)
+    assert first.status_code == 200 and "operator (every tenant)" in first.text
+    cookie = first.headers["set-cookie"].lower()
+    assert "httponly" in cookie and "samesite=strict" in cookie and "path=/console" in cookie
+    assert again.status_code == 200 and "set-cookie" not in again.headers  # the same session
+    assert "script-src 'self'" in first.headers["content-security-policy"]
+
+
+def test_keys_decide_what_a_session_sees_and_revoking_ends_it(
+    core: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("INFERQ_REQUIRE_AUTH", "true")
+    get_settings.cache_clear()
+    with session_scope() as session:
+        acme, acme_key = create_key(session, "acme")
+        _, ops_key = create_key(session, "ops", operator=True)
+        _, globex_key = create_key(session, "globex")
+
+    async def scenario(client: httpx.AsyncClient) -> dict[str, object]:
+        seen: dict[str, object] = {}
+        seen["anonymous"] = (await client.get("/console")).status_code
+        seen["anonymous live"] = (await client.get("/console?live=1")).status_code
+        bad = await client.post("/console/login", data={"key": "iq_wrong"})
+        seen["bad key"] = bad.status_code
+        headers = {"Authorization": f"Bearer {globex_key}"}
+        job = (await client.post("/v1/jobs", json=JOB, headers=headers)).json()
+        signed = await client.post("/console/login", data={"key": acme_key})
+        seen["signed in"] = (signed.status_code, signed.headers["location"])
+        seen["acme reads globex's job"] = (
+            await client.get(f"/console/jobs/{job['id']}")
+        ).status_code
+        seen["acme's tenants page"] = (await client.get("/console/tenants")).status_code
+        page = (await client.get("/console")).text
+        cancel = f"/console/jobs/{job['id']}/cancel"
+        seen["acme cancels globex's job"] = (
+            await client.post(cancel, data={"csrf": csrf_of(page)})
+        ).status_code
+        with session_scope() as session:
+            revoke_key(session, acme.id)
+        seen["after revoking"] = (await client.get("/console")).status_code
+        client.cookies.clear()
+        await client.post("/console/login", data={"key": ops_key})
+        seen["operator reads globex's job"] = (
+            await client.get(f"/console/jobs/{job['id']}")
+        ).status_code
+        seen["forged"] = (await client.post(cancel, data={"csrf": "forged"})).status_code
+        token = csrf_of((await client.get("/console")).text)
+        seen["operator cancels"] = (await client.post(cancel, data={"csrf": token})).status_code
+        seen["status"] = (await client.get(f"/v1/jobs/{job['id']}", headers=headers)).json()[
+            "status"
+        ]
+        return seen
+
+    assert run(scenario) == {
+        "anonymous": 303,
+        "anonymous live": 401,
+        "bad key": 401,
+        "signed in": (303, "/console"),
+        "acme reads globex's job": 404,
+        "acme's tenants page": 404,
+        "acme cancels globex's job": 404,
+        "after revoking": 303,
+        "operator reads globex's job": 200,
+        "forged": 403,
+        "operator cancels": 303,
+        "status": "cancelled",
+    }
