@@ -9,10 +9,12 @@ tests take (docs/console.md shows them).
 from __future__ import annotations
 
 import contextlib
+import http.server
 import io
 import json
 import os
 import shutil
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -169,9 +171,15 @@ def test_sign_in_then_watch_a_job_go_queued_running_succeeded_without_a_reload(
     sign_in(browser, stack, "acme")
     assert text_of(browser, "#who") == "tenant acme"
     assert "no inference worker is alive" in text_of(browser, "#parts")
+    job = stack.submit({"prompt": "watch me", "lane": "standard", "params": {"max_tokens": 400}})
+    # The overview, live: the job waits for a worker of its model, and the page says so in red.
+    wait_until(lambda: "no worker serves it" in text_of(browser, "#missing"), 20, "missing")
+    assert browser.find_element(By.CSS_SELECTOR, "#missing li").value_of_css_property("color") in (
+        "rgba(201, 42, 42, 1)",
+        "rgb(201, 42, 42)",
+    )
     browser.get(f"{stack.url}/console/jobs")
     browser.execute_script("window.notReloaded = true")
-    job = stack.submit({"prompt": "watch me", "lane": "standard", "params": {"max_tokens": 400}})
     row = f"#row-{job['id']} .status"
     wait_until(lambda: text_of(browser, row) == "queued", 20, "the row, queued")
     worker = stack.start_worker(sim_time_scale=1.0)
@@ -321,12 +329,34 @@ def test_the_operator_sees_every_tenant_and_their_fair_share(worker: Stack, brow
     shot(browser, "tenants")
 
 
-def test_a_tenant_reaches_nothing_of_another_by_any_url(worker: Stack) -> None:
+def test_a_tenant_reaches_nothing_of_another_by_any_url(worker: Stack, browser: Any) -> None:
     with api(worker, "acme") as c:
         job = c.post("/v1/jobs", json={"prompt": "mine", "metadata": {"team": "red"}}).json()
+        line = {
+            "custom_id": "x",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"model": DEMO_MODEL_NAME, "prompt": "x", "max_tokens": 8000},
+        }
         upload = c.post(
-            "/v1/files", files={"file": ("x.jsonl", io.BytesIO(b"{}\n"))}, data={"purpose": "batch"}
+            "/v1/files",
+            files={"file": ("x.jsonl", io.BytesIO(json.dumps(line).encode() + b"\n"))},
+            data={"purpose": "batch"},
         ).json()
+        batch = c.post(
+            "/v1/batches",
+            json={
+                "input_file_id": upload["id"],
+                "endpoint": "/v1/completions",
+                "completion_window": "24h",
+            },
+        ).json()
+    # In the browser: another tenant's job is "not found", its batch is not listed.
+    sign_in(browser, worker, "globex")
+    browser.get(f"{worker.url}/console/jobs/{job['id']}")
+    assert "job_not_found" in text_of(browser, "h1")
+    browser.get(f"{worker.url}/console/batches")
+    assert batch["id"] not in text_of(browser, "#batches")
     with console_client(worker, "globex") as theirs:
         for path in (
             f"/console/jobs/{job['id']}",
@@ -335,23 +365,56 @@ def test_a_tenant_reaches_nothing_of_another_by_any_url(worker: Stack) -> None:
             "/console/tenants",
         ):
             assert theirs.get(path).status_code == 404, path
+        in_batch = theirs.get("/console/jobs", params={"batch": batch["id"]}).text
+        assert "no jobs" in in_batch
         listed = theirs.get("/console/jobs", params={"tenant": "acme", "q": job["id"]}).text
         assert f'id="row-{job["id"]}"' not in listed and "no jobs" in listed
         assert "acme" not in theirs.get("/console/batches").text
         page = theirs.get("/console").text
         token = csrf_of(page)
-        for action in (f"/console/jobs/{job['id']}/cancel", f"/console/jobs/{job['id']}/redeliver"):
+        for action in (
+            f"/console/jobs/{job['id']}/cancel",
+            f"/console/jobs/{job['id']}/redeliver",
+            f"/console/batches/{batch['id']}/cancel",
+        ):
             assert theirs.post(action, data={"csrf": token}).status_code == 404, action
     with console_client(worker, "acme") as mine:
         found = mine.get("/console/jobs", params={"q": "red"}).text
         assert f'id="row-{job["id"]}"' in found  # searched by its metadata
 
 
-def test_actions_need_the_sessions_csrf_token_and_pages_their_policy(worker: Stack) -> None:
+def test_actions_need_the_sessions_csrf_token_and_pages_their_policy(
+    worker: Stack, browser: Any
+) -> None:
     with api(worker, "acme") as c:
         job = c.post(
             "/v1/jobs", json={"prompt": "x", "lane": "bulk", "params": {"max_tokens": 8000}}
         ).json()
+    # A forged action in the browser: a page of another origin (another port of this host,
+    # the same site, so the session's cookie goes along) posts the cancel with a guessed token.
+    sign_in(browser, worker, "acme")
+    action = f"{worker.url}/console/jobs/{job['id']}/cancel"
+    forgery = (
+        f'<form id="f" method="post" action="{action}"><input name="csrf" value="guess"></form>'
+        '<script>document.getElementById("f").submit()</script>'
+    ).encode()
+
+    class Forger(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("content-type", "text/html")
+            self.send_header("content-length", str(len(forgery)))
+            self.end_headers()
+            self.wfile.write(forgery)
+
+        def log_message(self, *_: Any) -> None:
+            pass
+
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), Forger) as site:
+        threading.Thread(target=site.serve_forever, daemon=True).start()
+        browser.get(f"http://127.0.0.1:{site.server_address[1]}/")
+        wait_until(lambda: "csrf_failed" in text_of(browser, "h1"), 10, "the refusal")
+        site.shutdown()
     with console_client(worker, "acme") as mine:
         page = mine.get(f"/console/jobs/{job['id']}")
         policy = page.headers["content-security-policy"]

@@ -97,3 +97,25 @@ def test_keys_decide_what_a_session_sees_and_revoking_ends_it(
         "operator cancels": 303,
         "status": "cancelled",
     }
+
+
+def test_the_jobs_page_pages_like_the_api_and_filters(core: Settings) -> None:
+    async def scenario(client: httpx.AsyncClient) -> tuple[list[str], str, str, str]:
+        ids: list[str] = []
+        for i in range(30):
+            lane = "bulk" if i % 3 == 0 else "standard"
+            body = {**JOB, "lane": lane, "metadata": {"n": f"item-{i}"}}
+            ids.append((await client.post("/v1/jobs", json=body)).json()["id"])
+        first = (await client.get("/console/jobs")).text
+        marker = 'id="next" href="'
+        start = first.index(marker) + len(marker)
+        second = (await client.get(first[start : first.index('"', start)])).text
+        bulk = (await client.get("/console/jobs", params={"lane": "bulk"})).text
+        return ids, first, second, bulk
+
+    ids, first, second, bulk = run(scenario)
+    on_first = {i for i in ids if f'id="row-{i}"' in first}
+    on_second = {i for i in ids if f'id="row-{i}"' in second}
+    assert len(on_first) == 25 and ids[-1] in on_first  # newest first
+    assert on_first | on_second == set(ids) and not on_first & on_second  # each once
+    assert sum(f'id="row-{i}"' in bulk for i in ids) == 10
