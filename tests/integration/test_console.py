@@ -43,15 +43,6 @@ LINES = 50
 
 
 @pytest.fixture(scope="module")
-def receiver() -> Iterator[Receiver]:
-    r = Receiver()
-    try:
-        yield r
-    finally:
-        r.close()
-
-
-@pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """Keys on; tenants acme and globex and an operator. No inference worker yet: the first
     test watches a job wait for one (``worker`` starts it)."""

@@ -97,39 +97,35 @@ def _page(
         if operator_only and not viewer.operator:
             raise DomainError(Kind.NOT_FOUND, "not_found", "no such page")
         context = build(viewer, time.time())
-        status = 200
     except DomainError as exc:
-        context, status, name = {"error": exc.message, "code": exc.code}, status_of(exc), "error"
-        live = False
+        return _refused(request, viewer, exc)
     context.update(viewer=viewer, live_every=LIVE_EVERY_MS, page=name)
     template = f"{name}_live.html" if live else f"{name}.html"
-    response = templates.TemplateResponse(request, template, context, status_code=status)
+    response = templates.TemplateResponse(request, template, context)
     if new_session is not None:
         _set_cookie(request, response, new_session)
     return _secure(response)
+
+
+def _refused(request: Request, viewer: Viewer | None, exc: DomainError) -> Response:
+    """The error page of a refusal, with its status (404 for another tenant's rows)."""
+    context = {"error": exc.message, "code": exc.code, "viewer": viewer, "page": "error"}
+    return _secure(
+        templates.TemplateResponse(request, "error.html", context, status_code=status_of(exc))
+    )
 
 
 def _act(request: Request, csrf: str | None, action: Callable[[Viewer], str]) -> Response:
     """An action: refused without the session's CSRF token (403); done, it goes back to the
     page ``action`` names (303)."""
     viewer, _ = _viewer(request)
-    if viewer is None:
-        return _secure(
-            templates.TemplateResponse(
-                request,
-                "error.html",
-                {"error": "sign in first", "code": "unauthenticated", "viewer": None},
-                status_code=401,
-            )
-        )
     try:
+        if viewer is None:
+            raise DomainError(Kind.UNAUTHENTICATED, "unauthenticated", "sign in first")
         sessions.check_csrf(viewer, csrf or request.headers.get(sessions.CSRF_HEADER))
         back = action(viewer)
     except DomainError as exc:
-        context = {"error": exc.message, "code": exc.code, "viewer": viewer, "page": "error"}
-        return _secure(
-            templates.TemplateResponse(request, "error.html", context, status_code=status_of(exc))
-        )
+        return _refused(request, viewer, exc)
     return _secure(RedirectResponse(back, status_code=303))
 
 
