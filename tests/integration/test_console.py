@@ -120,7 +120,11 @@ def sign_in(driver: Any, stack: Stack, tenant: str) -> None:
     driver.get(f"{stack.url}/console/login")
     driver.find_element(By.ID, "key").send_keys(stack.keys[tenant])  # type: ignore[attr-defined]
     driver.find_element(By.CSS_SELECTOR, "form.login button").click()
-    wait_until(lambda: driver.current_url == f"{stack.url}/console", 10, "the overview")
+    wait_until(
+        lambda: driver.current_url == f"{stack.url}/console" and text_of(driver, "#who"),
+        10,
+        "the overview",
+    )
 
 
 def text_of(driver: Any, css: str) -> str:
@@ -158,7 +162,7 @@ def test_sign_in_then_watch_a_job_go_queued_running_succeeded_without_a_reload(
     assert browser.current_url == f"{stack.url}/console/login"  # nobody signed in
     browser.find_element(By.ID, "key").send_keys("iq_not-a-key")
     browser.find_element(By.CSS_SELECTOR, "form.login button").click()
-    assert "invalid or revoked" in text_of(browser, "#login-error")
+    wait_until(lambda: "invalid or revoked" in text_of(browser, "#login-error"), 10, "the refusal")
     sign_in(browser, stack, "acme")
     assert text_of(browser, "#who") == "tenant acme"
     assert "no inference worker is alive" in text_of(browser, "#parts")
