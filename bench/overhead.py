@@ -10,6 +10,12 @@ when the previous one has ended, at N = 16 and N = 64.
 - **inferq**: ``/v1/chat/completions`` on the whole stack (API, Redis, one worker, ops worker,
   PostgreSQL), each call a durable realtime job.
 
+Each side's **CPU per call** is measured too (``cpu_ms_per_call``): the CPU time its processes
+spent over the run (user + system, the process and its children, psutil), over the calls made
+(warm-up rounds included, as their CPU is in the same window): for inferq the API, the worker,
+the dispatcher and the ops worker, ``total`` being the first three (what a realtime call goes
+through); for the floor its one server.
+
 For inferq the time to first token is split into stages from each job's own timestamps
 (docs/benchmarks.md, "overhead"): sent (client) → accepted (``created_at``) → committed (the
 ``job.queued`` log line, written right after the commit) → enqueued (``enqueued_at``) →
@@ -19,15 +25,18 @@ client.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
+from collections.abc import Mapping
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 
-from app.cli.stack import wait_ready
+from app.cli.stack import Child, wait_ready
 from bench.harness import POLL_S, BenchStack, free_port
 from bench.metrics import percentile, summarize
 from bench.scenarios import Options, workload
@@ -49,6 +58,44 @@ STAGES = (
     ("claimed_to_first_token", "claimed", "first_token"),
     ("first_token_to_client", "first_token", "client_first_byte"),
 )
+
+
+# The parts a realtime call goes through (their Child names in BenchStack), and the one beside.
+CALL_PARTS = {"api": "api", "worker": "worker0", "dispatcher": "dispatch"}
+OTHER_PARTS = {"ops": "ops"}
+
+
+def cpu_seconds(child: Child) -> float:
+    """CPU seconds (user + system) a child and its live descendants have used so far."""
+    if child.proc is None:
+        return 0.0
+    try:
+        root = psutil.Process(child.proc.pid)
+        processes = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0.0
+    total = 0.0
+    for process in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            times = process.cpu_times()
+            total += times.user + times.system
+    return total
+
+
+def cpu_sample(children: list[Child], parts: Mapping[str, str]) -> dict[str, float]:
+    by_name = {child.name: child for child in children}
+    return {part: cpu_seconds(by_name[name]) for part, name in parts.items() if name in by_name}
+
+
+def cpu_per_call(
+    before: dict[str, float], after: dict[str, float], calls: int, total_of: list[str]
+) -> dict[str, float]:
+    """Milliseconds of CPU per call of each part, and ``total`` over ``total_of``."""
+    spent = {part: (after[part] - before[part]) * 1000 / max(1, calls) for part in after}
+    return {
+        **{part: round(ms, 3) for part, ms in spent.items()},
+        "total": round(sum(spent[part] for part in total_of if part in spent), 3),
+    }
 
 
 def _bodies(n: int, model: str) -> list[dict[str, Any]]:
@@ -86,7 +133,11 @@ def _floor(opts: Options, bodies: list[dict[str, Any]], clients: int) -> dict[st
             server,
             poll_s=POLL_S,
         )
-        return summarize(_run(url, bodies, clients, f"overhead {clients}: floor", opts))
+        before = cpu_sample(stack.children, {"server": "floor"})
+        result = summarize(_run(url, bodies, clients, f"overhead {clients}: floor", opts))
+        after = cpu_sample(stack.children, {"server": "floor"})
+        result["cpu_ms_per_call"] = cpu_per_call(before, after, len(bodies), ["server"])
+        return result
 
 
 def _committed_at(log: Path) -> dict[str, float]:
@@ -132,9 +183,13 @@ def _inferq(opts: Options, bodies: list[dict[str, Any]], clients: int) -> dict[s
     with BenchStack(opts.postgres, opts.stack_env(engine="simulated"), opts.workdir) as stack:
         stack.start()
         stack.add_ops()
+        parts = {**CALL_PARTS, **OTHER_PARTS}
+        before = cpu_sample(stack.children, parts)
         records = _run(stack.url, bodies, clients, f"overhead {clients}: inferq", opts)
+        after = cpu_sample(stack.children, parts)
         rows = stack.rows([r["job_id"] for r in records if r.get("job_id")])
         result = summarize(records)
+        result["cpu_ms_per_call"] = cpu_per_call(before, after, len(bodies), list(CALL_PARTS))
         result["stages"] = stages(records, rows, stack.workdir / "logs" / "api.log")
     return result
 
@@ -155,5 +210,8 @@ def overhead(opts: Options) -> dict[str, Any]:
             "throughput_ratio": ours["output_throughput"] / floor["output_throughput"],
             "ttft_p50_over_floor_ms": ours["median_ttft_ms"] - floor["median_ttft_ms"],
             "ttft_p99_over_floor_ms": ours["p99_ttft_ms"] - floor["p99_ttft_ms"],
+            "inferq_cpu_ms_per_call": ours["cpu_ms_per_call"]["total"],
+            "cpu_ms_per_call_over_floor": ours["cpu_ms_per_call"]["total"]
+            / max(1e-9, floor["cpu_ms_per_call"]["total"]),
         }
     return result

@@ -74,9 +74,10 @@ OVERHEAD_TARGETS: dict[str, list[tuple[str, str, float, str]]] = {
         ("throughput_ratio", ">=", 0.95, "output tok/s, inferq / floor"),
         ("ttft_p50_over_floor_ms", "<=", 10.0, "TTFT p50, inferq - floor (ms)"),
         ("ttft_p99_over_floor_ms", "<=", 30.0, "TTFT p99, inferq - floor (ms)"),
+        ("inferq_cpu_ms_per_call", "<=", 6.0, "CPU per call, API + worker + dispatcher (ms)"),
     ],
     "64": [
-        ("throughput_ratio", ">=", 0.90, "output tok/s, inferq / floor"),
+        ("throughput_ratio", ">=", 0.95, "output tok/s, inferq / floor"),
         ("ttft_p99_over_floor_ms", "<=", 60.0, "TTFT p99, inferq - floor (ms)"),
     ],
 }
@@ -155,6 +156,25 @@ def markdown(results: dict[str, Any]) -> str:
             table.append(f"| overhead {clients} | {side} | {cells} |")
     if len(table) > 3:  # a run of scenarios without such rows (autoscale alone) has no table
         lines += table
+    cpu_runs = {
+        c: overhead[c]["inferq"]["cpu_ms_per_call"]
+        for c in OVERHEAD_TARGETS
+        if "cpu_ms_per_call" in (overhead.get(c) or {}).get("inferq", {})
+    }
+    if cpu_runs:
+        parts = list(next(iter(cpu_runs.values())))
+        lines += [
+            "",
+            "| CPU per call (ms) | " + " | ".join(f"{c} clients" for c in cpu_runs) + " |",
+        ]
+        lines.append("|---|" + "---|" * len(cpu_runs))
+        for part in parts:
+            cells = " | ".join(_fmt(run.get(part)) for run in cpu_runs.values())
+            lines.append(f"| inferq {part} | {cells} |")
+        floors = " | ".join(
+            _fmt(overhead[c]["floor"].get("cpu_ms_per_call", {}).get("total")) for c in cpu_runs
+        )
+        lines.append(f"| floor | {floors} |")
     stage_runs = {c: overhead[c]["inferq"]["stages"] for c in OVERHEAD_TARGETS if c in overhead}
     if stage_runs:
         names = [n for n in next(iter(stage_runs.values())) if n != "jobs"]
