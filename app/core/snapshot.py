@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 import httpx
 import redis
 from prometheus_client.parser import text_string_to_metric_families
-from sqlalchemy import BigInteger, Connection, case, cast, func, select
+from sqlalchemy import BigInteger, Connection, case, cast, func, literal_column, select
 from sqlalchemy.orm import Session
 
 from app.core.models import Job, JobStatus
@@ -295,7 +295,9 @@ def finished_per_minute(
     start = (int(now) // 60 - minutes) * 60
     # Integer division of a whole-second stamp: a minute on SQLite and PostgreSQL alike (a
     # double's CAST rounds on one and truncates on the other: a second's difference at most).
-    minute = cast(Job.finished_at, BigInteger) / 60
+    # The 60 is written into the SQL: as a bound parameter, PostgreSQL would see the SELECT's
+    # and the GROUP BY's expressions as two different ones.
+    minute = cast(Job.finished_at, BigInteger) / literal_column("60")
     query = (
         select(minute, Job.lane, func.count())
         .where(Job.finished_at >= start)

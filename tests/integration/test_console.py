@@ -25,11 +25,15 @@ import pytest
 
 from app.core.models import TERMINAL
 from app.core.settings import DEMO_MODEL_NAME
-from tests.conftest import fresh_redis_url
+from tests.conftest import PostgresDatabases, fresh_redis_url
 from tests.support import Receiver, Stack, wait_for_job, wait_until
 
 webdriver = pytest.importorskip("selenium.webdriver", reason="install the [dev] extra")
-from selenium.common.exceptions import WebDriverException  # noqa: E402
+from selenium.common.exceptions import (  # noqa: E402
+    NoSuchElementException,
+    StaleElementReferenceException,
+    WebDriverException,
+)
 from selenium.webdriver.common.by import By  # noqa: E402
 
 BROWSER = shutil.which("chromium")
@@ -43,13 +47,13 @@ LINES = 50
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    """Keys on; tenants acme and globex and an operator. No inference worker yet: the first
-    test watches a job wait for one (``worker`` starts it)."""
+def stack(tmp_path_factory: pytest.TempPathFactory, postgres: PostgresDatabases) -> Iterator[Stack]:
+    """On PostgreSQL, keys on; tenants acme and globex and an operator. No inference worker
+    yet: the first test watches a job wait for one (``worker`` starts it)."""
     tmp: Path = tmp_path_factory.mktemp("console")
     s = Stack(
         tmp,
-        f"sqlite:///{tmp / 'inferq.db'}",
+        postgres.create(),
         fresh_redis_url(),
         require_auth="true",
         webhook_allow_private="true",
@@ -127,6 +131,28 @@ def sign_in(driver: Any, stack: Stack, tenant: str) -> None:
     )
 
 
+def click(driver: Any, css: str) -> None:
+    """Click the element ``css`` finds; again if the page's live part replaced it meanwhile."""
+    for _ in range(20):
+        try:
+            driver.find_element(By.CSS_SELECTOR, css).click()
+            return
+        except (StaleElementReferenceException, NoSuchElementException):
+            time.sleep(0.1)
+    raise AssertionError(f"could not click {css}")
+
+
+def attribute(driver: Any, css: str, name: str) -> str | None:
+    """An attribute of the element ``css`` finds, read in one step in the page (None: none)."""
+    found = driver.execute_script(
+        "const e = document.querySelector(arguments[0]); "
+        "return e ? e.getAttribute(arguments[1]) : null",
+        css,
+        name,
+    )
+    return None if found is None else str(found)
+
+
 def text_of(driver: Any, css: str) -> str:
     try:
         return str(driver.find_element(By.CSS_SELECTOR, css).text)
@@ -169,7 +195,10 @@ def test_sign_in_then_watch_a_job_go_queued_running_succeeded_without_a_reload(
     job = stack.submit({"prompt": "watch me", "lane": "standard", "params": {"max_tokens": 400}})
     # The overview, live: the job waits for a worker of its model, and the page says so in red.
     wait_until(lambda: "no worker serves it" in text_of(browser, "#missing"), 20, "missing")
-    assert browser.find_element(By.CSS_SELECTOR, "#missing li").value_of_css_property("color") in (
+    color = browser.execute_script(
+        "return getComputedStyle(document.querySelector('#missing li')).color"
+    )
+    assert color in (
         "rgba(201, 42, 42, 1)",
         "rgb(201, 42, 42)",
     )
@@ -205,7 +234,7 @@ def test_a_running_job_is_cancelled_from_its_page(worker: Stack, browser: Any) -
         lambda: len(browser.find_elements(By.CSS_SELECTOR, "#timeline rect")) >= 2, 10, "a timeline"
     )
     shot(browser, "job-running")
-    browser.find_element(By.ID, "cancel").click()
+    click(browser, "#cancel")
     wait_until(lambda: text_of(browser, "#status") == "cancelled", 30, "the page to say cancelled")
     with api(worker, "acme") as c:
         assert c.get(f"/v1/jobs/{job['id']}").json()["status"] == "cancelled"
@@ -222,7 +251,7 @@ def test_a_webhook_is_redelivered_from_the_job_page(
     wait_until(lambda: len(browser.find_elements(By.CSS_SELECTOR, rows)) == 1, 30, "attempt 1")
     assert len(receiver.received("/ok")) >= 1
     shot(browser, "job")
-    browser.find_element(By.ID, "redeliver").click()
+    click(browser, "#redeliver")
     wait_until(lambda: len(browser.find_elements(By.CSS_SELECTOR, rows)) == 2, 30, "attempt 2")
     assert "redelivery" in text_of(browser, "#deliveries")
 
@@ -259,8 +288,8 @@ def test_a_batch_shows_its_progress_and_its_output_downloads(worker: Stack, brow
     counts = f"#batch-{batch_id} .counts"
 
     def done() -> int:
-        cell = browser.find_elements(By.CSS_SELECTOR, counts)
-        return int(cell[0].get_attribute("data-completed")) if cell else -1
+        cell = attribute(browser, counts, "data-completed")
+        return int(cell) if cell is not None else -1
 
     progress = [done()]
     while progress[-1] < LINES:
@@ -273,14 +302,10 @@ def test_a_batch_shows_its_progress_and_its_output_downloads(worker: Stack, brow
     wait_until(
         lambda: text_of(browser, f"#batch-{batch_id} .status") == "completed", 30, "completed"
     )
-    wait_until(
-        lambda: browser.find_elements(By.CSS_SELECTOR, f"#batch-{batch_id} a.file-output"),
-        10,
-        "the output link",
-    )
-    link = browser.find_element(By.CSS_SELECTOR, f"#batch-{batch_id} a.file-output")
-    file_id = link.get_attribute("href").rsplit("/", 1)[1]
-    link.click()
+    output = f"#batch-{batch_id} a.file-output"
+    href = wait_until(lambda: attribute(browser, output, "href"), 10, "the output link")
+    file_id = href.rsplit("/", 1)[1]
+    click(browser, output)
     downloads: Path = browser.downloads
     found = wait_until(
         lambda: [p for p in downloads.iterdir() if not p.name.endswith(".crdownload")],
