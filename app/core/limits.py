@@ -138,6 +138,25 @@ def _check_queued(session: Session, tenant: str, limit: int, n: int) -> None:
         counted[tenant] = (at, queued + n)
 
 
+def _window_key(tenant: str, limit: str, slot: int) -> str:
+    """The Redis counter of ``tenant``'s ``limit`` in window ``slot``."""
+    return f"{LIMIT_KEY_PREFIX}{tenant}:{limit}:{slot}"
+
+
+def window_usage(tenants: Sequence[str]) -> dict[str, tuple[int, int]]:
+    """What each tenant has used of its two rates in the window going on: (requests, tokens)
+    (counted only while a limit applies to the tenant; the console's Tenants page)."""
+    slot = int(time.time() // get_settings().limit_window_s)
+    keys = [
+        _window_key(tenant, limit, slot)
+        for tenant in tenants
+        for limit in ("requests_per_minute", "tokens_per_minute")
+    ]
+    values = clients.redis_client().mget(keys) if keys else []
+    counts = [int(v or 0) for v in values]
+    return {tenant: (counts[2 * i], counts[2 * i + 1]) for i, tenant in enumerate(tenants)}
+
+
 def _take(tenant: str, limits: Limits, tokens: int) -> None:
     """Count one request and ``tokens`` in this window; refunded and refused when over."""
     window = get_settings().limit_window_s
@@ -149,7 +168,7 @@ def _take(tenant: str, limits: Limits, tokens: int) -> None:
         ("tokens_per_minute", tokens, limits.tokens_per_minute),
     ]
     wanted = [(name, amount, limit) for name, amount, limit in wanted if limit and amount]
-    keys = [f"{LIMIT_KEY_PREFIX}{tenant}:{name}:{slot}" for name, _, _ in wanted]
+    keys = [_window_key(tenant, name, slot) for name, _, _ in wanted]
     try:
         if not wanted:
             clients.redis_client().ping()  # no counter to take: Redis must still be there

@@ -184,18 +184,13 @@ class Piece:
     def then(self, later: Piece) -> Piece:
         """This piece and the ``later`` one as one; a call's argument pieces that follow each
         other become one."""
+        if not later.calls:  # the common case: text (and logprobs) only
+            return Piece(self.text + later.text, self.calls, self.logprobs + later.logprobs)
         calls = [dict(c) for c in self.calls]
         for piece in later.calls:
             last = calls[-1] if calls else None
-            if (
-                last is not None
-                and last["index"] == piece["index"]
-                and piece.keys()
-                == {
-                    "index",
-                    "function",
-                }
-            ):
+            more_arguments = set(piece) == {"index", "function"}
+            if last is not None and last["index"] == piece["index"] and more_arguments:
                 function = dict(last.get("function") or {})
                 function["arguments"] = function.get("arguments", "") + (
                     piece["function"].get("arguments") or ""

@@ -119,3 +119,28 @@ def test_the_jobs_page_pages_like_the_api_and_filters(core: Settings) -> None:
     assert len(on_first) == 25 and ids[-1] in on_first  # newest first
     assert on_first | on_second == set(ids) and not on_first & on_second  # each once
     assert sum(f'id="row-{i}"' in bulk for i in ids) == 10
+
+
+def test_the_tenants_page_shows_what_each_tenant_used_of_its_limits(
+    core: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("INFERQ_REQUIRE_AUTH", "true")
+    monkeypatch.setenv("INFERQ_LIMIT_WINDOW_S", "86400")  # one window for the whole test
+    get_settings.cache_clear()
+    with session_scope() as session:
+        _, acme_key = create_key(session, "acme", requests_per_minute=50, weight=2)
+        _, ops_key = create_key(session, "ops", operator=True)
+
+    async def scenario(client: httpx.AsyncClient) -> str:
+        for _ in range(3):
+            headers = {"Authorization": f"Bearer {acme_key}"}
+            assert (await client.post("/v1/jobs", json=JOB, headers=headers)).status_code == 202
+        await client.post("/console/login", data={"key": ops_key})
+        return (await client.get("/console/tenants?live=1")).text
+
+    page = run(scenario)
+    row = page[page.index('id="tenant-acme"') :]
+    row = row[: row.index("</tr>")]
+    assert "3 / 50 requests" in row  # used of its limit in this window
+    assert f"3 / {get_settings().tenant_max_queued}</td>" in row  # waiting, of its bound
+    assert '<td class="num">2</td>' in row  # its weight

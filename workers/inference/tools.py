@@ -35,11 +35,11 @@ from workers.inference.runner import GenResult
 
 def call(name: str, arguments: str) -> dict[str, Any]:
     """One call as OpenAI shows it, with a fresh id."""
-    return {"id": call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
-
-
-def call_id() -> str:
-    return f"call_{secrets.token_hex(12)}"
+    return {
+        "id": f"call_{secrets.token_hex(12)}",
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }
 
 
 def _finish(finish: str | None, tools: Mapping[str, Any]) -> str | None:

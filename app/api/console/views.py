@@ -27,7 +27,7 @@ from sqlalchemy.orm import Session
 from app.api.console.sessions import Viewer
 from app.batches import service as batches
 from app.core import catalog, clients, fairshare, jobs, missing, outbox, snapshot
-from app.core.limits import for_key
+from app.core.limits import for_key, window_usage
 from app.core.models import TERMINAL, ApiKey, Batch, Job, JobStatus
 from app.core.settings import LANES, get_settings
 
@@ -331,7 +331,8 @@ def batch_row(session: Session, batch: Batch) -> dict[str, Any]:
 def tenants_page(session: Session, now: float) -> dict[str, Any]:
     """Each tenant's weight, its share of the tokens served in the last hour against its share
     of the weights (the fair share made visible: docs/scheduling.md, "Fair share"), its limits
-    and what it has queued and running now."""
+    with what it has used of them in the window going on, and what it has queued and running
+    now."""
     weights = fairshare.weights(session)
     served: dict[str, int] = {}
     queued: dict[str, int] = {}
@@ -357,6 +358,7 @@ def tenants_page(session: Session, now: float) -> dict[str, Any]:
     # A tenant's fair share is its weight among the tenants that were served or wait now.
     active = [t for t in names if served.get(t) or queued.get(t) or running.get(t)]
     total_weight = sum(weights.get(t, 1.0) for t in active) or 1.0
+    used = window_usage(names)
     rows = []
     for tenant in names:
         key_count, lim = limits.get(tenant, (0, for_key(None, None, None)))
@@ -376,9 +378,16 @@ def tenants_page(session: Session, now: float) -> dict[str, Any]:
                 ],
                 "rpm": lim.requests_per_minute,
                 "tpm": lim.tokens_per_minute,
+                "requests_now": used[tenant][0],
+                "tokens_now": used[tenant][1],
                 "max_queued": lim.max_queued,
                 "queued": queued.get(tenant, 0),
                 "running": running.get(tenant, 0),
             }
         )
-    return {"tenants": rows, "window_h": TENANT_WINDOW_S / 3600, "as_of": clock(now)}
+    return {
+        "tenants": rows,
+        "window_h": TENANT_WINDOW_S / 3600,
+        "limit_window_s": get_settings().limit_window_s,
+        "as_of": clock(now),
+    }
