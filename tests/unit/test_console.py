@@ -9,6 +9,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from app.core import clients
 from app.core.db import session_scope
 from app.core.keys import create_key, revoke_key
 from app.core.settings import Settings, get_settings
@@ -144,3 +145,31 @@ def test_the_tenants_page_shows_what_each_tenant_used_of_its_limits(
     assert "3 / 50 requests" in row  # used of its limit in this window
     assert f"3 / {get_settings().tenant_max_queued}</td>" in row  # waiting, of its bound
     assert '<td class="num">2</td>' in row  # its weight
+
+
+def test_with_redis_away_the_console_answers_503_not_500(
+    core: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Sessions live in Redis: while it is away every page, the sign-in and an action are a
+    503 page naming it, not a 500."""
+    with session_scope() as session:
+        _, acme_key = create_key(session, "acme")
+    monkeypatch.setenv("INFERQ_REQUIRE_AUTH", "true")
+    monkeypatch.setenv("INFERQ_REDIS_URL", "redis://127.0.0.1:1/0")  # nothing listens there
+    monkeypatch.setenv("INFERQ_DEPENDENCY_TIMEOUT_S", "0.2")
+    get_settings.cache_clear()
+    clients.reset()
+
+    async def scenario(client: httpx.AsyncClient) -> list[httpx.Response]:
+        client.cookies.set("inferq_console", "some-session", path="/console")
+        return [
+            await client.get("/console"),
+            await client.get("/console/jobs?live=1"),
+            await client.post("/console/login", data={"key": acme_key}),
+            await client.post("/console/jobs/job_x/cancel", data={"csrf": "x"}),
+            await client.get("/console/files/file_x"),
+        ]
+
+    for answer in run(scenario):
+        assert answer.status_code == 503, (answer.request.url, answer.status_code)
+        assert "the queue (Redis) is unavailable" in answer.text

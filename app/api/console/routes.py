@@ -87,7 +87,10 @@ def _page(
 ) -> Response:
     """A page (or, with ``?live=1``, its live part alone) for the signed-in viewer; the sign-in
     page for nobody; an error page for a refusal (404 for another tenant's rows)."""
-    viewer, new_session = _viewer(request)
+    try:
+        viewer, new_session = _viewer(request)
+    except DomainError as exc:  # Redis away: no session can be read
+        return _refused(request, None, exc)
     live = request.query_params.get("live") == "1"
     if viewer is None:
         if live:  # console.js goes to the sign-in page on a 401
@@ -118,8 +121,9 @@ def _refused(request: Request, viewer: Viewer | None, exc: DomainError) -> Respo
 def _act(request: Request, csrf: str | None, action: Callable[[Viewer], str]) -> Response:
     """An action: refused without the session's CSRF token (403); done, it goes back to the
     page ``action`` names (303)."""
-    viewer, _ = _viewer(request)
+    viewer = None
     try:
+        viewer, _ = _viewer(request)
         if viewer is None:
             raise DomainError(Kind.UNAUTHENTICATED, "unauthenticated", "sign in first")
         sessions.check_csrf(viewer, csrf or request.headers.get(sessions.CSRF_HEADER))
@@ -144,8 +148,12 @@ def login(request: Request, key: Annotated[str, Form(max_length=200)]) -> Respon
     try:
         session_id, _ = sessions.sign_in(key)
     except DomainError as exc:
+        # 401 for a wrong key; 503 while Redis, where sessions live, is away
         context = {"viewer": None, "error": exc.message}
-        return _secure(templates.TemplateResponse(request, "login.html", context, status_code=401))
+        status = status_of(exc)
+        return _secure(
+            templates.TemplateResponse(request, "login.html", context, status_code=status)
+        )
     response = RedirectResponse("/console", status_code=303)
     _set_cookie(request, response, session_id)
     return _secure(response)
@@ -226,10 +234,11 @@ def tenants(request: Request) -> Response:
 def file_content(request: Request, file_id: str) -> Response:
     """A file's bytes, as ``GET /v1/files/{id}/content`` serves them, for the signed-in
     viewer."""
-    viewer, _ = _viewer(request)
-    if viewer is None:
-        return _secure(RedirectResponse("/console/login", status_code=303))
+    viewer = None
     try:
+        viewer, _ = _viewer(request)
+        if viewer is None:
+            return _secure(RedirectResponse("/console/login", status_code=303))
         with session_scope() as session:
             row = files.get(session, viewer.scope, file_id)
             path, filename = storage.path(row.id), row.filename

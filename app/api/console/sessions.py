@@ -11,19 +11,25 @@
   ``X-CSRF-Token`` header, compared in constant time (:func:`check_csrf`).
 - With keys off (``INFERQ_REQUIRE_AUTH=false``) there is no key to sign in with, and /v1 is
   open: the first page makes a session as the operator (docs/console.md).
+- With Redis away no session can be read or made: every function here raises the
+  ``broker_unavailable`` refusal (503), as /v1 does when it cannot admit a call.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
 import secrets
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
+
+import redis
 
 from app.core import clients
 from app.core.db import session_scope
-from app.core.errors import DomainError, Kind
+from app.core.errors import BROKER_DOWN, DomainError, Kind, unavailable
 from app.core.keys import DEFAULT_TENANT, key_for
 from app.core.models import ApiKey
 from app.core.names import CONSOLE_SESSION_PREFIX
@@ -55,11 +61,21 @@ def _address(session_id: str) -> str:
     return CONSOLE_SESSION_PREFIX + hashlib.sha256(session_id.encode()).hexdigest()
 
 
+@contextlib.contextmanager
+def _redis() -> Iterator[redis.Redis]:
+    """This process's Redis client; Redis away is a 503."""
+    try:
+        yield clients.redis_client()
+    except redis.RedisError:
+        raise unavailable(*BROKER_DOWN) from None
+
+
 def _keep(viewer: Viewer) -> str:
     """Store ``viewer`` as a new session; returns its id (the cookie's value)."""
     session_id = secrets.token_urlsafe(32)
     ttl = int(get_settings().console_session_s)
-    clients.redis_client().set(_address(session_id), json.dumps(asdict(viewer)), ex=ttl)
+    with _redis() as client:
+        client.set(_address(session_id), json.dumps(asdict(viewer)), ex=ttl)
     return session_id
 
 
@@ -85,7 +101,8 @@ def viewer_of(session_id: str | None) -> Viewer | None:
     """The session's viewer, if the session exists and its key is still live."""
     if not session_id:
         return None
-    raw = clients.redis_client().get(_address(session_id))
+    with _redis() as client:
+        raw = client.get(_address(session_id))
     if raw is None:
         return None
     viewer = Viewer(**json.loads(raw))
@@ -102,7 +119,8 @@ def viewer_of(session_id: str | None) -> Viewer | None:
 
 def sign_out(session_id: str | None) -> None:
     if session_id:
-        clients.redis_client().delete(_address(session_id))
+        with _redis() as client:
+            client.delete(_address(session_id))
 
 
 def check_csrf(viewer: Viewer, token: str | None) -> None:
