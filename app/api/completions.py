@@ -50,6 +50,7 @@ from app.core.openai_format import (
     endpoint_of,
     job_error,
     response_body,
+    unsent,
 )
 from app.core.settings import get_settings
 
@@ -309,9 +310,9 @@ def _missed(calls: list[dict[str, Any]], sent: dict[int, list[str]]) -> list[dic
         if at not in sent:
             rest.append({"index": at, **made})
             continue
-        streamed = "".join(sent[at])
-        if len(arguments) > len(streamed) and arguments.startswith(streamed):
-            rest.append({"index": at, "function": {"arguments": arguments[len(streamed) :]}})
+        missed = unsent(arguments, "".join(sent[at]))
+        if missed:
+            rest.append({"index": at, "function": {"arguments": missed}})
     return rest
 
 
@@ -383,7 +384,7 @@ async def _events(
             result = (choice["content"] if "content" in choice else choice["text"]) or ""
             text = "".join(sent.get(index, []))
             # Pieces the relay lost (Redis restarted, say): the row has the whole message.
-            missed = result[len(text) :] if result.startswith(text) else ""
+            missed = unsent(result, text)
             rest = _missed(choice.get("tool_calls") or [], sent_calls.get(index, {}))
             tokens = (choice.get("logprobs") or [])[len(sent_logprobs.get(index, [])) :]
             if missed or rest or tokens:

@@ -106,15 +106,19 @@ def list_page(
     return queries.page(session, query, Batch.id, limit, after)
 
 
-def counts(session: Session, batch: Batch) -> RequestCounts:
-    """Live counts while the batch runs; frozen ones once it has ended."""
+def counts(
+    session: Session, batch: Batch, by_status: dict[str, int] | None = None
+) -> RequestCounts:
+    """Live counts while the batch runs; frozen ones once it has ended. ``by_status``: its
+    jobs by status (:func:`jobs_by_status`) when the caller has read them already."""
     if batch.status in BATCH_TERMINAL or batch.status == BatchStatus.VALIDATING:
         return RequestCounts(
             total=batch.request_total,
             completed=batch.request_completed,
             failed=batch.request_failed,
         )
-    by_status = jobs_by_status(session, batch.id)
+    if by_status is None:
+        by_status = jobs_by_status(session, batch.id)
     completed = by_status.get(JobStatus.SUCCEEDED, 0)
     ended = sum(n for status, n in by_status.items() if status in TERMINAL)
     return RequestCounts(total=batch.request_total, completed=completed, failed=ended - completed)

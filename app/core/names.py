@@ -45,6 +45,9 @@ REPLY_CHANNEL_PREFIX = "inferq:reply:"
 # A background streamed response's kept relay messages, a Redis stream per response, that any
 # API process reads (app/core/relay.py, "kept logs").
 RESPONSE_EVENTS_PREFIX = "inferq:response-events:"
+# The ops worker's gauge of the backlog's drain estimate (workers/ops/autoscale.py), which the
+# console reads from its /metrics (app/core/snapshot.py).
+DRAIN_METRIC = "inferq_backlog_drain_seconds"
 # A console sign-in, by the SHA-256 of its cookie (app/api/console/sessions.py).
 CONSOLE_SESSION_PREFIX = "inferq:console:session:"
 # Presence records (workers/presence.py), one prefix per role: readers of inference workers

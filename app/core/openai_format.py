@@ -498,6 +498,13 @@ def response_body(job: JobView, tier: str | None = None) -> dict[str, Any]:
     return body if tier is None else {**body, "service_tier": tier}
 
 
+def unsent(whole: str, sent: str) -> str:
+    """What of a streamed ``whole`` (a text, a call's arguments, as committed) the pieces
+    ``sent`` did not carry: the rest after them when they are its start, else "" (pieces the
+    relay lost are sent from the row at the end; app/core/relay.py)."""
+    return whole[len(sent) :] if whole.startswith(sent) else ""
+
+
 def chunk(
     job: JobView,
     *,

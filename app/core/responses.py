@@ -29,7 +29,7 @@ from app.core.changes import changes
 from app.core.errors import DomainError, Kind
 from app.core.models import TERMINAL, Job, JobStatus, NewJob, StoredResponse, response_id_of
 from app.core.openai_format import ChatCompletionRequest, Ended, JobView
-from app.core.responses_format import ResponseCreate, assistant_turn, response_object
+from app.core.responses_format import ResponseCreate, assistant_turn, item_id, response_object
 from app.core.schemas import storable
 
 
@@ -182,8 +182,7 @@ def input_items(
 
 
 def _input_items(response_id: str, body: ResponseCreate) -> list[dict[str, Any]]:
-    suffix = response_id.removeprefix("resp_")
     return [
-        {"id": f"{'msg' if item['type'] == 'message' else 'item'}_{suffix}_{i}", **item}
+        {"id": item_id(response_id, "msg" if item["type"] == "message" else "item", i), **item}
         for i, item in enumerate(body.input_items())
     ]

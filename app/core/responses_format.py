@@ -31,6 +31,7 @@ from app.core.openai_format import (
     JobView,
     ServiceTier,
     refused_fields,
+    unsent,
     usage,
 )
 from app.core.schemas import MAX_TOOLS, TOOL_NAME, JobParams, StrictModel
@@ -345,14 +346,30 @@ STATUSES = {
 }
 
 
+def item_id(response_id: str, kind: str, index: int | None = None) -> str:
+    """The id of one of a response's items: ``<kind>_<the response id's own part>``, and
+    ``_<index>`` for one of several (its object, its stream's events and its input items)."""
+    own = f"{kind}_{response_id.removeprefix('resp_')}"
+    return own if index is None else f"{own}_{index}"
+
+
 def message_id(response_id: str) -> str:
-    """The id of a response's output message (in its object and in its stream's events)."""
-    return "msg_" + response_id.removeprefix("resp_")
+    """The id of a response's output message."""
+    return item_id(response_id, "msg")
 
 
-def call_item_id(response_id: str, index: int) -> str:
-    """The id of a response's ``index``-th function_call item (its object and its events)."""
-    return f"fc_{response_id.removeprefix('resp_')}_{index}"
+def function_call_item(
+    response_id: str, index: int, call_id: str, name: str, arguments: str, status: str
+) -> dict[str, Any]:
+    """A response's ``index``-th function_call output item."""
+    return {
+        "type": "function_call",
+        "id": item_id(response_id, "fc", index),
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+        "status": status,
+    }
 
 
 def _first_choice(job: JobView) -> dict[str, Any]:
@@ -409,14 +426,14 @@ def response_object(
                 }
             )
     output += [
-        {
-            "type": "function_call",
-            "id": call_item_id(response_id, i),
-            "call_id": call["id"],
-            "name": call["function"]["name"],
-            "arguments": call["function"]["arguments"],
-            "status": "completed",
-        }
+        function_call_item(
+            response_id,
+            i,
+            call["id"],
+            call["function"]["name"],
+            call["function"]["arguments"],
+            "completed",
+        )
         for i, call in enumerate(calls)
     ]
     error = None
@@ -514,11 +531,11 @@ class EventLog:
         for item in final["output"]:
             if item["type"] == "message":
                 text = item["content"][0]["text"]
-                sent = "".join(self.text)
-                if len(text) > len(sent) and text.startswith(sent):
-                    # Pieces the relay lost (Redis restarted, say), or a stream made from the
-                    # row: the row has the whole text.
-                    self._text(text[len(sent) :])
+                # Pieces the relay lost (Redis restarted, say), or a stream made from the row:
+                # the row has the whole text.
+                missed = unsent(text, "".join(self.text))
+                if missed:
+                    self._text(missed)
                 elif self.message_at is None:
                     self._open_message()
                 at = {"item_id": self.item_id, "output_index": self.message_at, "content_index": 0}
@@ -529,9 +546,9 @@ class EventLog:
                 if called not in self.calls:
                     self._open_call(called, item["call_id"], item["name"])
                 output_index, opened, pieces = self.calls[called]
-                sent = "".join(pieces)
-                if len(item["arguments"]) > len(sent) and item["arguments"].startswith(sent):
-                    self._arguments(called, item["arguments"][len(sent) :])
+                missed = unsent(item["arguments"], "".join(pieces))
+                if missed:
+                    self._arguments(called, missed)
                 self._add(
                     "response.function_call_arguments.done",
                     item_id=opened["id"],
@@ -565,14 +582,7 @@ class EventLog:
         self._add("response.content_part.added", **at, part=part)
 
     def _open_call(self, at: int, call_id: str, name: str) -> None:
-        item = {
-            "type": "function_call",
-            "id": call_item_id(self.response_id, at),
-            "call_id": call_id,
-            "name": name,
-            "arguments": "",
-            "status": "in_progress",
-        }
+        item = function_call_item(self.response_id, at, call_id, name, "", "in_progress")
         output_index = self._next_index()
         self.calls[at] = (output_index, item, [])
         self._add("response.output_item.added", output_index=output_index, item=item)

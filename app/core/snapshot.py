@@ -22,7 +22,7 @@ from sqlalchemy import BigInteger, Connection, case, cast, func, literal_column,
 from sqlalchemy.orm import Session
 
 from app.core.models import Job, JobStatus
-from app.core.names import PRESENCE_KEY_PREFIXES, Role, queue_of
+from app.core.names import DRAIN_METRIC, PRESENCE_KEY_PREFIXES, Role, queue_of
 from app.core.settings import LANES
 
 Route = tuple[str, str]  # (lane, model): one Celery queue (app/core/names.py, queue_of)
@@ -310,9 +310,6 @@ def finished_per_minute(
         found.setdefault(int(at), {})[lane] = int(count)
     first = start // 60
     return [(float(m * 60), found.get(m, {})) for m in range(first, first + minutes + 1)]
-
-
-DRAIN_METRIC = "inferq_backlog_drain_seconds"
 
 
 def drain_estimates(client: redis.Redis, timeout_s: float = 1.0) -> dict[Route, float]:

@@ -22,7 +22,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from app.core import backlog, catalog, clients, snapshot
 from app.core.db import session_scope
 from app.core.models import now
-from app.core.names import AUTOSCALE_RATE_PREFIX
+from app.core.names import AUTOSCALE_RATE_PREFIX, DRAIN_METRIC
 from app.core.settings import LANES, Settings
 
 log = logging.getLogger("inferq.autoscale")
@@ -119,7 +119,7 @@ class BacklogSignal(Collector):
             labels=["model", "lane"],
         )
         drain = GaugeMetricFamily(
-            "inferq_backlog_drain_seconds",
+            DRAIN_METRIC,
             "Seconds the live workers need for a lane and the lanes above it at their measured "
             "rate (+Inf with no live worker).",
             labels=["model", "lane"],

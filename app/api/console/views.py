@@ -257,9 +257,7 @@ def timeline(job: Job, now: float) -> dict[str, Any]:
     for (_, start), (_, stop), name in zip(marks, marks[1:], names, strict=False):
         if start is None:
             break
-        until = stop if stop is not None else (None if job.status in TERMINAL else now)
-        if until is None:
-            until = end
+        until = stop if stop is not None else end  # a step not reached: up to now, or the end
         x = width * (start - job.created_at) / span
         w = max(1.0, width * (until - start) / span)
         segments.append(Bar(x, 0, w, 24, f"seg-{name}", f"{name}: {until - start:.3f} s"))
@@ -287,8 +285,8 @@ def batches_page(session: Session, viewer: Viewer, after: str | None, now: float
 
 
 def batch_row(session: Session, batch: Batch) -> dict[str, Any]:
-    counts = batches.counts(session, batch)
     by_status = batches.jobs_by_status(session, batch.id)
+    counts = batches.counts(session, batch, by_status)
     total = max(counts.total, sum(by_status.values()), 1)
     width, x = 300.0, 0.0
     bars: list[Bar] = []
