@@ -111,16 +111,20 @@ def record_job_events(
     stamp: float,
     *,
     hooked: Collection[str] | None = None,
+    responses: Collection[str] | None = None,
 ) -> list[str]:
     """The events of the jobs among ``job_ids`` that this transaction ended: ``job.<status>``
     to a job's webhook_url, and ``response.<status>`` to the tenant's endpoints for a
-    background response. ``hooked``: the ones known to have a webhook_url (a worker's leases
-    say so), to spare the look for the others."""
+    background response. ``hooked``: the ones known to have a webhook_url, ``responses``: the
+    ones that may be background responses (a worker's leases say both), to spare each look for
+    the others: on the realtime path the response look was a tenth of a worker's CPU
+    (docs/benchmarks.md, "CPU per realtime call")."""
     if not job_ids:
         return []
     with_url = job_ids if hooked is None else hooked
     written = list(connection.execute(job_events(with_url, stamp)).scalars()) if with_url else []
-    return written + _response_events(connection, job_ids, stamp)
+    maybe = job_ids if responses is None else responses
+    return written + (_response_events(connection, maybe, stamp) if maybe else [])
 
 
 def response_event_type(status: str, finish_reason: str | None) -> str:

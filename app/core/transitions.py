@@ -44,7 +44,7 @@ from sqlalchemy import (
     update,
 )
 
-from app.core import fairshare, outbox
+from app.core import fairshare, outbox, relay
 from app.core.after import Transition, Tx
 from app.core.models import TERMINAL, Job, JobStatus, NewJob, can_transition
 from app.core.names import queue_of
@@ -341,6 +341,9 @@ class Lease:
     tenant: str
     attempt: int
     webhook: bool  # the job has a webhook_url: its end writes an event
+    # A caller waits on the line for it (its reply_to names the caller's waiter, not a kept
+    # log): a call, never a background response, so its end writes no response.* event.
+    on_line: bool = False
     charged: int = 0  # what the dispatcher charged its tenant (app/core/fairshare.py)
 
     def usage(self, used: int) -> fairshare.Usage:
@@ -384,6 +387,7 @@ def lease_of(row: Any) -> Lease:
         tenant=row.tenant,
         attempt=row.attempts,
         webhook=row.webhook_url is not None,
+        on_line=row.reply_to is not None and not relay.is_log(row.reply_to),
         charged=row.charged,
     )
 
@@ -541,9 +545,12 @@ def record(tx: Tx, ended: Sequence[tuple[Lease, Outcome]], *, stamp: float) -> l
     recorded = [item for item, ok in zip(ended, written, strict=True) if ok]
     ids = [lease.job_id for lease, _ in recorded]
     hooked = [lease.job_id for lease, _ in recorded if lease.webhook]
+    responses = [lease.job_id for lease, _ in recorded if not lease.on_line]
     after = tx.after
     after.moved += [lease.moved(o.status, JobStatus.RUNNING, o.error_code) for lease, o in recorded]
-    after.events += outbox.record_job_events(tx.connection, ids, stamp, hooked=hooked)
+    after.events += outbox.record_job_events(
+        tx.connection, ids, stamp, hooked=hooked, responses=responses
+    )
     after.usage += [lease.usage(o.used) for lease, o in recorded]
     return written
 
