@@ -9,8 +9,9 @@ are ours, from settings), the bind address and port, basic auth, and what the da
 - The Broker tab lists every inferq queue (lanes, ``webhooks``, ``maintenance``) with its
   length, including a lane no worker consumes at the moment.
 - The Tasks tab shows each task's lane as its routing key: every ``run_jobs`` message is
-  published to its lane's queue with the lane as routing key, and the API's producer sends a
-  ``task-sent`` event that carries it (``app/core/broker.py``).
+  published to its lane's queue with the lane as routing key, and its sender adds a
+  ``task-sent`` event that carries it while Flower says it watches (``app/core/broker.py``,
+  ``mark_watched``: a key in Redis that Flower sets again and again while it runs).
 """
 
 from __future__ import annotations
@@ -19,10 +20,13 @@ import contextlib
 import ipaddress
 import logging
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
-from app.core import catalog
+import redis
+
+from app.core import broker, catalog
 from app.core.names import OPS_QUEUES, TASKS
 from app.core.settings import Settings, get_settings
 
@@ -107,6 +111,18 @@ def _run_by_the_workers(*_: Any, **__: Any) -> None:
     raise RuntimeError("inferq's tasks run in its workers, not in Flower")
 
 
+def keep_watching(stop: threading.Event) -> None:
+    """Say in Redis that Flower watches, until ``stop`` (senders then add task-sent events to
+    their messages, workers are told to send task events by Flower itself)."""
+    while True:
+        try:
+            broker.mark_watched()
+        except redis.RedisError as exc:
+            log.warning("could not say that Flower watches: %s", exc)
+        if stop.wait(broker.WATCH_TTL_S / 3):
+            return
+
+
 def main() -> None:
     settings = get_settings()
     logging.basicConfig(
@@ -136,6 +152,9 @@ def main() -> None:
     # on now, not at Flower's first periodic enable five seconds from here.
     with contextlib.suppress(Exception):  # the broker is down: Flower's timer retries
         celery_app.control.enable_events()
+    threading.Thread(
+        target=keep_watching, args=(threading.Event(),), name="flower-watching", daemon=True
+    ).start()
     sys.exit(celery_app.start(flower_argv(settings)) or 0)
 
 

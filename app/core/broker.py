@@ -8,11 +8,13 @@ a worker claims a chunk in one transaction. Its shape is encoded and decoded her
 the producer, by the worker's intake (the message as Celery received it) and by the
 dispatcher taking messages back out of a list (the message as kombu stored it).
 
-Every Celery app inferq builds, the API's producer, the workers' and Flower's, comes from
-:func:`celery_app`, with the broker options, the queue declarations and the Redis transport
-below, so producers and consumers cannot disagree about them. A failed send never loses a
-job: its row is committed, and a job without a message is sent again by the dispatcher
-(docs/architecture.md, "Fair share").
+Every Celery app inferq builds, the workers', Flower's and the one that sends task events,
+comes from :func:`celery_app`, with the broker options, the queue declarations and the Redis
+transport below, so producers and consumers cannot disagree about them. Messages are pushed
+onto their queues' lists as Celery's ``send_task`` would write them (:func:`task_message`),
+several in one round trip, with Celery's ``task-sent`` event only while Flower watches. A
+failed send never loses a job: its row is committed, and a job without a message is sent again
+by the dispatcher (docs/architecture.md, "Fair share").
 """
 
 from __future__ import annotations
@@ -21,12 +23,15 @@ import base64
 import contextlib
 import json
 import logging
+import time
+import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import redis
 from celery import Celery
+from celery.utils.nodenames import anon_nodename
 from kombu import Exchange, Queue, serialization
 from kombu.transport import TRANSPORT_ALIASES
 from kombu.transport import redis as kombu_redis
@@ -36,6 +41,7 @@ from app.core import clients
 from app.core.names import (
     CONTROL_CHANNEL,
     DELIVER_WEBHOOK_TASK,
+    FLOWER_WATCHING_KEY,
     MAINTENANCE_QUEUE,
     OPS_QUEUES,
     RUN_JOBS_TASK,
@@ -216,57 +222,189 @@ def celery_app(name: str, settings: Settings, **config: Any) -> Celery:
 
 
 def _producer() -> Celery:
-    """This process's producer (dropped by ``clients.reset``)."""
+    """This process's Celery app for what it sends beside ``run_jobs`` messages' lists: the
+    task-sent events while Flower watches (dropped by ``clients.reset``)."""
 
     def build() -> Celery:
         settings = get_settings()
+        # A caller waits on a send: no longer than on any dependency.
         return celery_app(
-            "inferq-producer",
-            settings,
-            # A caller waits on a send: no longer than on any dependency.
-            broker_connection_timeout=settings.dependency_timeout_s,
-            # A task-sent event per message (a Redis PUBLISH, dropped when nobody listens):
-            # the only event that carries the routing key, i.e. the lane, to Flower.
-            task_send_sent_event=True,
-            task_publish_retry_policy={
-                "max_retries": 2,
-                "interval_start": 0.1,
-                "interval_step": 0.2,
-                "interval_max": 0.5,
-            },
+            "inferq-producer", settings, broker_connection_timeout=settings.dependency_timeout_s
         )
 
     return clients.held("producer", build)
+
+
+@dataclass(frozen=True)
+class _Origin:
+    """What every message this process sends says of its sender, as Celery's ``send_task``
+    says it: ``origin`` (an anonymous node name, ``gen<pid>@<host>``) and ``reply_to`` (an id
+    of the process, used only by result backends, which inferq has none of)."""
+
+    node: str
+    reply_to: str
+
+
+def _origin() -> _Origin:
+    return clients.held("origin", lambda: _Origin(anon_nodename(), str(uuid.uuid4())))
+
+
+def task_message(queue: str, task: str, args: list[Any]) -> tuple[str, bytes]:
+    """A task's message and its id: Celery's task message (protocol 2) as kombu's Redis
+    transport stores it in a queue's list, the bytes ``send_task`` pushes there.
+
+    Built here in one step: ``send_task``'s layers (routing, signals, kombu's declare, ensure
+    and prepare, a task-sent event whether or not anybody listens) were three quarters of the
+    API's CPU of sending a realtime job (docs/benchmarks.md, "CPU per realtime call").
+    tests/unit/test_broker.py holds it to what ``send_task`` writes, field by field.
+    """
+    task_id = str(uuid.uuid4())
+    origin = _origin()
+    argsrepr = repr(args)  # what Flower shows as args
+    body = json.dumps([args, {}, _EMBED]).encode()
+    envelope = {
+        "body": base64.b64encode(body).decode(),
+        "content-encoding": "utf-8",
+        "content-type": "application/json",
+        "headers": {
+            "lang": "py",
+            "task": task,
+            "id": task_id,
+            "shadow": None,
+            "eta": None,
+            "expires": None,
+            "group": None,
+            "group_index": None,
+            "retries": 0,
+            "timelimit": [None, None],
+            "root_id": task_id,
+            "parent_id": None,
+            "argsrepr": argsrepr,
+            "kwargsrepr": "{}",
+            "origin": origin.node,
+            "ignore_result": None,
+            "replaced_task_nesting": 0,
+            "stamped_headers": None,
+            "stamps": {},
+        },
+        "properties": {
+            "correlation_id": task_id,
+            "reply_to": origin.reply_to,
+            "delivery_mode": 2,
+            # A direct queue is published through the anonymous exchange (LPUSH onto the
+            # queue's list), so delivery does not depend on kombu's binding keys in Redis.
+            "delivery_info": {"exchange": "", "routing_key": queue},
+            "priority": 0,
+            "body_encoding": "base64",
+            "delivery_tag": str(uuid.uuid4()),
+        },
+    }
+    return task_id, json.dumps(envelope).encode()
+
+
+_EMBED = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
+
+
+@dataclass(frozen=True)
+class _Sent:
+    queue: str
+    task: str
+    args: list[Any]
+    task_id: str
+
+
+def _push(messages: Sequence[tuple[str, str, list[Any]]]) -> bool:
+    """Push (queue, task, args) messages onto their queues' lists, in order, in one round trip;
+    False if Redis did not take them (some may be there: a job sent twice is claimed once).
+    While Flower watches, each also gets Celery's ``task-sent`` event, the only event that
+    carries its queue (its lane) to Flower's task list."""
+    if not messages:
+        return True
+    sent: list[_Sent] = []
+    try:
+        pipe = clients.redis_client().pipeline(transaction=False)
+        for queue, task, args in messages:
+            task_id, payload = task_message(queue, task, args)
+            pipe.lpush(queue, payload)
+            sent.append(_Sent(queue, task, args, task_id))
+        pipe.execute()
+    except redis.RedisError:
+        log.exception("could not enqueue %d message(s)", len(messages))
+        return False
+    if watched():
+        _sent_events(sent)
+    return True
+
+
+def _sent_events(sent: Sequence[_Sent]) -> None:
+    """Celery's ``task-sent`` events of ``sent``, with the fields ``send_task`` gives them."""
+    app = _producer()
+    dispatcher = clients.held("sent-events", lambda: app.events.Dispatcher(enabled=False))
+    try:
+        with app.producer_or_acquire() as producer:
+            for message in sent:
+                fields = {
+                    "uuid": message.task_id,
+                    "root_id": message.task_id,
+                    "parent_id": None,
+                    "name": message.task,
+                    "args": repr(message.args),
+                    "kwargs": "{}",
+                    "retries": 0,
+                    "eta": None,
+                    "expires": None,
+                    "queue": message.queue,
+                    "exchange": "",
+                    "routing_key": message.queue,
+                }
+                dispatcher.publish("task-sent", fields, producer)
+    except Exception as exc:  # kombu raises several connection error types; events are a view
+        log.warning("could not send %d task-sent event(s): %s", len(sent), exc)
+
+
+# --- whether Flower watches --------------------------------------------------------------------
+
+WATCH_TTL_S = 30.0  # Flower marks itself watching this long, again every third of it
+WATCH_LOOK_S = 2.0  # a sender looks at the mark at most this often
+
+
+def mark_watched() -> None:
+    """Say that Flower watches (``inferq flower`` does, every ``WATCH_TTL_S / 3``): senders
+    then add task-sent events to what they send."""
+    clients.redis_client().set(FLOWER_WATCHING_KEY, "1", px=int(WATCH_TTL_S * 1000))
+
+
+@dataclass
+class _Look:
+    at: float = float("-inf")
+    watched: bool = False
+
+
+def watched() -> bool:
+    """Whether Flower watches now (looked at in Redis at most every ``WATCH_LOOK_S``): task
+    events cost every message a Redis PUBLISH that nobody reads while nobody watches, as
+    workers send theirs only then (workers/celery_app.py)."""
+    look = clients.held("watch-look", _Look)
+    stamp = time.monotonic()
+    if stamp - look.at >= WATCH_LOOK_S:
+        look.at = stamp
+        try:
+            look.watched = bool(clients.redis_client().exists(FLOWER_WATCHING_KEY))
+        except redis.RedisError:
+            look.watched = False
+    return look.watched
 
 
 # --- sending -----------------------------------------------------------------------------------
 
 
 def send_jobs(batch: Iterable[tuple[str, list[str]]]) -> list[str]:
-    """Send one ``run_jobs`` message per (queue, job ids), in order. Returns the ids that were
-    not sent."""
-    app = _producer()
-    failed: list[str] = []
-    with app.producer_or_acquire() as producer:
-        for name, ids in batch:
-            args = RunJobs(ids, lane_of(name)).args()
-            try:
-                # A direct queue is published through the anonymous exchange (LPUSH onto the
-                # queue's list), so delivery does not depend on kombu's binding keys in Redis.
-                app.send_task(
-                    RUN_JOBS_TASK,
-                    args=args,
-                    queue=name,
-                    producer=producer,
-                    # What Flower shows as args; Celery's own safe repr of them cost more
-                    # than the rest of the message.
-                    argsrepr=repr(args),
-                    kwargsrepr="{}",
-                )
-            except Exception:  # kombu raises several connection error types
-                log.exception("could not enqueue %d job(s) on %s", len(ids), name)
-                failed.extend(ids)
-    return failed
+    """Send one ``run_jobs`` message per (queue, job ids), in order, in one round trip.
+    Returns the ids that were not sent (all of them when Redis did not answer)."""
+    messages = [(name, RUN_JOBS_TASK, RunJobs(ids, lane_of(name)).args()) for name, ids in batch]
+    if _push(messages):
+        return []
+    return [job_id for _, _, (ids, _lane) in messages for job_id in ids]
 
 
 def take_newest(name: str, messages: int) -> list[RunJobs]:
@@ -314,29 +452,16 @@ def queue_is_empty(name: str) -> bool:
 
 def send_webhooks(event_ids: Iterable[str]) -> list[str]:
     """Send one delivery message per committed webhook event; returns the ids not sent."""
-    app = _producer()
     ids = list(event_ids)
-    with app.producer_or_acquire() as producer:
-        for i, event_id in enumerate(ids):
-            try:
-                app.send_task(
-                    DELIVER_WEBHOOK_TASK, args=[event_id], queue=WEBHOOK_QUEUE, producer=producer
-                )
-            except Exception:
-                # The broker is down: the rest would fail the same way, slowly.
-                log.exception("could not enqueue %d webhook event(s)", len(ids) - i)
-                return ids[i:]
-    return []
+    if _push([(WEBHOOK_QUEUE, DELIVER_WEBHOOK_TASK, [event_id]) for event_id in ids]):
+        return []
+    return ids
 
 
 def send_start_batch(batch_id: str) -> bool:
-    """Ask the ops worker to validate a batch's file and start its jobs; False if not sent."""
-    try:
-        _producer().send_task(START_BATCH_TASK, args=[batch_id], queue=MAINTENANCE_QUEUE)
-    except Exception:
-        log.exception("could not enqueue batch %s; the batch sweep will", batch_id)
-        return False
-    return True
+    """Ask the ops worker to validate a batch's file and start its jobs; False if not sent
+    (the batch sweep will)."""
+    return _push([(MAINTENANCE_QUEUE, START_BATCH_TASK, [batch_id])])
 
 
 def wake(queues: Iterable[str]) -> None:

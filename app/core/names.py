@@ -74,6 +74,8 @@ TOKENIZER_KEY_PREFIX = "inferq:tokenizer:"
 # A model's measured worker rate (cost per second, app/core/backlog.py): a hint that lets a
 # restarted ops worker size a fleet before it has measured again.
 AUTOSCALE_RATE_PREFIX = "inferq:autoscale:rate:"
+# Set while Flower runs (app/core/broker.py, ``mark_watched``): senders add task-sent events.
+FLOWER_WATCHING_KEY = "inferq:flower:watching"
 # The reaper's marker: gone means Redis lost its data (workers/ops/reaper.py).
 EPOCH_KEY = "inferq:epoch"
 
