@@ -40,6 +40,7 @@ import contextlib
 import itertools
 import json
 import logging
+import math
 import os
 import queue
 import secrets
@@ -302,11 +303,18 @@ class Replies:
             pubsub = clients.async_redis().pubsub(ignore_subscribe_messages=True)
             try:
                 await pubsub.subscribe(self.channel)
+                connection = pubsub.connection
+                assert connection is not None  # subscribed
                 self._subscribed.set()
                 while True:
-                    message = await pubsub.get_message(timeout=None)
-                    if message is not None:
-                        self._deliver(message["data"])
+                    # Straight off the subscription's connection: redis-py's get_message adds
+                    # a timer, a retry wrapper and a message dict per message, half of what
+                    # reading cost the API on the realtime path (docs/benchmarks.md, "CPU per
+                    # realtime call"). It blocks the same way (no timeout: a quiet channel is
+                    # a normal one); a lost connection raises, and the loop subscribes again.
+                    reply = await connection.read_response(timeout=math.inf, push_request=True)
+                    if isinstance(reply, list) and len(reply) == 3 and _is_message(reply[0]):
+                        self._deliver(reply[2])
             except (redis.RedisError, OSError) as exc:
                 self._subscribed.clear()
                 log.warning("the reply channel was lost (%s); subscribing again", exc)
@@ -325,6 +333,11 @@ class Replies:
             return
         if waiting is not None:  # a call that has already gone: nobody to tell
             waiting.put_nowait(entry)
+
+
+def _is_message(kind: bytes | str) -> bool:
+    """Whether a reply read off a subscription is a published message (not a confirmation)."""
+    return kind in (b"message", "message")
 
 
 def log_address() -> str:
