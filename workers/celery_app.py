@@ -84,6 +84,12 @@ def log_to_stderr() -> None:
     # An inference worker's intake cancels and re-adds lane consumers all the time
     # (workers/inference/intake.py); Celery logs each at INFO.
     logging.getLogger("celery.worker.consumer.consumer").setLevel(logging.WARNING)
+    # Celery's "Task received" and "Task succeeded" lines, two a message: each job's own lines
+    # (job.running, job.succeeded: app/core/after.py) say it with the job's id; formatting
+    # them was 4 % of a worker's CPU on the realtime path (docs/benchmarks.md, "CPU per
+    # realtime call"). A task that raises is still logged, at ERROR.
+    for name in ("celery.worker.strategy", "celery.app.trace"):
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def run_worker(
