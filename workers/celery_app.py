@@ -76,20 +76,23 @@ def create(kind: Kind, settings: Settings) -> Celery:
     )
 
 
-def log_to_stderr() -> None:
-    """The log set-up of every worker process, before its parts are built."""
+def log_to_stderr(*, task_lines: bool = True) -> None:
+    """The log set-up of every worker process, before its parts are built; ``task_lines``:
+    Celery's own line for each task received and each task ended."""
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     # An inference worker's intake cancels and re-adds lane consumers all the time
     # (workers/inference/intake.py); Celery logs each at INFO.
     logging.getLogger("celery.worker.consumer.consumer").setLevel(logging.WARNING)
-    # Celery's "Task received" and "Task succeeded" lines, two a message: each job's own lines
-    # (job.running, job.succeeded: app/core/after.py) say it with the job's id; formatting
-    # them was 4 % of a worker's CPU on the realtime path (docs/benchmarks.md, "CPU per
-    # realtime call"). A task that raises is still logged, at ERROR.
-    for name in ("celery.worker.strategy", "celery.app.trace"):
-        logging.getLogger(name).setLevel(logging.WARNING)
+    if not task_lines:
+        # An inference worker's: two lines a message, and each job's own lines (job.running,
+        # job.succeeded: app/core/after.py) say it with the job's id; formatting them was 4 %
+        # of a worker's CPU on the realtime path (docs/benchmarks.md, "CPU per realtime
+        # call"). A task that raises is still logged, at ERROR. The ops worker keeps them: its
+        # sweeps (the reaper's included) say they ran nowhere else.
+        for name in ("celery.worker.strategy", "celery.app.trace"):
+            logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def run_worker(

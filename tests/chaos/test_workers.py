@@ -237,7 +237,11 @@ def test_duplicate_delivery_runs_once(stack: Stack) -> None:
     done = stack.wait_job(job_id, timeout=60)
     assert done["status"] == "succeeded" and done["attempts"] == 1
     # The second message found the job taken: it claimed nothing (one claim, one token).
-    wait_until(lambda: "'skipped': 1" in worker.log.read_text(), 30, "the duplicate's skip")
+    wait_until(
+        lambda: "1 of 1 job(s) no longer queued, skipped" in worker.log.read_text(),
+        30,
+        "the duplicate's skip",
+    )
     assert stack.scalar("SELECT lease_token FROM jobs WHERE id = :i", i=job_id) == 1
 
 

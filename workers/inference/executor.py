@@ -97,6 +97,15 @@ class Executor:
             claims = with_db_retry(lambda: self.claim(ids), "claim")
             slots.release(len(ids) - len(claims))
             ended: Counter[str] = Counter(skipped=len(ids) - len(claims))
+            if ended["skipped"]:
+                # A duplicate or late message (its jobs taken, ended or cancelled): rare, and
+                # the one trace of it now that Celery's per-task lines are off.
+                log.info(
+                    "message %s: %d of %d job(s) no longer queued, skipped",
+                    message_id,
+                    ended["skipped"],
+                    len(ids),
+                )
             with self._lock:
                 for claim in claims:
                     self._held[claim.job_id] = claim.token

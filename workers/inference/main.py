@@ -107,7 +107,7 @@ def build(settings: Settings) -> InferenceWorker:
 
 
 def main() -> None:
-    celery_app.log_to_stderr()
+    celery_app.log_to_stderr(task_lines=False)
     settings = get_settings()
     try:
         worker = build(settings)  # the engine's model found, or the demo model made
