@@ -90,7 +90,14 @@ class BenchStack:
         self.children.append(child)
         return child
 
-    def start(self, workers: int = 1, worker_env: dict[str, str] | None = None) -> BenchStack:
+    def start(
+        self,
+        workers: int = 1,
+        worker_env: dict[str, str] | None = None,
+        api_processes: int = 1,
+    ) -> BenchStack:
+        """Redis, the schema, the dispatcher, the API (``api_processes``: `inferq api
+        --workers`) and ``workers`` inference workers, each ready before the next."""
         server = shutil.which("redis-server")
         if server is None:
             raise RuntimeError("the benchmark needs redis-server on PATH")
@@ -118,7 +125,7 @@ class BenchStack:
         if migrate.proc.wait(120) != 0:
             raise RuntimeError(f"migrate failed:\n{migrate.tail()}")
         self.spawn("dispatch", [py, "-m", "app.cli", "dispatch"])
-        api = self.spawn("api", [py, "-m", "app.cli", "api"])
+        api = self.spawn("api", [py, "-m", "app.cli", "api", "--workers", str(api_processes)])
         wait_ready(
             "api",
             60,

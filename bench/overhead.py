@@ -8,7 +8,8 @@ when the previous one has ended, at N = 16 and N = 64.
 - **floor**: bench/floor.py, an OpenAI-compatible SSE server holding the engine
   in-process, as vLLM's server holds its own;
 - **inferq**: ``/v1/chat/completions`` on the whole stack (API, Redis, one worker, ops worker,
-  PostgreSQL), each call a durable realtime job.
+  PostgreSQL), each call a durable realtime job; at 64 clients a second time with two API
+  processes (``inferq api --workers 2``: ``api_processes_2``).
 
 Each side's **CPU per call** is measured too (``cpu_ms_per_call``): the CPU time its processes
 spent over the run (user + system, the process and its children, psutil), over the calls made
@@ -43,6 +44,8 @@ from bench.scenarios import Options, workload
 from bench.streaming import stream_all
 
 CLIENTS = (16, 64)
+# Where the stack is also run with two API processes (`inferq api --workers 2`) beside one.
+API_PROCESSES_AT = (64,)
 REQUESTS_PER_CLIENT = 25  # 400 measured requests at 16 clients, 1,600 at 64
 # Each client's first rounds warm the path up (connections, caches) inside the same closed
 # loop; they are not measured, so neither is the start's burst of N requests at once, a
@@ -179,9 +182,11 @@ def stages(records: list[dict[str, Any]], rows: list[dict[str, Any]], log: Path)
     } | {"jobs": len(spans[STAGES[0][0]])}
 
 
-def _inferq(opts: Options, bodies: list[dict[str, Any]], clients: int) -> dict[str, Any]:
+def _inferq(
+    opts: Options, bodies: list[dict[str, Any]], clients: int, api_processes: int = 1
+) -> dict[str, Any]:
     with BenchStack(opts.postgres, opts.stack_env(engine="simulated"), opts.workdir) as stack:
-        stack.start()
+        stack.start(api_processes=api_processes)
         stack.add_ops()
         parts = {**CALL_PARTS, **OTHER_PARTS}
         before = cpu_sample(stack.children, parts)
@@ -214,4 +219,14 @@ def overhead(opts: Options) -> dict[str, Any]:
             "cpu_ms_per_call_over_floor": ours["cpu_ms_per_call"]["total"]
             / max(1e-9, floor["cpu_ms_per_call"]["total"]),
         }
+        if clients in API_PROCESSES_AT:
+            # Does a second API process help on the bench's cores, and what does it cost?
+            two = _inferq(opts, bodies, clients, api_processes=2)
+            result[str(clients)]["api_processes_2"] = {
+                "inferq": two,
+                "throughput_ratio": two["output_throughput"] / floor["output_throughput"],
+                "ttft_p50_over_floor_ms": two["median_ttft_ms"] - floor["median_ttft_ms"],
+                "ttft_p99_over_floor_ms": two["p99_ttft_ms"] - floor["p99_ttft_ms"],
+                "inferq_cpu_ms_per_call": two["cpu_ms_per_call"]["total"],
+            }
     return result

@@ -139,6 +139,12 @@ def markdown(results: dict[str, Any]) -> str:
         run: dict[str, Any] = overhead.get(clients) or {}
         for key, op, goal, label in overhead_checks if run else []:
             lines.append(_check("overhead", f"{clients} clients: {label}", run[key], op, goal))
+        # The same bounds with `inferq api --workers 2`: shown beside them, not a target.
+        two = run.get("api_processes_2") or {}
+        for key, op, goal, label in overhead_checks if two else []:
+            if key in two:
+                what = f"{clients} clients, 2 API processes: {label}"
+                lines.append(_check("overhead", what, two[key], op, goal))
     header = "| scenario | run | " + " | ".join(c[1] for c in COLUMNS) + " |"
     table = ["", header, "|" + "---|" * (len(COLUMNS) + 2)]
     for scenario, variants in VARIANTS.items():
@@ -154,6 +160,10 @@ def markdown(results: dict[str, Any]) -> str:
         for side in ("floor", "inferq") if run else ():
             cells = " | ".join(_fmt(run[side].get(key)) for key, _ in COLUMNS)
             table.append(f"| overhead {clients} | {side} | {cells} |")
+        two = run.get("api_processes_2")
+        if two:
+            cells = " | ".join(_fmt(two["inferq"].get(key)) for key, _ in COLUMNS)
+            table.append(f"| overhead {clients} | inferq, 2 API processes | {cells} |")
     if len(table) > 3:  # a run of scenarios without such rows (autoscale alone) has no table
         lines += table
     cpu_runs = {
