@@ -271,6 +271,13 @@ class Intake:
                 else:
                     continue
                 try:
+                    tasks = getattr(consumer, "task_consumer", None)
+                    if change == consumer.add_task_queue and tasks is not None:
+                        # The queue was declared when the consumer first took it (and is again
+                        # by a consumer Celery rebuilds); declaring it at every re-open (a
+                        # LLEN, a SADD, a pipeline) was a tenth of a worker's CPU under a bulk
+                        # flood (docs/benchmarks.md, "ceiling").
+                        tasks.auto_declare = False
                     change(queue_of(lane, self.model))
                 except Exception as exc:
                     log.warning(
