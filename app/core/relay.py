@@ -162,15 +162,37 @@ class Publisher:
                     log.warning("relaying %d messages failed: %s", len(out), exc)
 
     def _write(self, messages: list[tuple[str, dict[str, Any]]]) -> None:
-        pipe = self._client.pipeline(transaction=False)
+        """Send ``messages`` in one round trip: a PUBLISH each, or for a kept log an XADD and
+        its EXPIRE. Written on a pooled connection directly: redis-py's pipeline (its retry
+        wrapper, response callbacks and bookkeeping per command) was most of this thread's
+        CPU, and the relay needs none of the replies (docs/benchmarks.md, "CPU per realtime
+        call"). Every reply is read, so the connection goes back to the pool in step; a
+        connection that failed is dropped."""
+        commands: list[tuple[Any, ...]] = []
         for channel, body in messages:
             data = json.dumps(body, separators=(",", ":"))
             if channel.startswith(RESPONSE_EVENTS_PREFIX):
-                pipe.xadd(channel, {"m": data}, maxlen=LOG_MAX_ENTRIES, approximate=False)
-                pipe.expire(channel, self._keep_s)
+                commands.append(("XADD", channel, "MAXLEN", LOG_MAX_ENTRIES, "*", "m", data))
+                commands.append(("EXPIRE", channel, self._keep_s))
             else:
-                pipe.publish(channel, data)
-        pipe.execute()
+                commands.append(("PUBLISH", channel, data))
+        pool = self._client.connection_pool
+        connection: Any = pool.get_connection()  # redis-py's connection methods are untyped
+        refused: list[redis.ResponseError] = []
+        try:
+            connection.send_packed_command(connection.pack_commands(commands))
+            for _ in commands:
+                try:
+                    connection.read_response()
+                except redis.ResponseError as exc:  # one command refused: read on
+                    refused.append(exc)
+        except BaseException:
+            connection.disconnect()
+            raise
+        finally:
+            pool.release(connection)
+        if refused:
+            raise refused[0]
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+import redis
+
 from app.core import clients, relay
 from app.core.settings import Settings
 
@@ -97,3 +100,24 @@ def test_pieces_of_tool_calls_are_merged_call_by_call(core: Settings) -> None:
         },
     ]
     assert end.ended == {"status": "succeeded"}
+
+
+def test_a_kept_log_and_a_refused_write_leave_the_connection_in_step(core: Settings) -> None:
+    """A write of several messages in one round trip: a log's are kept (XADD, with an expiry),
+    and a command Redis refuses fails that write without putting later replies out of step."""
+    client = clients.redis_client()
+    publisher = relay.Publisher(client, merge_ms=0, keep_s=60)
+    log = relay.log_address()
+    key, _ = relay.split(log)
+    publisher._write([relay._message((log, 1), {"d": "kept"})])
+    assert [fields[b"m"] for _, fields in client.xrange(key)] == [b'{"k":"0","t":1,"d":"kept"}']
+    assert 0 < client.ttl(key) <= 60
+
+    broken = relay.RESPONSE_EVENTS_PREFIX + "not-a-stream/0"
+    client.set(relay.split(broken)[0], "x")  # XADD onto a string is refused
+    with pytest.raises(redis.ResponseError):
+        publisher._write([relay._message((broken, 1), {"d": "lost"})])
+    # The next write on the same pool reads its own replies, not the refused write's.
+    publisher._write([relay._message((log, 1), {"d": "again"})])
+    assert [fields[b"m"] for _, fields in client.xrange(key)][-1] == b'{"k":"0","t":1,"d":"again"}'
+    assert client.ping()
