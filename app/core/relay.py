@@ -94,6 +94,7 @@ class Publisher:
             queue.SimpleQueue()
         )
         self._thread = threading.Thread(target=self._loop, name="relay", daemon=True)
+        self._connection: Any = None  # redis-py's connection (its methods are untyped)
 
     def start(self) -> None:
         self._thread.start()
@@ -166,8 +167,8 @@ class Publisher:
         its EXPIRE. Written on a pooled connection directly: redis-py's pipeline (its retry
         wrapper, response callbacks and bookkeeping per command) was most of this thread's
         CPU, and the relay needs none of the replies (docs/benchmarks.md, "CPU per realtime
-        call"). Every reply is read, so the connection goes back to the pool in step; a
-        connection that failed is dropped."""
+        call"). The relay thread keeps its connection; every reply is read, so it stays in
+        step; one that failed is dropped."""
         commands: list[tuple[Any, ...]] = []
         for channel, body in messages:
             data = json.dumps(body, separators=(",", ":"))
@@ -177,7 +178,9 @@ class Publisher:
             else:
                 commands.append(("PUBLISH", channel, data))
         pool = self._client.connection_pool
-        connection: Any = pool.get_connection()  # redis-py's connection methods are untyped
+        if self._connection is None:  # this thread's own, kept from write to write
+            self._connection = pool.get_connection()
+        connection = self._connection
         refused: list[redis.ResponseError] = []
         try:
             connection.send_packed_command(connection.pack_commands(commands))
@@ -187,10 +190,12 @@ class Publisher:
                 except redis.ResponseError as exc:  # one command refused: read on
                     refused.append(exc)
         except BaseException:
+            # Lost (Redis restarted, a failover): the next write takes a fresh one, which
+            # through Sentinel asks for the master again.
+            self._connection = None
             connection.disconnect()
-            raise
-        finally:
             pool.release(connection)
+            raise
         if refused:
             raise refused[0]
 
