@@ -44,7 +44,6 @@ import asyncio
 import hashlib
 import heapq
 import itertools
-import random
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -112,12 +111,20 @@ class CostModel:
         )
 
 
+_LCG_A = 6364136223846793005
+_LCG_C = 1442695040888963407
+_MASK64 = (1 << 64) - 1
+
+
 @dataclass(eq=False)
 class _Seq:
     req: GenRequest
     prompt_tokens: int
     prefill_left: int
-    rng: random.Random
+    # Its words' generator: a 64-bit linear congruential one (MMIX's constants), seeded from
+    # the prompt and the seed. A random.Random per request cost more than the rest of a
+    # one-token request here (docs/benchmarks.md, "ceiling"): this engine should cost nothing.
+    state: int
     out: asyncio.Queue[GenChunk] = field(default_factory=asyncio.Queue)
     generated: int = 0
 
@@ -198,7 +205,7 @@ class SimulatedEngine:
                 "context_length_exceeded",
                 f"the prompt has {tokens} tokens; this model's context is {self.max_model_len}",
             )
-        seq = _Seq(req, tokens, tokens, random.Random(int.from_bytes(digest[:8], "big")))
+        seq = _Seq(req, tokens, tokens, int.from_bytes(digest[:8], "big"))
         self._by_id[req.request_id] = seq
         heapq.heappush(self._waiting, (req.priority, next(self._order), seq))
         self._wake.set()
@@ -303,7 +310,8 @@ class SimulatedEngine:
         return emitting, prefill
 
     def _emit(self, seq: _Seq) -> None:
-        word = seq.rng.choice(_WORDS)
+        seq.state = (seq.state * _LCG_A + _LCG_C) & _MASK64
+        word = _WORDS[(seq.state >> 33) % len(_WORDS)]
         seq.generated += 1
         piece = word if seq.generated == 1 else " " + word
         checked = len(seq.text)
