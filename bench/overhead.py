@@ -199,6 +199,19 @@ def _inferq(
     return result
 
 
+def _against(ours: dict[str, Any], floor: dict[str, Any]) -> dict[str, Any]:
+    """An inferq run and how it compares with the floor's run of the same calls."""
+    return {
+        "inferq": ours,
+        "throughput_ratio": ours["output_throughput"] / floor["output_throughput"],
+        "ttft_p50_over_floor_ms": ours["median_ttft_ms"] - floor["median_ttft_ms"],
+        "ttft_p99_over_floor_ms": ours["p99_ttft_ms"] - floor["p99_ttft_ms"],
+        "inferq_cpu_ms_per_call": ours["cpu_ms_per_call"]["total"],
+        "cpu_ms_per_call_over_floor": ours["cpu_ms_per_call"]["total"]
+        / max(1e-9, floor["cpu_ms_per_call"]["total"]),
+    }
+
+
 def overhead(opts: Options) -> dict[str, Any]:
     model = opts.settings(engine="simulated").model_name
     result: dict[str, Any] = {"engine": "simulated", "database": "postgresql", "path": PATH}
@@ -211,22 +224,10 @@ def overhead(opts: Options) -> dict[str, Any]:
             "requests": len(bodies) - WARMUP_ROUNDS * clients,
             "warmup_requests": WARMUP_ROUNDS * clients,
             "floor": floor,
-            "inferq": ours,
-            "throughput_ratio": ours["output_throughput"] / floor["output_throughput"],
-            "ttft_p50_over_floor_ms": ours["median_ttft_ms"] - floor["median_ttft_ms"],
-            "ttft_p99_over_floor_ms": ours["p99_ttft_ms"] - floor["p99_ttft_ms"],
-            "inferq_cpu_ms_per_call": ours["cpu_ms_per_call"]["total"],
-            "cpu_ms_per_call_over_floor": ours["cpu_ms_per_call"]["total"]
-            / max(1e-9, floor["cpu_ms_per_call"]["total"]),
+            **_against(ours, floor),
         }
         if clients in API_PROCESSES_AT:
             # Does a second API process help on the bench's cores, and what does it cost?
             two = _inferq(opts, bodies, clients, api_processes=2)
-            result[str(clients)]["api_processes_2"] = {
-                "inferq": two,
-                "throughput_ratio": two["output_throughput"] / floor["output_throughput"],
-                "ttft_p50_over_floor_ms": two["median_ttft_ms"] - floor["median_ttft_ms"],
-                "ttft_p99_over_floor_ms": two["p99_ttft_ms"] - floor["p99_ttft_ms"],
-                "inferq_cpu_ms_per_call": two["cpu_ms_per_call"]["total"],
-            }
+            result[str(clients)]["api_processes_2"] = _against(two, floor)
     return result
