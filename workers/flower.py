@@ -21,6 +21,7 @@ import ipaddress
 import logging
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -111,16 +112,15 @@ def _run_by_the_workers(*_: Any, **__: Any) -> None:
     raise RuntimeError("inferq's tasks run in its workers, not in Flower")
 
 
-def keep_watching(stop: threading.Event) -> None:
-    """Say in Redis that Flower watches, until ``stop`` (senders then add task-sent events to
-    their messages, workers are told to send task events by Flower itself)."""
+def keep_watching() -> None:
+    """Say in Redis that Flower watches, as long as it runs (senders then add task-sent events
+    to their messages; workers are told to send task events by Flower itself)."""
     while True:
         try:
             broker.mark_watched()
         except redis.RedisError as exc:
             log.warning("could not say that Flower watches: %s", exc)
-        if stop.wait(broker.WATCH_TTL_S / 3):
-            return
+        time.sleep(broker.WATCH_TTL_S / 3)
 
 
 def main() -> None:
@@ -152,9 +152,7 @@ def main() -> None:
     # on now, not at Flower's first periodic enable five seconds from here.
     with contextlib.suppress(Exception):  # the broker is down: Flower's timer retries
         celery_app.control.enable_events()
-    threading.Thread(
-        target=keep_watching, args=(threading.Event(),), name="flower-watching", daemon=True
-    ).start()
+    threading.Thread(target=keep_watching, name="flower-watching", daemon=True).start()
     sys.exit(celery_app.start(flower_argv(settings)) or 0)
 
 
