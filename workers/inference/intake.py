@@ -265,19 +265,19 @@ class Intake:
                 if lane in self.open and lane not in self._applied:
                     self._applied.add(lane)
                     change = consumer.add_task_queue
+                    tasks = getattr(consumer, "task_consumer", None)
+                    if tasks is not None:
+                        # The queue was declared when the consumer first took it (and is
+                        # again by a consumer Celery rebuilds); declaring it at every re-open
+                        # (a LLEN, a SADD, a pipeline) was a tenth of a worker's CPU under a
+                        # bulk flood (docs/benchmarks.md, "ceiling").
+                        tasks.auto_declare = False
                 elif lane not in self.open and lane in self._applied:
                     self._applied.discard(lane)
                     change = consumer.cancel_task_queue
                 else:
                     continue
                 try:
-                    tasks = getattr(consumer, "task_consumer", None)
-                    if change == consumer.add_task_queue and tasks is not None:
-                        # The queue was declared when the consumer first took it (and is again
-                        # by a consumer Celery rebuilds); declaring it at every re-open (a
-                        # LLEN, a SADD, a pipeline) was a tenth of a worker's CPU under a bulk
-                        # flood (docs/benchmarks.md, "ceiling").
-                        tasks.auto_declare = False
                     change(queue_of(lane, self.model))
                 except Exception as exc:
                     log.warning(
