@@ -317,17 +317,30 @@ def _push(messages: Sequence[tuple[str, str, list[Any]]]) -> bool:
     """Push (queue, task, args) messages onto their queues' lists, in order, in one round trip;
     False if Redis did not take them (some may be there: a job sent twice is claimed once).
     While Flower watches, each also gets Celery's ``task-sent`` event, the only event that
-    carries its queue (its lane) to Flower's task list."""
+    carries its queue (its lane) to Flower's task list.
+
+    One LPUSH per queue, with its messages in order (LPUSH of several values pushes them one
+    after the other, as several LPUSHes would); a single queue's push goes without a pipeline,
+    which the API's one message per call paid for nothing (docs/benchmarks.md, "CPU per
+    realtime call")."""
     if not messages:
         return True
     sent: list[_Sent] = []
+    by_queue: dict[str, list[bytes]] = {}
+    for queue, task, args in messages:
+        task_id, payload = task_message(queue, task, args)
+        by_queue.setdefault(queue, []).append(payload)
+        sent.append(_Sent(queue, task, args, task_id))
     try:
-        pipe = clients.redis_client().pipeline(transaction=False)
-        for queue, task, args in messages:
-            task_id, payload = task_message(queue, task, args)
-            pipe.lpush(queue, payload)
-            sent.append(_Sent(queue, task, args, task_id))
-        pipe.execute()
+        client = clients.redis_client()
+        if len(by_queue) == 1:
+            [(queue, payloads)] = by_queue.items()
+            client.lpush(queue, *payloads)
+        else:
+            pipe = client.pipeline(transaction=False)
+            for queue, payloads in by_queue.items():
+                pipe.lpush(queue, *payloads)
+            pipe.execute()
     except redis.RedisError:
         log.exception("could not enqueue %d message(s)", len(messages))
         return False

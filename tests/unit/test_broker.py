@@ -64,6 +64,15 @@ def test_webhook_and_batch_messages_go_to_their_queues(core: Settings) -> None:
     assert json.loads(base64.b64decode(start["body"]))[0] == ["batch_1"]
 
 
+def test_a_batch_for_several_queues_lands_in_order_on_each(core: Settings) -> None:
+    batch = [("bulk", ["a"]), ("standard", ["b"]), ("bulk", ["c", "d"]), ("standard", ["e"])]
+    assert broker.send_jobs(batch) == []
+    # Workers take from the list's right end: the first message sent is the first taken.
+    for queue, ids in (("bulk", [["a"], ["c", "d"]]), ("standard", [["b"], ["e"]])):
+        taken = [json.loads(base64.b64decode(m["body"]))[0][0] for m in reversed(_stored(queue))]
+        assert taken == ids
+
+
 def test_a_send_that_redis_refuses_returns_every_job(core: Settings) -> None:
     clients.redis_client().set("realtime", "not a list")  # LPUSH onto it fails (WRONGTYPE)
     assert broker.send_jobs([("realtime", ["job_a"])]) == ["job_a"]
