@@ -43,6 +43,7 @@ MAX_PER_TENANT = 20
 # How long the previous secret keeps signing after a rotation that keeps it (OpenAI's figure).
 KEEP_OLD_SECRET_S = 24 * 3600
 NAME_MAX = 255
+LOCK_PREFIX = "inferq:webhook_endpoints:"  # the advisory lock of a tenant's creations
 
 
 def create(
@@ -52,6 +53,7 @@ def create(
     types = _checked_types(event_types)
     _check_name(name)
     check_webhook_url(url, param="url")
+    _one_at_a_time(session, tenant)
     count = session.scalar(
         select(func.count()).select_from(WebhookEndpoint).where(WebhookEndpoint.tenant == tenant)
     )
@@ -75,6 +77,16 @@ def create(
     session.add(row)
     session.commit()
     return row
+
+
+def _one_at_a_time(session: Session, tenant: str) -> None:
+    """A tenant's creations take turns until their transaction ends, so that two at once
+    cannot both count 19 and both insert. PostgreSQL: a transaction-scoped advisory lock on the
+    tenant. SQLite needs none: its transactions take the write lock as they begin
+    (app/core/db.py)."""
+    if session.get_bind().dialect.name == "postgresql":
+        key = func.hashtext(f"{LOCK_PREFIX}{tenant}")
+        session.execute(select(func.pg_advisory_xact_lock(key)))
 
 
 def get(session: Session, tenant: str, endpoint_id: str) -> WebhookEndpoint:

@@ -7,8 +7,10 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +27,10 @@ from app.batches import finalize
 from app.cli.main import main as cli
 from app.core import db, endpoints, webhooks
 from app.core.db import session_scope
+from app.core.errors import DomainError
 from app.core.keys import create_key
 from app.core.settings import Settings, get_settings
+from tests.conftest import PostgresDatabases, database_url_for
 from tests.support import Receiver
 from tests.unit.conftest import environment
 from tests.unit.inprocess import Worker
@@ -260,6 +264,37 @@ def test_the_cli_adds_lists_and_removes_a_tenants_endpoint(core: Settings) -> No
     removed = runner.invoke(cli, ["webhooks", "remove", "--tenant", "acme", endpoint_id])
     assert removed.exit_code == 0 and removed.stdout.strip() == "removed"
     assert runner.invoke(cli, ["webhooks", "list", "--tenant", "acme"]).stdout == ""
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+def test_creations_at_once_stop_at_the_tenants_ceiling(
+    backend: str, tmp_path: Path, postgres: PostgresDatabases, redis_url: str
+) -> None:
+    """Twelve creations at once with four places left: four are made, eight refused."""
+    types = ["batch.failed"]
+    url = database_url_for(backend, tmp_path, postgres)
+    with environment(data_dir=str(tmp_path), database_url=url, redis_url=redis_url):
+        db.migrate()
+        left = 4
+        with session_scope() as session:
+            for i in range(endpoints.MAX_PER_TENANT - left):
+                endpoints.create(session, "acme", name=f"n{i}", url=PUBLIC, event_types=types)
+        start = threading.Barrier(12)
+
+        def one(i: int) -> str:
+            start.wait()
+            try:
+                with session_scope() as session:
+                    endpoints.create(session, "acme", name=f"m{i}", url=PUBLIC, event_types=types)
+            except DomainError as exc:
+                return exc.code
+            return "made"
+
+        with ThreadPoolExecutor(12) as pool:
+            outcomes = list(pool.map(one, range(12)))
+        assert sorted(outcomes) == ["made"] * left + ["too_many_webhook_endpoints"] * 8
+        with session_scope() as session:
+            assert len(endpoints.list_page(session, "acme", limit=100, after=None)[0]) == 20
 
 
 def test_a_tenant_has_at_most_twenty_endpoints_and_a_bad_change_changes_nothing(
