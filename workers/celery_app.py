@@ -55,6 +55,8 @@ def create(kind: Kind, settings: Settings) -> Celery:
     return broker.celery_app(
         f"inferq-{kind}",
         settings,
+        # Only an inference worker's intake re-opens lanes (app/core/broker.py, LANE_POLL_S).
+        poll_s=broker.LANE_POLL_S if kind == "worker" else None,
         task_default_queue=MAINTENANCE_QUEUE,
         broker_connection_retry_on_startup=True,
         broker_connection_max_retries=None,

@@ -55,7 +55,11 @@ from app.core.settings import LANES, Settings, get_settings
 
 log = logging.getLogger("inferq.broker")
 
-BROKER_POLL_S = 0.05
+# An inference worker's broker poll (BRPOP timeout): a poll that is already waiting does not
+# see a lane its intake has just re-opened, so a short one bounds that delay, at the cost of
+# ~20 polls a second when idle. Nothing else re-opens queues: other consumers (the ops worker)
+# keep kombu's 1 s.
+LANE_POLL_S = 0.05
 
 
 # --- the run_jobs message ----------------------------------------------------------------------
@@ -175,8 +179,9 @@ class SentinelTransport(kombu_redis.SentinelTransport):  # type: ignore[misc]
     Channel = _SentinelChannel
 
 
-def broker_transport_options(settings: Settings) -> dict[str, Any]:
-    return {
+def broker_transport_options(settings: Settings, poll_s: float | None = None) -> dict[str, Any]:
+    """kombu's options for inferq's queues; ``poll_s``: the BRPOP timeout (None: kombu's 1 s)."""
+    options = {
         # BRPOP the queues in strict lane order instead of kombu's default round robin.
         "queue_order_strategy": f"{__name__}:LaneOrder",
         "priority_steps": [0],
@@ -189,24 +194,27 @@ def broker_transport_options(settings: Settings) -> dict[str, Any]:
         # The bookkeeping's own redelivery came after a visibility timeout of two days, later
         # than the reaper.
         "ack_emulation": False,
-        # A broker poll (BRPOP) that is already waiting does not see a lane the intake has
-        # just re-opened; a short poll bounds that delay (at the cost of ~20 polls/s idle).
-        "polling_interval": BROKER_POLL_S,
         "socket_connect_timeout": settings.dependency_timeout_s,
         "socket_timeout": max(30.0, settings.dependency_timeout_s),
     }
+    if poll_s is not None:
+        options["polling_interval"] = poll_s
+    return options
 
 
-def celery_app(name: str, settings: Settings, **config: Any) -> Celery:
+def celery_app(
+    name: str, settings: Settings, *, poll_s: float | None = None, **config: Any
+) -> Celery:
     """A Celery app on ``settings``' Redis with inferq's queues and broker options; ``config``
-    adds to (or overrides) them. kombu picks a transport by the broker URL's scheme, so the
-    schemes ``redis`` and ``sentinel`` are pointed at :class:`RedisTransport` and
-    :class:`SentinelTransport` here, before the app connects; URLs keep their scheme (Flower
-    reads its broker's kind from it). A ``sentinel://`` setting becomes kombu's form of it."""
+    adds to (or overrides) them; ``poll_s`` is its consumer's BRPOP timeout (None: kombu's).
+    kombu picks a transport by the broker URL's scheme, so the schemes ``redis`` and
+    ``sentinel`` are pointed at :class:`RedisTransport` and :class:`SentinelTransport` here,
+    before the app connects; URLs keep their scheme (Flower reads its broker's kind from it).
+    A ``sentinel://`` setting becomes kombu's form of it."""
     TRANSPORT_ALIASES["redis"] = f"{__name__}:RedisTransport"
     TRANSPORT_ALIASES["sentinel"] = f"{__name__}:SentinelTransport"
     sentinel = settings.redis_sentinel
-    options = broker_transport_options(settings)
+    options = broker_transport_options(settings, poll_s)
     if sentinel is not None:
         options["master_name"] = sentinel.master
     broker = settings.redis_url if sentinel is None else sentinel.kombu_url()

@@ -13,6 +13,7 @@ import pytest
 from app.core import broker, clients
 from app.core.names import RUN_JOBS_TASK
 from app.core.settings import Settings
+from workers import celery_app
 
 # Fields that differ between any two messages (ids), or between two senders (the process id).
 PER_MESSAGE = {"id", "root_id", "correlation_id", "delivery_tag", "reply_to"}
@@ -116,3 +117,12 @@ def test_task_sent_events_only_while_flower_watches(
     [message] = [m for m in _stored("realtime") if "job_b" in m["headers"]["argsrepr"]]
     assert event["uuid"] == message["headers"]["id"]
     pubsub.close()
+
+
+def test_only_an_inference_worker_polls_its_lanes_often(core: Settings) -> None:
+    """Its intake re-opens lanes, which a waiting poll would not see for a whole poll; the
+    ops worker, which re-opens nothing, waits kombu's 1 s between polls when idle."""
+    options = celery_app.create("worker", core).conf.broker_transport_options
+    assert options["polling_interval"] == broker.LANE_POLL_S
+    for kind in ("ops", "flower"):
+        assert "polling_interval" not in celery_app.create(kind, core).conf.broker_transport_options
