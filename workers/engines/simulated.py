@@ -45,7 +45,6 @@ import hashlib
 import heapq
 import itertools
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -181,9 +180,8 @@ class SimulatedEngine:
         # (those that finished in it included) and those left waiting after it was planned.
         self._scheduled: tuple[list[_Seq], int] = ([], 0)
         self.steps = 0
-        self.batch_sizes: deque[int] = deque(maxlen=1024)
-        # The largest of them since the start: stats() runs at every step (the intake's look),
-        # where a max over the deque was most of its cost.
+        # The largest batch a step has run since the start, kept as it goes: stats() runs at
+        # every step (the intake's look), where a max over past steps was most of its cost.
         self.max_batch = 0
         self.on_step: StepObserver = ignore_step
 
@@ -355,7 +353,6 @@ class SimulatedEngine:
             else:
                 await asyncio.sleep(0)
             self.steps += 1
-            self.batch_sizes.append(decoding)
             self.max_batch = max(self.max_batch, decoding)
             emitted = 0
             for seq in emitting:
