@@ -328,9 +328,7 @@ def _push(messages: Sequence[tuple[str, str, list[Any]]]) -> bool:
     carries its queue (its lane) to Flower's task list.
 
     One LPUSH per queue, with its messages in order (LPUSH of several values pushes them one
-    after the other, as several LPUSHes would); a single queue's push goes without a pipeline,
-    which the API's one message per call paid for nothing (docs/benchmarks.md, "CPU per
-    realtime call")."""
+    after the other, as several LPUSHes would)."""
     if not messages:
         return True
     sent: list[_Sent] = []
@@ -340,15 +338,10 @@ def _push(messages: Sequence[tuple[str, str, list[Any]]]) -> bool:
         by_queue.setdefault(queue, []).append(payload)
         sent.append(_Sent(queue, task, args, task_id))
     try:
-        client = clients.redis_client()
-        if len(by_queue) == 1:
-            [(queue, payloads)] = by_queue.items()
-            client.lpush(queue, *payloads)
-        else:
-            pipe = client.pipeline(transaction=False)
-            for queue, payloads in by_queue.items():
-                pipe.lpush(queue, *payloads)
-            pipe.execute()
+        pipe = clients.redis_client().pipeline(transaction=False)
+        for queue, payloads in by_queue.items():
+            pipe.lpush(queue, *payloads)
+        pipe.execute()
     except redis.RedisError:
         log.exception("could not enqueue %d message(s)", len(messages))
         return False
