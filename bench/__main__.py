@@ -15,11 +15,13 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from bench import report
+from bench.affinity import prefix
 from bench.autoscale import autoscale
+from bench.embed import embed
 from bench.fairness import fairness
+from bench.files import files
 from bench.harness import environment, postgres_answers
 from bench.overhead import overhead
-from bench.prefix import prefix
 from bench.scenarios import SCENARIOS, Options
 
 ALL = (
@@ -34,6 +36,8 @@ ALL = (
     "peer",
     "prefix",
     "fairness",
+    "embed",
+    "files",
 )
 # Run by name only, not in "all": mostly idle on purpose, about 15 minutes (docs/benchmarks.md).
 ALONE = ("autoscale",)
@@ -151,6 +155,10 @@ def main(
                 results[name] = fairness(opts)
             elif name == "autoscale":
                 results[name] = autoscale(opts)
+            elif name == "embed":
+                results[name] = embed(opts)
+            elif name == "files":
+                results[name] = files(opts)
             else:
                 results[name] = SCENARIOS[name](opts)
             results[name]["wall_s"] = round(time.monotonic() - started, 1)

@@ -39,8 +39,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import func, select
 
 from app.cli.stack import Child
-from app.core import snapshot
 from app.core.models import TERMINAL, Job, JobStatus
+from app.core.processes import presence
 from bench.harness import BenchStack
 from bench.metrics import percentile
 from bench.scenarios import Options
@@ -227,7 +227,7 @@ def bulk_left(stack: BenchStack) -> int:
 def ops_metrics_url(stack: BenchStack) -> str:
     end = time.monotonic() + 60
     while time.monotonic() < end:
-        records = snapshot.ops_workers(redis.Redis(port=stack.redis_port))
+        records = presence.ops_workers(redis.Redis(port=stack.redis_port))
         if records:
             return str(records[0]["metrics_url"])
         time.sleep(0.2)

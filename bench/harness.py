@@ -31,8 +31,8 @@ from sqlalchemy import create_engine, func, select, text
 from sqlalchemy.engine import Engine, make_url
 
 from app.cli.stack import Child, wait_ready
-from app.core import snapshot
 from app.core.models import TERMINAL, Job
+from app.core.processes import presence
 from app.core.settings import Settings
 from workers.engines import create_engine as create_model_engine
 from workers.engines.base import GenChunk, GenRequest
@@ -145,7 +145,7 @@ class BenchStack:
 
         def announced() -> bool:
             # By the record's pid: a key match on ":<pid>" also matched longer pids.
-            return any(record.get("pid") == pid for record in snapshot.workers(client))
+            return any(record.get("pid") == pid for record in presence.workers(client))
 
         wait_ready(f"worker{index}", 900, announced, child, poll_s=POLL_S)
         return child
@@ -277,7 +277,7 @@ class BenchStack:
             return [dict(row._mapping) for row in conn.execute(query)]
 
     def worker_records(self) -> list[dict[str, Any]]:
-        return snapshot.workers(redis.Redis(port=self.redis_port))
+        return presence.workers(redis.Redis(port=self.redis_port))
 
     def close(self) -> None:
         for child in reversed(self.children):

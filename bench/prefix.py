@@ -1,4 +1,5 @@
-"""The ``prefix`` scenario: a batch whose lines share long system prompts, grouped vs arrival.
+"""The ``prefix`` scenario on one vLLM worker: a batch whose lines share long system prompts,
+grouped vs arrival (the scenario's entry and its part across workers: bench/affinity.py).
 
 One OpenAI batch file (``/v1/chat/completions``) of ``opts.n(1000)`` lines; line i opens with
 system prompt i % PREFIXES, a few hundred tokens each, then a short user message of its own, so
@@ -139,9 +140,8 @@ def _side(opts: Options, lines: list[dict[str, Any]], what: str, policy: str) ->
     }
 
 
-def prefix(opts: Options) -> dict[str, Any]:
-    if opts.engine != "vllm":
-        return {"skipped": "prefix measures vLLM's prefix cache: --engine vllm"}
+def one_worker(opts: Options) -> dict[str, Any]:
+    """One vLLM worker: the batch grouped by prefix (``fair``) against arrival order."""
     n = opts.n(1000)
     lines = batch_lines(n, opts.settings().model_name)
     sides = {

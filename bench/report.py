@@ -62,6 +62,15 @@ TARGETS: dict[str, list[tuple[str, str, float | str, str]]] = {
             "drain estimate at the burst's start vs measured (relative error, absolute)",
         ),
     ],
+    "embed": [
+        (
+            "ceiling_inputs_per_s",
+            ">=",
+            10_000.0,
+            "embedding inputs/s, a batch of one-input lines, instant engine",
+        ),
+        ("vs_offline", ">=", 0.90, "inputs/s through inferq / vLLM's offline LLM.embed"),
+    ],
     "peer": [
         ("inferq_over_vllm_serve", ">=", 0.9, "output tok/s, inferq / vllm serve"),
         ("ttft_p50_over_vllm_serve_ms", "<=", 30.0, "TTFT p50, inferq - vllm serve (ms)"),
@@ -133,7 +142,8 @@ def markdown(results: dict[str, Any]) -> str:
         if not result or "skipped" in result:
             continue
         for key, op, target, label in checks:
-            lines.append(_check(scenario, label, result.get(key), op, _target(result, target)))
+            if key in result:  # a scenario's checks differ by engine (embed)
+                lines.append(_check(scenario, label, result[key], op, _target(result, target)))
     overhead = results.get("overhead") or {}
     for clients, overhead_checks in OVERHEAD_TARGETS.items():
         run: dict[str, Any] = overhead.get(clients) or {}
@@ -234,6 +244,8 @@ def markdown(results: dict[str, Any]) -> str:
             f"| {_fmt(batch['lines_per_s'])} | {_fmt(memory['api']['growth'])} "
             f"| {_fmt(memory['ops']['growth'])} |",
         ]
+    lines += _embed_table(results.get("embed"))
+    lines += _files_table(results.get("files"))
     lines += _autoscale_table(results.get("autoscale"))
     lines += _prefix_table(results.get("prefix"))
     lines += _fairness_table(results.get("fairness"))
@@ -248,6 +260,60 @@ def markdown(results: dict[str, Any]) -> str:
         "Latencies in ms; ITL only where tokens are observed one by one.",
     ]
     return "\n".join(lines)
+
+
+def _embed_table(result: dict[str, Any] | None) -> list[str]:
+    if not result or "skipped" in result:
+        return []
+    sides: list[tuple[str, dict[str, Any]]] = [("through inferq (a batch)", result["platform"])]
+    if "offline" in result:
+        sides.append(("vLLM offline LLM.embed", result["offline"]))
+    lines = [
+        "",
+        "| embed | inputs | seconds | inputs/s | tokens/s | validating / running / finalizing s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, side in sides:
+        phases = side.get("phases_s")
+        split = " / ".join(_fmt(v) for v in phases.values()) if phases else "-"
+        lines.append(
+            f"| {name} | {side['inputs']:,} | {_fmt(side['seconds'])} "
+            f"| {_fmt(side['inputs_per_s'])} | {_fmt(side['tokens_per_s'])} | {split} |"
+        )
+    realtime = result.get("realtime")
+    if realtime:
+        lines += [
+            "",
+            "| embed: one-input /v1/embeddings (ms) | p50 | p99 |",
+            "|---|---|---|",
+            *(
+                f"| {side} | {_fmt(v['p50_ms'])} | {_fmt(v['p99_ms'])} |"
+                for side, v in realtime.items()
+            ),
+        ]
+    return lines
+
+
+def _files_table(result: dict[str, Any] | None) -> list[str]:
+    if not result:
+        return []
+    rss, start = result["target_api_rss_growth_mb"], result["target_batch_start_s"]
+    lines = [
+        "",
+        f"| files ({result['database']}) | upload MB/s | download MB/s | API RSS growth MB "
+        f"(≤ {_fmt(rss)}) | batch of {result['lines']:,} lines: upload to first line s "
+        f"(≤ {_fmt(start)}) |",
+        "|---|---|---|---|---|",
+    ]
+    for side in ("local", "s3"):
+        r = result[side]
+        grew = "met" if r["api_rss_growth_mb"] <= rss else "**missed**"
+        began = "met" if r["batch_start_s"] <= start else "**missed**"
+        lines.append(
+            f"| {side} | {_fmt(r['upload_mb_s'])} | {_fmt(r['download_mb_s'])} "
+            f"| {_fmt(r['api_rss_growth_mb'])} ({grew}) | {_fmt(r['batch_start_s'])} ({began}) |"
+        )
+    return lines
 
 
 def _autoscale_table(result: dict[str, Any] | None) -> list[str]:
@@ -278,19 +344,49 @@ def _autoscale_table(result: dict[str, Any] | None) -> list[str]:
 
 
 def _prefix_table(result: dict[str, Any] | None) -> list[str]:
-    """The ``prefix`` scenario's two sides: vLLM's prefix-cache hit rate and output tok/s."""
+    """The ``prefix`` scenario: on vLLM, one worker grouped against arrival order, and two
+    workers with and without affinity; across 1, 2 and 4 SIMULATED workers, affinity against
+    the shared queues, the hot prefix and a worker joining (bench/affinity.py)."""
     if not result or "skipped" in result:
         return []
-    lines = [
-        "",
-        "| prefix | dispatch policy | jobs | prefix-cache hit rate | out tok/s | seconds |",
-        "|---|---|---|---|---|---|",
+    lines: list[str] = []
+    if "grouped" in result:
+        lines += [
+            "",
+            "| prefix | dispatch policy | jobs | prefix-cache hit rate | out tok/s | seconds |",
+            "|---|---|---|---|---|---|",
+        ]
+        for side in ("grouped", "arrival"):
+            r = result[side]
+            lines.append(
+                f"| {side} | {r['dispatch_policy']} | {r['jobs']} | {_fmt(r['prefix_hit_rate'])} "
+                f"| {_fmt(r['output_throughput'])} | {_fmt(r['seconds'])} |"
+            )
+    runs = [
+        (f"{n} workers", side, r)
+        for side in ("affinity", "shared")
+        for n, r in (result.get(side) or {}).items()
     ]
-    for side in ("grouped", "arrival"):
-        r = result[side]
+    runs += [("2 workers (vLLM)", side, r) for side, r in (result.get("two_workers") or {}).items()]
+    runs += [("hot prefix, 4 workers", side, r) for side, r in (result.get("hot") or {}).items()]
+    if runs:
+        lines += [
+            "",
+            "| prefix across workers | routing | jobs | hit rate | out tok/s | TTFT p50 (ms) "
+            "| max load / mean |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for what, side, r in sorted(runs, key=lambda x: (x[0], x[1])):
+            lines.append(
+                f"| {what} | {side} | {r['jobs']} | {_fmt(r['hit_rate'])} "
+                f"| {_fmt(r['tokens_per_s'])} | {_fmt(r['ttft_p50_ms'])} "
+                f"| {_fmt(r['max_load_over_mean'])} |"
+            )
+    join = (result.get("join") or {}).get("join")
+    if join:
         lines.append(
-            f"| {side} | {r['dispatch_policy']} | {r['jobs']} | {_fmt(r['prefix_hit_rate'])} "
-            f"| {_fmt(r['output_throughput'])} | {_fmt(r['seconds'])} |"
+            f"\nA third worker joined: {join['moved']} of {join['prefixes']} prefixes moved "
+            f"({_fmt(join['moved_share'])}; rendezvous hashing predicts 1/3)."
         )
     return lines
 

@@ -25,7 +25,7 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import Engine, create_engine, text
 
-from app.core import clients
+from app.core.messaging import clients
 
 REPO = Path(__file__).resolve().parents[1]
 TERMINAL = {"succeeded", "failed", "cancelled", "expired"}
@@ -39,7 +39,7 @@ DEMO_MODEL = "inferq-demo"  # the model a stack's workers serve unless a test na
 
 
 def queue(lane: str, model: str = DEMO_MODEL) -> str:
-    """The Redis list of ``model``'s jobs in ``lane`` (app/core/names.py, queue_of)."""
+    """The Redis list of ``model``'s jobs in ``lane`` (app/core/messaging/names.py, queue_of)."""
     return f"{lane}:{model}"
 
 
@@ -229,11 +229,19 @@ class Stack:
         return self.spawn(name, "dispatch", env=env)
 
     def start_worker(
-        self, *, engine: str = "simulated", timeout: float = 60, **settings: Any
+        self, *, engine: str = "simulated", timeout: float = 60, wait: bool = True, **settings: Any
     ) -> Proc:
+        """A worker process; ready once it announced itself, unless ``wait`` is False (then
+        :meth:`wait_worker`: engines that start side by side, a minute each on vLLM-CPU)."""
         env = {f"INFERQ_{k.upper()}": str(v) for k, v in settings.items()}
         index = sum(1 for p in self.procs if p.name.startswith("worker"))
         proc = self.spawn(f"worker{index}", "worker", "--engine", engine, env=env)
+        if wait:
+            self.wait_worker(proc, timeout)
+        return proc
+
+    def wait_worker(self, proc: Proc, timeout: float) -> None:
+        """Wait for the worker ``proc`` to announce itself (its presence record)."""
 
         def announced() -> bool:
             if not proc.alive():
@@ -244,7 +252,6 @@ class Stack:
             wait_until(announced, timeout, "the worker to start", every=0.25)
         except TimeoutError as exc:
             raise AssertionError(f"{exc}\n{proc.tail()}") from exc
-        return proc
 
     def start_ops(self, **settings: Any) -> Proc:
         """The ops worker (webhooks, sweeps, beat); ready once its Celery worker is up. Its

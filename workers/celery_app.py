@@ -1,12 +1,12 @@
 """The Celery app of each kind of worker process, from settings, and the one way to run it.
 
 - Lanes are separate queues polled in strict priority order (realtime, standard, bulk;
-  app/core/broker.py builds every app inferq makes, with the queues and broker options).
+  app/core/messaging/broker.py builds every app inferq makes, with the queues and broker options).
 - ``acks_late``: a message is acknowledged only after the task returned, i.e. after the job's
   final state was committed; a worker that stops puts the messages it holds back on their
   lanes. One that dies loses them with its memory (Redis keeps no redelivery of its own,
-  app/core/broker.py): the job rows bring those jobs back (docs/reliability.md, "Reliability
-  contract").
+  app/core/messaging/broker.py): the job rows bring those jobs back (docs/reliability.md,
+  "Reliability contract").
 - Prefetch multiplier 1 with the threads pool: a worker reserves no more messages than it has
   threads, so the backlog stays in Redis where other workers and the API can see it.
 - Results live in the database, never in a Celery result backend.
@@ -25,8 +25,14 @@ from typing import Any, Literal
 
 from celery import Celery
 
-from app.core import broker
-from app.core.names import MAINTENANCE_QUEUE, REAP_TASK, SWEEP_BATCHES_TASK, SWEEP_WEBHOOKS_TASK
+from app.core.messaging import broker
+from app.core.messaging.names import (
+    EXPIRE_FILES_TASK,
+    MAINTENANCE_QUEUE,
+    REAP_TASK,
+    SWEEP_BATCHES_TASK,
+    SWEEP_WEBHOOKS_TASK,
+)
 from app.core.settings import Settings
 
 Kind = Literal["worker", "ops", "flower"]
@@ -39,6 +45,7 @@ def _beat_schedule(settings: Settings) -> dict[str, Any]:
         "sweep-webhooks": (SWEEP_WEBHOOKS_TASK, settings.webhook_sweep_interval_s),
         "reap": (REAP_TASK, settings.reaper_interval_s),
         "sweep-batches": (SWEEP_BATCHES_TASK, settings.batch_sweep_interval_s),
+        "expire-files": (EXPIRE_FILES_TASK, settings.files_sweep_interval_s),
     }
     return {
         name: {
@@ -55,7 +62,8 @@ def create(kind: Kind, settings: Settings) -> Celery:
     return broker.celery_app(
         f"inferq-{kind}",
         settings,
-        # Only an inference worker's intake re-opens lanes (app/core/broker.py, LANE_POLL_S).
+        # Only an inference worker's intake re-opens lanes (app/core/messaging/broker.py,
+        # LANE_POLL_S).
         poll_s=broker.LANE_POLL_S if kind == "worker" else None,
         task_default_queue=MAINTENANCE_QUEUE,
         broker_connection_retry_on_startup=True,
@@ -89,8 +97,8 @@ def log_to_stderr(*, task_lines: bool = True) -> None:
     logging.getLogger("celery.worker.consumer.consumer").setLevel(logging.WARNING)
     if not task_lines:
         # An inference worker's: two lines a message, and each job's own lines (job.running,
-        # job.succeeded: app/core/after.py) say it with the job's id; formatting them was 4 %
-        # of a worker's CPU on the realtime path (docs/benchmarks.md, "CPU per realtime
+        # job.succeeded: app/core/lifecycle/after.py) say it with the job's id; formatting them was
+        # 4 % of a worker's CPU on the realtime path (docs/benchmarks.md, "CPU per realtime
         # call"). A task that raises is still logged, at ERROR. The ops worker keeps them: its
         # sweeps (the reaper's included) say they ran nowhere else.
         for name in ("celery.worker.strategy", "celery.app.trace"):
@@ -108,7 +116,7 @@ def run_worker(
 
     The threads pool: prefork children are daemonic and cannot start vLLM's engine process,
     CUDA does not survive fork, and one process keeps one Prometheus registry (workers/metrics.py).
-    ``queues`` are consumed in the order given (strict priority, app/core/broker.py).
+    ``queues`` are consumed in the order given (strict priority, app/core/messaging/broker.py).
     Per-process machinery starts and stops on Celery's signals, connected by each kind's
     composition root (which set up the log first: :func:`log_to_stderr`).
     """

@@ -10,8 +10,9 @@ are ours, from settings), the bind address and port, basic auth, and what the da
   length, including a lane no worker consumes at the moment.
 - The Tasks tab shows each task's lane as its routing key: every ``run_jobs`` message is
   published to its lane's queue with the lane as routing key, and its sender adds a
-  ``task-sent`` event that carries it while Flower says it watches (``app/core/broker.py``,
-  ``mark_watched``: a key in Redis that Flower sets again and again while it runs).
+  ``task-sent`` event that carries it while Flower says it watches
+  (``app/core/messaging/broker.py``, ``mark_watched``: a key in Redis that Flower sets again and
+  again while it runs).
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ from typing import Any
 
 import redis
 
-from app.core import broker, catalog
-from app.core.names import OPS_QUEUES, TASKS
+from app.core.messaging import broker
+from app.core.messaging.names import OPS_QUEUES, TASKS
+from app.core.scheduling import catalog
 from app.core.settings import Settings, get_settings
 
 # The task list's columns: the queue (routing_key: lane and model) and the job ids (args) next to
@@ -86,7 +88,7 @@ def flower_argv(settings: Settings) -> list[str]:
 
 def list_every_queue() -> None:
     """Make Flower's Broker tab (and /api/queues/length) list all of inferq's queues: every
-    known model's lanes (app/core/catalog.py) and the ops worker's queues.
+    known model's lanes (app/core/scheduling/catalog.py) and the ops worker's queues.
 
     Flower lists the queues the live workers consume and falls back to the configured ones
     only when no worker answers. Inference workers close lanes at run time, a model may have

@@ -3,8 +3,8 @@
 An inference worker serves its engine's gauges (read at scrape time from the runner), the
 per-step batch size and generated tokens (pushed by the engine at every step), the latency
 histograms of the jobs it claims and records, and the job counters of
-app/core/transitions.py. The ops worker serves webhook attempts, reaper actions and the jobs it
-ends. Celery runs both with the
+app/core/lifecycle/transitions.py. The ops worker serves webhook attempts, reaper actions and the
+jobs it ends. Celery runs both with the
 threads pool, one process each, so the default registry is already the whole process.
 Names and labels are those of the metrics table of docs/observability.md.
 """

@@ -1,10 +1,10 @@
 """A process's presence record in Redis: who it is, where its /metrics are, how it is doing.
 
 Inference workers and ops workers announce themselves the same way, under their role's key
-prefix (``app.core.names.PRESENCE_KEY_PREFIXES``): one JSON record per process, rewritten
+prefix (``app.core.messaging.names.PRESENCE_KEY_PREFIXES``): one JSON record per process, rewritten
 every ``interval_s`` and expiring after three intervals, so the record of a process that died
 without saying goodbye drops out by itself. ``inferq up``, ``inferq status`` and the API's
-Prometheus service discovery read these records (app/core/snapshot.py).
+Prometheus service discovery read these records (app/core/processes/presence.py).
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from typing import Any
 
 import redis
 
-from app.core import clients
+from app.core.messaging import clients
+from app.core.messaging.names import PRESENCE_KEY_PREFIXES, Role
 from app.core.models import now
-from app.core.names import PRESENCE_KEY_PREFIXES, Role
 
 log = logging.getLogger("inferq.presence")
 

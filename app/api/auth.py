@@ -7,11 +7,11 @@ from typing import Annotated
 from fastapi import Depends, Request
 from starlette.concurrency import run_in_threadpool
 
-from app.core import limits
 from app.core.db import new_session
 from app.core.errors import DomainError, Kind
-from app.core.keys import DEFAULT_TENANT, key_for
+from app.core.scheduling import limits
 from app.core.settings import get_settings
+from app.core.tenants.keys import DEFAULT_TENANT, key_for
 
 _Found = tuple[str, tuple[int | None, int | None, int | None]]
 

@@ -1,15 +1,16 @@
 """An OpenAI call served as a job: submit it, follow its relay, answer with the committed outcome.
 
 Each call is a job (realtime lane unless the body says ``lane``): it registers for its job's
-relay (app/core/relay.py), submits the job with that address, and answers with what the worker
-committed (the relay's end message carries it; the row is the backstop). With
+relay (app/core/messaging/relay.py), submits the job with that address, and answers with what the
+worker committed (the relay's end message carries it; the row is the backstop). With
 ``stream: true`` the answer is server-sent events in OpenAI's chunk format, relayed as the
 engine produces them, ending with ``data: [DONE]``. The response headers wait for the first
 piece of output, so a job that fails before producing any (a prompt longer than the context)
 is a plain HTTP error, as with OpenAI. A caller that goes away cancels its job, which aborts
 it in the engine. A call for a model that no live worker serves (scaled to zero) waits
 ``INFERQ_MODEL_WAIT_S`` for one and then answers 503 with nothing written: the caller waits on
-the line, and a job that might start minutes later would answer nobody (app/core/catalog.py).
+the line, and a job that might start minutes later would answer nobody
+(app/core/scheduling/catalog.py).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 from fastapi import Request
@@ -31,12 +32,13 @@ from starlette.types import Receive, Scope, Send
 
 from app.api.auth import caller_limits
 from app.api.errors import body_of, error_body
-from app.core import catalog, jobs, relay
+from app.core.contract.jobs import JobCreate
 from app.core.db import session_scope
 from app.core.errors import DomainError, Kind
-from app.core.limits import Limits
+from app.core.lifecycle import jobs
+from app.core.messaging import relay
 from app.core.models import TERMINAL, Job, JobStatus, NewJob
-from app.core.openai_format import (
+from app.core.openai.openai_format import (
     CHAT,
     REQUEST_ERRORS,
     ChatCompletionRequest,
@@ -52,6 +54,8 @@ from app.core.openai_format import (
     response_body,
     unsent,
 )
+from app.core.scheduling import catalog
+from app.core.scheduling.limits import Limits
 from app.core.settings import get_settings
 
 log = logging.getLogger("inferq.api")
@@ -60,9 +64,20 @@ ROW_CHECK_S = 5.0  # while the relay is quiet, the job's row is read this often
 MODEL_RETRY_S = 10  # Retry-After of a call whose model has no worker: a worker's start
 
 
+class CallBody(Protocol):
+    """An OpenAI call's body, as a job: chat, completions, or a pooled endpoint's
+    (app/api/pooling.py)."""
+
+    @property
+    def model(self) -> str: ...
+    @property
+    def stream(self) -> bool: ...
+    def job(self) -> JobCreate: ...
+
+
 def _submit(
     tenant: str,
-    body: ChatCompletionRequest | CompletionRequest,
+    body: CallBody,
     model: str,
     caller: Limits,
     reply_to: str | None,
@@ -206,7 +221,7 @@ async def _served(requested: str | None) -> str:
 
 
 async def start(
-    body: ChatCompletionRequest | CompletionRequest,
+    body: CallBody,
     request: Request,
     tenant: str,
     attach: Callable[[NewJob], list[Any]] | None = None,

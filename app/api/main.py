@@ -1,8 +1,9 @@
-"""The FastAPI application: routers, the error map and the body-size guard."""
+"""The FastAPI application: routers, the error map, the body-size guard and HEAD."""
 
 from __future__ import annotations
 
 import json
+import re
 
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -12,7 +13,8 @@ from app.api import console, errors, handlers, watch
 from app.api.routes import batches, health, jobs, openai, responses, webhooks
 from app.core.settings import get_settings
 
-# Multipart framing around an uploaded file: its size is checked exactly by app/core/files.py.
+# Multipart framing around an uploaded file: its size is checked exactly by
+# app/core/storage/files.py.
 UPLOAD_OVERHEAD = 64 * 1024
 
 
@@ -89,6 +91,31 @@ class BodyLimit:
         await send({"type": "http.response.body", "body": body})
 
 
+class HeadAsGet:
+    """HEAD answered as GET, without the body: link checkers and uptime probes send HEAD, and
+    FastAPI's routes take only the methods they name (405 otherwise). A file's bytes are left
+    out (405 still): a HEAD would read the whole object from the store only to drop it."""
+
+    SKIP = re.compile(r"^/(v1/files/[^/]+/content|console/files/[^/]+)$")
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "HEAD" or self.SKIP.match(scope["path"]):
+            await self.app(scope, receive, send)
+            return
+
+        async def headers_only(message: Message) -> None:
+            if message["type"] == "http.response.body":
+                if message.get("more_body", False):
+                    return
+                message = {"type": "http.response.body", "body": b"", "more_body": False}
+            await send(message)
+
+        await self.app({**scope, "method": "GET"}, receive, headers_only)
+
+
 def create_app() -> FastAPI:
     app = FastAPI(
         title="inferq",
@@ -105,6 +132,7 @@ def create_app() -> FastAPI:
     app.include_router(webhooks.router)
     console.install(app)
     settings = get_settings()
+    app.add_middleware(HeadAsGet)
     app.add_middleware(
         BodyLimit,
         max_bytes=settings.max_body_bytes,

@@ -2,14 +2,14 @@
 gauges.
 
 The job counters every kind of process increases (submitted and finished) are defined with the
-transitions that move them (app/core/transitions.py); workers define their own (engine, latency
-histograms, webhooks, reaper) in ``workers/metrics.py``. Names and labels are those of the
+transitions that move them (app/core/lifecycle/transitions.py); workers define their own (engine,
+latency histograms, webhooks, reaper) in ``workers/metrics.py``. Names and labels are those of the
 metrics table in docs/observability.md.
 
 The API can run as several uvicorn processes (``inferq api --workers N``): ``inferq api`` then
 points ``PROMETHEUS_MULTIPROC_DIR`` at a fresh directory and each scrape merges every process's
 files, so a counter is the API's total whichever process answers. The lane and tenant gauges
-are read at scrape time from Redis and the database (app/core/snapshot.py), never kept in
+are read at scrape time from Redis and the database (app/core/observe/snapshot.py), never kept in
 process memory.
 """
 
@@ -28,11 +28,14 @@ from prometheus_client import (
     generate_latest,
     multiprocess,
 )
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from app.core import catalog, clients, missing, snapshot
 from app.core.db import session_scope
+from app.core.messaging import clients
+from app.core.messaging.names import routes
+from app.core.observe import missing, snapshot
+from app.core.scheduling import catalog
 
 log = logging.getLogger("inferq.metrics")
 
@@ -49,10 +52,10 @@ class LaneCollector(Collector):
     which); the rest of the page is still served.
     """
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         models = catalog.names()
         try:
-            messages = snapshot.queue_messages(clients.redis_client(), snapshot.routes(models))
+            messages = snapshot.queue_messages(clients.redis_client(), routes(models))
         except Exception as exc:
             log.warning("metrics: Redis unavailable: %s", exc)
         else:
@@ -64,6 +67,7 @@ class LaneCollector(Collector):
             for (lane, model), size in messages.items():
                 family.add_metric([lane, model], size)
             yield family
+            yield from _affinity_counters()
         now = time.time()
         try:
             with session_scope() as session:
@@ -89,9 +93,29 @@ class LaneCollector(Collector):
         yield from _missing_gauge(models)
 
 
+def _affinity_counters() -> Iterator[CounterMetricFamily]:
+    """Jobs the dispatchers sent to each worker's own queue by prefix affinity, and those of
+    its prefixes sent to the shared queue past the load bound (docs/scheduling.md)."""
+    try:
+        counts = snapshot.affinity_counts(clients.redis_client())
+    except Exception as exc:
+        log.warning("metrics: Redis unavailable: %s", exc)
+        return
+    family = CounterMetricFamily(
+        "inferq_affinity_jobs",
+        "Jobs sent for a worker's prompt prefixes: to its own queue (routed=affinity), or to "
+        "the shared queue because it was past the load bound (routed=overflow).",
+        labels=["worker", "routed"],
+    )
+    for worker, found in counts.items():
+        family.add_metric([worker, "affinity"], found.sent)
+        family.add_metric([worker, "overflow"], found.overflow)
+    yield family
+
+
 def _missing_gauge(models: list[str]) -> Iterator[GaugeMetricFamily]:
-    """What waits for a missing part (app/core/missing.py): one series for the dispatcher and
-    one for the ops worker, one per known model for its workers; 0 when nothing does."""
+    """What waits for a missing part (app/core/observe/missing.py): one series for the dispatcher
+    and one for the ops worker, one per known model for its workers; 0 when nothing does."""
     try:
         found = missing.current()
     except Exception as exc:
@@ -100,10 +124,11 @@ def _missing_gauge(models: list[str]) -> Iterator[GaugeMetricFamily]:
     family = GaugeMetricFamily(
         "inferq_missing_part_waiting",
         "Jobs, webhook events and batches that wait for a part of the deployment with no live "
-        "process (dispatcher, ops, a model's worker); 0 when nothing does.",
+        "process (dispatcher, ops, a model's worker), and files whose store is unavailable "
+        "(files); 0 when nothing does.",
         labels=["part", "model"],
     )
-    waiting = Counter({("dispatcher", ""): 0, ("ops", ""): 0})
+    waiting = Counter({("dispatcher", ""): 0, ("ops", ""): 0, ("files", ""): 0})
     waiting.update({("worker", model): 0 for model in models})
     for m in found:
         waiting[(m.part, m.model or "")] += m.waiting

@@ -5,7 +5,7 @@ messages.
 - **Foreground** (``stream: true``): the relay's pub/sub, as a streamed chat call
   (app/api/completions.py); a caller that leaves cancels the response.
 - **Background** (``background: true`` and ``stream: true``): the job relays to a kept log in
-  Redis (app/core/relay.py), which any API process follows, from the start or after
+  Redis (app/core/messaging/relay.py), which any API process follows, from the start or after
   ``starting_after``; a caller that leaves changes nothing. A background response created
   without ``stream``, or whose log has expired, streams from its row instead: its output comes
   whole, once it has ended (docs/openai.md, "Responses").
@@ -24,12 +24,13 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from app.api import completions
-from app.core import relay, responses
 from app.core.db import session_scope
 from app.core.errors import DomainError, Kind
+from app.core.messaging import relay
 from app.core.models import TERMINAL, Job, JobStatus, StoredResponse, response_id_of
-from app.core.openai_format import Ended, job_error
-from app.core.responses_format import EventLog
+from app.core.openai import responses
+from app.core.openai.openai_format import Ended, job_error
+from app.core.openai.responses_format import EventLog
 
 HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 ROW_CHECK_S = 2.0  # while a followed log is quiet, the job's row is read this often

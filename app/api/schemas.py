@@ -2,7 +2,7 @@
 webhook endpoints.
 
 The bodies the rest of inferq shares (job and batch requests, the Job and Batch objects that
-webhooks carry too) are app/core/schemas.py.
+webhooks carry too) are app/core/contract/.
 """
 
 from __future__ import annotations
@@ -11,10 +11,11 @@ from typing import Generic, Literal, Self, TypeVar
 
 from pydantic import BaseModel, Field, field_validator
 
-from app.core import endpoints
+from app.core.contract.base import StrictModel, secs
+from app.core.contract.jobs import JobCreate, JobOut
 from app.core.models import File, WebhookAttempt, WebhookEndpoint, WebhookEvent
-from app.core.schemas import JobCreate, JobOut, StrictModel, secs
 from app.core.settings import get_settings
+from app.core.webhooks import endpoints
 
 
 class JobBulkCreate(StrictModel):
@@ -157,6 +158,7 @@ class FileOut(BaseModel):
             created_at=int(row.created_at),
             filename=row.filename,
             purpose=row.purpose,
+            expires_at=None if row.expires_at is None else int(row.expires_at),
         )
 
 

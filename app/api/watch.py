@@ -1,6 +1,6 @@
 """The API's log of what the deployment lacks: at start, what in Redis's configuration can
 lose a message (``clients.durability_warnings``); then a warning when a part of the deployment
-whose work waits has no live process (app/core/missing.py), repeated once a minute while it
+whose work waits has no live process (app/core/observe/missing.py), repeated once a minute while it
 lasts, and a line when it is back. Runs in each API process for its lifetime (``lifespan`` in
 app/api/main.py).
 """
@@ -17,7 +17,8 @@ import redis
 from fastapi import FastAPI
 from sqlalchemy.exc import SQLAlchemyError
 
-from app.core import clients, missing
+from app.core.messaging import clients
+from app.core.observe import missing
 
 log = logging.getLogger("inferq.missing")
 

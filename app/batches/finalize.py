@@ -10,17 +10,18 @@ addition) gets the ``batch.<status>`` event in that same transaction.
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any
 
 from sqlalchemy import select
 
 from app.batches import transitions as batch_transitions
-from app.batches.service import jobs_by_status
-from app.core import broker, files, storage, transitions
-from app.core.changes import changes
+from app.batches.service import lines_by_status
 from app.core.db import session_scope
+from app.core.errors import DomainError, Kind
+from app.core.lifecycle import transitions
+from app.core.lifecycle.changes import changes
+from app.core.messaging import broker
 from app.core.models import (
     BATCH_TERMINAL,
     TERMINAL,
@@ -31,8 +32,19 @@ from app.core.models import (
     new_id,
     now,
 )
-from app.core.openai_format import job_error, response_body
+from app.core.openai.openai_format import failure, job_error, response_body
+from app.core.openai.pooling_format import (
+    RERANK,
+    SCORE,
+    Pooled,
+    dumps,
+    embedding_response,
+    pooled_of,
+    rerank_response,
+    score_response,
+)
 from app.core.status_codes import status_of
+from app.core.storage import files, store
 
 log = logging.getLogger("inferq.batches")
 
@@ -88,7 +100,18 @@ def finalize(batch_id: str) -> bool:
     if taken is None:
         return False
     batch, status, final = taken
-    output_id, error_id, completed, failed = _write_outputs(batch, final)
+    try:
+        output_id, error_id, completed, failed = _write_outputs(batch, final)
+    except DomainError as exc:
+        if exc.kind != Kind.UNAVAILABLE:
+            raise
+        # The file store is down: nothing is visible (an aborted write leaves no object). Give
+        # the batch back, still finalizing, so the next sweep tries again at once rather than
+        # after the lease (docs/files.md, "When the store is down").
+        with changes("ops", batch_id=batch_id) as tx:
+            batch_transitions.release(tx, batch_id, held)
+        log.warning("batch %s waits for the file store: %s", batch_id, exc.message)
+        return False
     stamp = now()
     with session_scope() as session, changes("ops", session=session) as tx:
         done = batch_transitions.finish(
@@ -111,7 +134,7 @@ def finalize(batch_id: str) -> bool:
     if not done:  # our lease ran out and another ops worker took over
         for file_id in (output_id, error_id):
             if file_id is not None:
-                storage.delete(file_id)
+                store.delete(file_id)
         return False
     log.info("batch %s %s: %d completed, %d failed", batch_id, final, completed, failed)
     return True
@@ -131,7 +154,7 @@ def _take_if_done(batch_id: str, held: float) -> tuple[Batch, str, BatchStatus] 
         batch = session.get(Batch, batch_id)
         if batch is None or batch.status not in FINALIZABLE:
             return None
-        by_status = jobs_by_status(session, batch_id)
+        by_status = lines_by_status(session, batch_id)
         if any(status not in TERMINAL for status in by_status):
             return None
         status = batch.status
@@ -158,7 +181,7 @@ def _write_outputs(batch: Batch, final: str) -> tuple[str | None, str | None, in
     output_id, error_id = new_id("file"), new_id("file")
     completed = failed = 0
     last = 0
-    with storage.writer(output_id) as out, storage.writer(error_id) as err:
+    with store.writer(output_id) as out, store.writer(error_id) as err:
         while True:
             with session_scope() as session:
                 page = list(
@@ -173,18 +196,23 @@ def _write_outputs(batch: Batch, final: str) -> tuple[str | None, str | None, in
             if not page:
                 break
             for job in page:
-                line = output_line(job, final)
-                if job.status == JobStatus.SUCCEEDED:
-                    completed += 1
-                    out.write(line)
-                else:
-                    failed += 1
-                    err.write(line)
+                written = (
+                    pooled_output_lines(job, final, batch.endpoint)
+                    if job.lines is not None
+                    else [(job.status == JobStatus.SUCCEEDED, output_line(job, final))]
+                )
+                for ok, line in written:
+                    if ok:
+                        completed += 1
+                        out.write(line)
+                    else:
+                        failed += 1
+                        err.write(line)
             last = page[-1].batch_line or last
     if not completed:
-        storage.delete(output_id)
+        store.delete(output_id)
     if not failed:
-        storage.delete(error_id)
+        store.delete(error_id)
     return (output_id if completed else None, error_id if failed else None, completed, failed)
 
 
@@ -203,26 +231,95 @@ STOPPED_LINES: dict[str, tuple[str, str]] = {
 
 def output_line(job: Job, final: str) -> bytes:
     """A line of OpenAI's output format: ``{id, custom_id, response, error}``."""
+    # A batch's lines run in bulk: the flex tier (docs/openai.md, "Service tiers").
+    body = response_body(job, tier="flex") if job.status == JobStatus.SUCCEEDED else None
+    return _line(job, final, _line_id(job), job.custom_id, body)
+
+
+def pooled_output_lines(job: Job, final: str, endpoint: str) -> list[tuple[bool, bytes]]:
+    """The output lines of a pooled batch job, one per line it carries (``Job.lines``), each
+    with whether it succeeded: a line's answer is its endpoint's, of its own inputs' rows, or
+    the error of its own failed input (``Job.line_results``)."""
+    results = job.line_results or {}
+    pooled = None
+    if job.status == JobStatus.SUCCEEDED and job.pooled is not None and job.pooled_width:
+        pooled = pooled_of(
+            job.id, job.created_at, job.model, job.pooled, job.pooled_width, job.prompt_tokens
+        )
+    written: list[tuple[bool, bytes]] = []
+    start = 0
+    for meta in job.lines or ():
+        rows = range(start, start + meta["inputs"])
+        start += meta["inputs"]
+        result = results.get(str(meta["line"]), {})
+        line_id = _line_id(job, meta["line"] if job.line_count > 1 else None)
+        body = None
+        if pooled is not None and "error" not in result:
+            mine = Pooled(
+                pooled.id,
+                pooled.created_at,
+                pooled.model,
+                pooled.rows[rows.start : rows.stop],
+                result.get("prompt_tokens", pooled.prompt_tokens),
+            )
+            body = _pooled_body(mine, endpoint, job, meta)
+        error = result.get("error")
+        failed = None if error is None else failure(error["code"], error["message"])
+        record = _line(job, final, line_id, meta["custom_id"], body, failed)
+        written.append((body is not None, record))
+    return written
+
+
+def _pooled_body(pooled: Pooled, endpoint: str, job: Job, meta: dict[str, Any]) -> dict[str, Any]:
+    """A pooled line's response body: the endpoint's own answer."""
+    if endpoint == RERANK:
+        documents = job.inputs["documents"]
+        return rerank_response(
+            pooled, documents, meta.get("top_n", 0), meta.get("return_documents", True)
+        )
+    if endpoint == SCORE:
+        return score_response(pooled)
+    return embedding_response(pooled, meta.get("encoding_format", "float"))
+
+
+def _line_id(job: Job, line: int | None = None) -> str:
+    """A line's ``id``: from its job's, and its line number when the job carries several."""
+    base = "batch_req_" + job.id.removeprefix("job_")
+    return base if line is None else f"{base}_{line}"
+
+
+def _line(
+    job: Job,
+    final: str,
+    line_id: str,
+    custom_id: str | None,
+    body: dict[str, Any] | None,
+    failed: DomainError | None = None,
+) -> bytes:
+    """One line of OpenAI's output format, ``{id, custom_id, response, error}``: ``body`` when
+    the line succeeded, else the error of its job (or ``failed``, the line's own)."""
     record: dict[str, Any] = {
-        "id": "batch_req_" + job.id.removeprefix("job_"),
-        "custom_id": job.custom_id,
+        "id": line_id,
+        "custom_id": custom_id,
         "response": None,
         "error": None,
     }
     stopped = STOPPED_LINES.get(final)
-    if job.status == JobStatus.SUCCEEDED:
-        # A batch's lines run in bulk: the flex tier (docs/openai.md, "Service tiers").
-        body = response_body(job, tier="flex")
+    if body is not None:
         record["response"] = {"status_code": 200, "request_id": job.id, "body": body}
-    elif stopped is not None and job.status in (JobStatus.CANCELLED, JobStatus.EXPIRED):
+    elif (
+        failed is None
+        and stopped is not None
+        and job.status in (JobStatus.CANCELLED, JobStatus.EXPIRED)
+    ):
         # Aborted by the batch's cancel or by its deadline, whichever reached the job first.
         record["error"] = {"code": stopped[0], "message": stopped[1]}
     else:
         # The answer the realtime endpoint would have given (app/core/status_codes.py).
-        error = job_error(job)
+        error = failed or job_error(job)
         record["response"] = {
             "status_code": status_of(error),
             "request_id": job.id,
             "body": {"error": {"code": error.code, "message": error.message}},
         }
-    return (json.dumps(record, separators=(",", ":")) + "\n").encode()
+    return dumps(record) + b"\n"

@@ -10,7 +10,7 @@ Life of a batch (the ops worker's part: app/batches/validation.py and app/batche
 ``POST /v1/batches`` writes the row (``validating``) and asks the ops worker to start it. Cancel
 marks the batch ``cancelling``, ends its queued lines and aborts its running ones; the ops
 worker's sweep finalizes it once none is left to run. Every status change is
-app/batches/transitions.py's, made through ``changes`` (app/core/changes.py).
+app/batches/transitions.py's, made through ``changes`` (app/core/lifecycle/changes.py).
 """
 
 from __future__ import annotations
@@ -22,9 +22,11 @@ from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import set_committed_value
 
 from app.batches import transitions as batch_transitions
-from app.core import files, queries, transitions, webhooks
-from app.core.changes import changes
+from app.batches.schemas import BatchCreate, RequestCounts
+from app.core import queries
 from app.core.errors import DomainError, Kind
+from app.core.lifecycle import transitions
+from app.core.lifecycle.changes import changes
 from app.core.models import (
     BATCH_TERMINAL,
     TERMINAL,
@@ -35,10 +37,13 @@ from app.core.models import (
     new_id,
     now,
 )
-from app.core.openai_format import ENDPOINTS
-from app.core.schemas import BatchCreate, RequestCounts
+from app.core.openai import openai_format, pooling_format
 from app.core.settings import get_settings
+from app.core.storage import files
+from app.core.webhooks import rules
 
+# What a batch may run: OpenAI's generation endpoints and the pooled ones (docs/openai.md).
+ENDPOINTS = (*openai_format.ENDPOINTS, *pooling_format.ENDPOINTS)
 _WINDOW = re.compile(r"^(\d+)([smh])$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600}
 
@@ -76,7 +81,7 @@ def create(session: Session, tenant: str, body: BatchCreate) -> Batch:
             f"file {source.id} has purpose {source.purpose!r}; a batch reads purpose 'batch'",
             param="input_file_id",
         )
-    webhooks.check_webhook_url(body.webhook_url)
+    rules.check_webhook_url(body.webhook_url)
     stamp = now()
     with changes("api", session=session) as tx:
         batch = batch_transitions.create(
@@ -110,7 +115,7 @@ def counts(
     session: Session, batch: Batch, by_status: dict[str, int] | None = None
 ) -> RequestCounts:
     """Live counts while the batch runs; frozen ones once it has ended. ``by_status``: its
-    jobs by status (:func:`jobs_by_status`) when the caller has read them already."""
+    lines by status (:func:`lines_by_status`) when the caller has read them already."""
     if batch.status in BATCH_TERMINAL or batch.status == BatchStatus.VALIDATING:
         return RequestCounts(
             total=batch.request_total,
@@ -118,18 +123,28 @@ def counts(
             failed=batch.request_failed,
         )
     if by_status is None:
-        by_status = jobs_by_status(session, batch.id)
+        by_status = lines_by_status(session, batch.id)
     completed = by_status.get(JobStatus.SUCCEEDED, 0)
     ended = sum(n for status, n in by_status.items() if status in TERMINAL)
     return RequestCounts(total=batch.request_total, completed=completed, failed=ended - completed)
 
 
-def jobs_by_status(session: Session, batch_id: str) -> dict[str, int]:
-    """How many of the batch's jobs are in each status."""
+def lines_by_status(session: Session, batch_id: str) -> dict[str, int]:
+    """How many of the batch's lines are in each status: a job's, for the lines it carries
+    (several, for grouped embedding lines), less those of a succeeded job that failed on
+    their own, which count as failed."""
     rows = session.execute(
-        select(Job.status, func.count()).where(Job.batch_id == batch_id).group_by(Job.status)
+        select(Job.status, func.sum(Job.line_count), func.sum(Job.failed_lines))
+        .where(Job.batch_id == batch_id)
+        .group_by(Job.status)
     ).all()
-    return {status: int(n) for status, n in rows}
+    found: dict[str, int] = {}
+    for status, lines, failed in rows:
+        found[status] = found.get(status, 0) + int(lines or 0)
+        if status == JobStatus.SUCCEEDED and failed:
+            found[status] -= int(failed)
+            found[JobStatus.FAILED] = found.get(JobStatus.FAILED, 0) + int(failed)
+    return found
 
 
 def cancel(session: Session, tenant: str | None, batch_id: str) -> Batch:

@@ -11,8 +11,8 @@ A batch's life (``models.BATCH_TRANSITIONS``; docs/architecture.md, "Batches")::
 An ops worker that validates or finalizes a batch holds it first (:func:`take`: a lease of
 ``LEASE_S`` on ``claimed_at``), so overlapping sweeps and several ops workers never do the same
 batch's work twice; the move out of ``validating`` and the final one are fenced by that lease.
-Like the jobs' owner (app/core/transitions.py), each function is a compare-and-set in the
-caller's transaction (``app.core.changes.changes``) and adds to its ``After`` what follows
+Like the jobs' owner (app/core/lifecycle/transitions.py), each function is a compare-and-set in the
+caller's transaction (``app.core.lifecycle.changes.changes``) and adds to its ``After`` what follows
 the commit: the ``batch.<status>`` webhook event of a batch that ended, the start of a new one.
 """
 
@@ -22,9 +22,9 @@ from typing import Any
 
 from sqlalchemy import or_, update
 
-from app.core import outbox
-from app.core.after import Tx
+from app.core.lifecycle.after import Tx
 from app.core.models import Batch, BatchStatus, can_batch_transition
+from app.core.webhooks import outbox
 
 LEASE_S = 300.0  # an ops worker's hold on a batch it validates or finalizes
 

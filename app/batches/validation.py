@@ -1,37 +1,63 @@
 """Reading a batch's input file and starting its jobs (ops worker).
 
-The file is read twice, streaming, never whole. The first pass (:func:`validate`) checks every
-line: JSON, a unique ``custom_id``, ``method`` POST, ``url`` equal to the batch's endpoint, and a
-body the endpoint itself would accept (:func:`parse`, the same request model as the realtime
-endpoint, its model resolved once), its prompt within the model's context, at most
-``batch_max_lines``; any error fails the batch with line-numbered ``errors`` and nothing is
-enqueued. The second pass (:func:`start`) inserts one bulk job per line
-(``jobs.new_job`` with the line's place in the batch) and moves the batch to ``in_progress``
-in the same transaction, so the jobs exist exactly when the batch says so; the dispatcher is
-woken for them after the commit. Every line's deadline is the batch's ``expires_at``.
+The file is read once, streaming, never whole, in one transaction (:func:`start`). Every line
+is checked: JSON, a unique ``custom_id``, ``method`` POST, ``url`` equal to the batch's
+endpoint, and a body the endpoint itself would accept (:func:`parse`, the same request model
+as the realtime endpoint, its model resolved once a pass), its prompt within the model's
+context, at most ``batch_max_lines``. While no line has failed, each line's bulk job is
+inserted as it is read (``jobs.new_job`` with the line's place in the batch); at the end the
+same transaction moves the batch to ``in_progress``, so the jobs exist exactly when the batch
+says so, and the dispatcher is woken for them after the commit. A bad line stops the inserts
+and the rest is only checked: the transaction rolls back, nothing is enqueued, and the batch
+fails with line-numbered ``errors``. Every line's deadline is the batch's ``expires_at``.
+(Two passes, the first checking and the second inserting, read and parsed every line twice:
+half of a 50,000-line batch's start, docs/benchmarks.md, "embed".)
+
+Embedding lines are grouped instead: consecutive lines of one model and the same options
+share a job of at most ``INFERQ_BATCH_EMBED_GROUP`` inputs, whose ``lines`` say which inputs
+are whose (docs/openai.md, "Batches of embeddings"). An embedding takes a GPU a fraction of a
+millisecond, so a job per one-input line would leave the platform, not the engine, setting the
+pace. A pooled job keeps each line's custom_id and response options (``encoding_format``;
+``top_n``, ``return_documents``) in ``lines``, which finalization reads.
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import logging
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, BinaryIO
 
+import orjson
 from pydantic import ValidationError
 
 from app.batches import transitions as batch_transitions
-from app.core import catalog, clients, jobs, storage, tokens, transitions
-from app.core.changes import changes
+from app.core.contract.jobs import JobCreate
+from app.core.contract.pooling import input_count
 from app.core.db import session_scope
 from app.core.errors import DomainError, Kind, named, pydantic_error
-from app.core.models import Batch, BatchStatus, NewJob, now
-from app.core.openai_format import REQUEST_TYPES
-from app.core.schemas import JobCreate, storable
+from app.core.lifecycle import jobs, transitions
+from app.core.lifecycle.changes import changes
+from app.core.messaging import clients
+from app.core.models import Batch, BatchStatus, JobKind, NewJob, now, storable
+from app.core.openai import openai_format, pooling_format
+from app.core.openai.pooling_format import EmbeddingRequest, RerankRequest
+from app.core.scheduling import catalog, tokens
 from app.core.settings import get_settings
+from app.core.storage import store
 
 log = logging.getLogger("inferq.batches")
 
+# The body each endpoint's lines are read with: the endpoint's own request model; and the task
+# its model must have.
+REQUEST_TYPES: dict[str, Any] = {**openai_format.REQUEST_TYPES, **pooling_format.REQUEST_TYPES}
+KINDS = {
+    **dict.fromkeys(openai_format.ENDPOINTS, JobKind.GENERATE),
+    pooling_format.EMBEDDINGS: JobKind.EMBED,
+    pooling_format.RERANK: JobKind.SCORE,
+    pooling_format.SCORE: JobKind.SCORE,
+}
 MAX_ERRORS = 100  # validation stops after this many bad lines
 MAX_CUSTOM_ID = 512
 
@@ -60,14 +86,51 @@ def _bad(code: str, message: str, param: str | None = None) -> DomainError:
     return DomainError(Kind.INVALID, code, message, param=param)
 
 
-def parse(raw: bytes | None, endpoint: str, limit: int) -> tuple[str, JobCreate, str]:
-    """One line's custom_id, job body and model (resolved); raises DomainError naming what is
-    wrong."""
+@dataclass(frozen=True)
+class Line:
+    """One line, validated: its custom_id, model (resolved), its body as the endpoint's request
+    model, and its job's body; an embedding line has none of its own (``job`` None): its
+    inputs go into a group's job (:class:`_Group`)."""
+
+    custom_id: str
+    model: str
+    request: Any
+    job: JobCreate | None
+
+
+class Models:
+    """The models a batch's lines name, resolved and held to the endpoint's task once a pass,
+    with the counter of each one's tokens (per line, they were a third of a line's cost)."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._seen: dict[str | None, str] = {}
+        self._counters: dict[str, tokens.Counter | None] = {}
+
+    def resolve(self, requested: str | None) -> str:
+        found = self._seen.get(requested)
+        if found is None:
+            found = catalog.resolve(requested)
+            catalog.check_task(found, self.kind)
+            self._seen[requested] = found
+        return found
+
+    def counter(self, model: str) -> tokens.Counter | None:
+        """The counter of ``model``'s card (None: no card, the engine checks)."""
+        if model not in self._counters:
+            base = get_settings().base_of(model)
+            self._counters[model] = tokens.counter(clients.redis_client(), base)
+        return self._counters[model]
+
+
+def parse(raw: bytes | None, endpoint: str, limit: int, models: Models | None = None) -> Line:
+    """One line, validated; raises DomainError naming what is wrong. ``models``: the pass's
+    resolved models (a fresh memo when not given)."""
     if raw is None:
         raise _bad("line_too_long", f"the line is longer than {limit} bytes")
     try:
-        line = json.loads(raw)
-    except ValueError as exc:
+        line = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
         raise _bad("invalid_json", f"the line is not valid JSON: {exc}") from None
     if not isinstance(line, dict):
         raise _bad("invalid_line", "each line must be a JSON object")
@@ -98,16 +161,27 @@ def parse(raw: bytes | None, endpoint: str, limit: int) -> tuple[str, JobCreate,
         raise _bad("invalid_body", "body must be a JSON object", "body")
     if body.get("stream"):
         raise _bad("invalid_body", "stream is not supported in a batch", "body.stream")
+    models = models or Models(KINDS[endpoint])
     try:
-        job = REQUEST_TYPES[endpoint].model_validate(body).job()
-        model = catalog.resolve(job.model)
+        request = REQUEST_TYPES[endpoint].model_validate(body)
+        job = None if isinstance(request, EmbeddingRequest) else request.job()
+        model = models.resolve(request.model)
     except ValidationError as exc:
         code, param, message = pydantic_error(exc.errors()[0])
         param = f"body.{param}" if param else "body"
         raise _bad(code, named(param, message), param) from None
     except DomainError as exc:
         raise _in_body(exc) from None
-    return custom_id, job, model
+    return Line(custom_id, model, request, job)
+
+
+def shape_of(request: Any) -> dict[str, Any]:
+    """What a pooled line's response is shaped by, beside its job's output."""
+    if isinstance(request, EmbeddingRequest):
+        return {"encoding_format": request.encoding_format}
+    if isinstance(request, RerankRequest):
+        return {"top_n": request.top_n, "return_documents": request.return_documents}
+    return {}
 
 
 def _in_body(exc: DomainError) -> DomainError:
@@ -117,50 +191,13 @@ def _in_body(exc: DomainError) -> DomainError:
 # --- the two passes ---------------------------------------------------------------------------
 
 
-def validate(batch: Batch) -> tuple[list[dict[str, Any]], int]:
-    """First pass over the input: (errors, number of requests)."""
-    settings = get_settings()
-    limit, most = settings.max_body_bytes, settings.batch_max_lines
-    errors: list[dict[str, Any]] = []
-    seen: set[str] = set()
-    count = 0
+def _check_context(line: Line, models: Models) -> None:
+    """The prompt (a pooled line's inputs) within the model's context."""
     try:
-        source = storage.open_file(batch.input_file_id)
-    except FileNotFoundError:
-        return [_error("file_not_found", f"file {batch.input_file_id} was deleted", None, None)], 0
-    with source:
-        for number, raw in lines(source, limit):
-            count += 1
-            if count > most:
-                errors.append(
-                    _error(
-                        "too_many_requests", f"a batch holds at most {most} requests", None, number
-                    )
-                )
-                break
-            try:
-                custom_id, job, model = parse(raw, batch.endpoint, limit)
-                _check_context(job, model)
-                if custom_id in seen:
-                    raise _bad(
-                        "duplicate_custom_id",
-                        f"custom_id {custom_id!r} is used by an earlier line",
-                        "custom_id",
-                    )
-                seen.add(custom_id)
-            except DomainError as exc:
-                errors.append(_error(exc.code, exc.message, exc.param, number))
-                if len(errors) >= MAX_ERRORS:
-                    break
-    if not errors and count == 0:
-        errors.append(_error("empty_file", "the input file has no requests", None, None))
-    return errors, count
-
-
-def _check_context(job: JobCreate, model: str) -> None:
-    """The prompt within the model's context (the second pass need not tokenize it again)."""
-    try:
-        tokens.check(clients.redis_client(), [model], [job])
+        if line.job is not None:
+            tokens.check(clients.redis_client(), [line.model], [line.job])
+        elif (counter := models.counter(line.model)) is not None:
+            counter.check_inputs(line.request.items(), line.request.pooling_options(), "input")
     except DomainError as exc:
         raise _in_body(exc) from None
 
@@ -180,21 +217,30 @@ def start(batch_id: str) -> str:
         batch = session.get(Batch, batch_id)
         assert batch is not None
         session.expunge(batch)
-    errors, count = validate(batch)
-    stamp = now()
-    if errors:
+    try:
+        count = _read(batch, now(), held)
+    except _Failed as failure:
         with changes("ops", batch_id=batch_id) as tx:
-            failed = batch_transitions.fail(tx, batch_id, held, stamp, errors)
+            failed = batch_transitions.fail(tx, batch_id, held, now(), failure.errors)
             if not failed:
                 batch_transitions.release(tx, batch_id, held)  # cancelled meanwhile
         if not failed:
             return "cancelled while validating"  # the sweep finalizes it
-        log.info("batch %s failed validation (%d errors)", batch_id, len(errors))
+        log.info("batch %s failed validation (%d errors)", batch_id, len(failure.errors))
         return "failed"
-    if not _insert_jobs(batch, count, stamp, held):
+    except _Cancelled:
         with changes("ops", batch_id=batch_id) as tx:
             batch_transitions.release(tx, batch_id, held)
         return "cancelled while validating"
+    except DomainError as exc:
+        if exc.kind != Kind.UNAVAILABLE:
+            raise
+        # The file store is down: nothing was written; the sweep starts the batch again
+        # (docs/files.md, "When the store is down").
+        with changes("ops", batch_id=batch_id) as tx:
+            batch_transitions.release(tx, batch_id, held)
+        log.warning("batch %s waits for the file store: %s", batch_id, exc.message)
+        return "file store unavailable"
     log.info("batch %s in progress: %d requests", batch_id, count)
     return "in_progress"
 
@@ -203,24 +249,136 @@ class _Cancelled(Exception):
     """The batch moved on while its jobs were inserted: the transaction rolls back."""
 
 
-def _insert_jobs(batch: Batch, count: int, stamp: float, held: float) -> bool:
-    """Second pass: one bulk job per line, and the batch in_progress, in one transaction; False
-    (nothing written) if it was cancelled meanwhile."""
-    limit = get_settings().max_body_bytes
+class _Failed(Exception):
+    """Lines failed: the transaction rolls back, and the batch fails with ``errors``."""
+
+    def __init__(self, errors: list[dict[str, Any]]) -> None:
+        super().__init__(f"{len(errors)} bad line(s)")
+        self.errors = errors
+
+
+def _read(batch: Batch, stamp: float, held: float) -> int:
+    """The one pass: check every line and, while none has failed, insert its job (or its
+    group's); then move the batch to ``in_progress``, all in one transaction. Returns the
+    number of requests; raises _Failed (line-numbered errors, at most MAX_ERRORS) or
+    _Cancelled, and then nothing was written."""
+    settings = get_settings()
+    limit, most = settings.max_body_bytes, settings.batch_max_lines
+    most_inputs = settings.batch_max_embedding_inputs
+    errors: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    count = inputs = 0
+    models = Models(KINDS[batch.endpoint])
+    group = _Group(batch, stamp)
     try:
-        with changes("ops", batch_id=batch.id) as tx:
-            new: list[NewJob] = []
-            with storage.open_file(batch.input_file_id) as source:
-                for number, raw in lines(source, limit):
-                    custom_id, body, model = parse(raw, batch.endpoint, limit)
-                    line = jobs.BatchLine(batch.id, custom_id, number, batch.expires_at)
-                    new.append(jobs.new_job(batch.tenant, body, model, created=stamp, line=line))
-                    if len(new) == transitions.INSERT_CHUNK:
-                        transitions.create(tx, new)
-                        new = []
-            transitions.create(tx, new)
-            if not batch_transitions.start(tx, batch.id, held, stamp, total=count):
-                raise _Cancelled  # no job was ever visible
-    except _Cancelled:
-        return False
-    return True
+        source = store.open_file(batch.input_file_id)
+    except FileNotFoundError:
+        error = _error("file_not_found", f"file {batch.input_file_id} was deleted", None, None)
+        raise _Failed([error]) from None
+    with changes("ops", batch_id=batch.id) as tx, source:
+        new: list[NewJob] = []
+        for number, raw in lines(source, limit):
+            count += 1
+            if count > most:
+                errors.append(
+                    _error(
+                        "too_many_requests", f"a batch holds at most {most} requests", None, number
+                    )
+                )
+                break
+            try:
+                line = parse(raw, batch.endpoint, limit, models)
+                _check_context(line, models)
+                if isinstance(line.request, EmbeddingRequest):
+                    inputs += len(line.request.items())
+                    if inputs > most_inputs:
+                        raise _bad(
+                            "too_many_inputs",
+                            f"a batch embeds at most {most_inputs} inputs, list items counted "
+                            f"(this line brings the count to {inputs})",
+                            "body.input",
+                        )
+                if line.custom_id in seen:
+                    raise _bad(
+                        "duplicate_custom_id",
+                        f"custom_id {line.custom_id!r} is used by an earlier line",
+                        "custom_id",
+                    )
+                seen.add(line.custom_id)
+            except DomainError as exc:
+                errors.append(_error(exc.code, exc.message, exc.param, number))
+                if len(errors) >= MAX_ERRORS:
+                    break
+                continue
+            if errors:
+                continue  # only checked from the first bad line on: nothing will be written
+            new += group.add(number, line) if line.job is None else [group.one(number, line)]
+            if len(new) >= transitions.INSERT_CHUNK:
+                transitions.create(tx, new)
+                new = []
+        if not errors and count == 0:
+            errors.append(_error("empty_file", "the input file has no requests", None, None))
+        if errors:
+            raise _Failed(errors)
+        transitions.create(tx, new + group.close())
+        # in_progress_at is the move's own time: the read may have taken seconds (a job's
+        # created_at is the read's start, when the first was built).
+        if not batch_transitions.start(tx, batch.id, held, now(), total=count):
+            raise _Cancelled  # no job was ever visible
+    return count
+
+
+class _Group:
+    """Embedding lines gathered into jobs: consecutive lines of one model, the same options and
+    the same kind of input (texts or token ids) share a job of at most
+    ``INFERQ_BATCH_EMBED_GROUP`` inputs (a line with more has a job of its own). A grouped
+    line's own ``metadata`` and ``user`` are not kept: its job's are its group's first line's."""
+
+    def __init__(self, batch: Batch, stamp: float) -> None:
+        settings = get_settings()
+        self.batch = batch
+        self.stamp = stamp
+        self.most = min(settings.batch_embed_group, settings.pool_max_inputs)
+        self._key: tuple[Any, ...] | None = None
+        self._first: tuple[int, Line] | None = None
+        self._inputs: list[Any] = []
+        self._lines: list[dict[str, Any]] = []
+
+    def one(self, number: int, line: Line) -> NewJob:
+        """A line's own job; a pooled one keeps its custom_id and response options."""
+        assert line.job is not None
+        place = jobs.BatchLine(self.batch.id, line.custom_id, number, self.batch.expires_at)
+        job = jobs.new_job(self.batch.tenant, line.job, line.model, created=self.stamp, line=place)
+        if line.job.kind == JobKind.GENERATE:
+            return job
+        inputs = input_count(line.job.pooled_inputs())
+        meta = {"line": number, "custom_id": line.custom_id, "inputs": inputs}
+        return dataclasses.replace(job, lines=[{**meta, **shape_of(line.request)}])
+
+    def add(self, number: int, line: Line) -> list[NewJob]:
+        """Gather an embedding line; returns the job of the group it closed, if any."""
+        request = line.request
+        items = request.items()
+        options = tuple(sorted(request.pooling_options().items()))
+        key = (line.model, options, isinstance(items[0], str))
+        done: list[NewJob] = []
+        if self._key != key or len(self._inputs) + len(items) > self.most:
+            done = self.close()
+            self._key, self._first = key, (number, line)
+        self._inputs += items
+        meta = {"line": number, "custom_id": line.custom_id, "inputs": len(items)}
+        self._lines.append({**meta, **shape_of(request)})
+        return done
+
+    def close(self) -> list[NewJob]:
+        """The job of the lines gathered so far (none: nothing gathered)."""
+        if self._first is None:
+            return []
+        number, first = self._first
+        body = first.request.job(self._inputs)  # validated once for the group
+        place = jobs.BatchLine(self.batch.id, None, number, self.batch.expires_at)
+        job = jobs.new_job(self.batch.tenant, body, first.model, created=self.stamp, line=place)
+        job = dataclasses.replace(job, lines=self._lines, line_count=len(self._lines))
+        self._key = self._first = None
+        self._inputs, self._lines = [], []
+        return [job]

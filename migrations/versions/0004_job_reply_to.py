@@ -1,4 +1,4 @@
-"""job reply_to: where a worker relays a waiting call's output (app/core/relay.py)
+"""job reply_to: where a worker relays a waiting call's output (app/core/messaging/relay.py)
 
 Revision ID: 0004
 Revises: 0003

@@ -23,7 +23,7 @@ import redis
 from sqlalchemy import create_engine, text
 
 from app.cli.stack import redis_server_argv
-from app.core.lifeline import dies_with_parent
+from app.core.processes.lifeline import dies_with_parent
 from tests.support import free_port, log_tail, wait_until
 
 REDIS_SERVER = os.environ.get("INFERQ_TEST_REDIS_SERVER", "/usr/bin/redis-server")

@@ -50,7 +50,7 @@ import httpx
 import pytest
 from sqlalchemy import bindparam, text
 
-from app.core.names import EPOCH_KEY
+from app.core.messaging.names import EPOCH_KEY
 from tests.chaos.servers import PostgresServer, RedisServer
 from tests.conftest import PostgresDatabases
 from tests.support import TERMINAL, Stack, queue, wait_until

@@ -18,13 +18,18 @@ with its reaper every second) against PostgreSQL and a Redis database of their o
   redelivery of its own): the reaper unsends its job and the dispatcher sends it again;
 - the same message delivered twice: the job runs once;
 - a background response (the Responses API) with its worker and its API killed with -9: it
-  ends once, with one webhook event.
+  ends once, with one webhook event;
+- a 10,000-input embeddings batch whose embedding worker is killed with -9 mid-batch: another
+  worker of the model finishes it, and every line is answered once;
+- ``kill -9`` of a worker whose own queue (prefix affinity) holds messages: they are taken back
+  into the fair order and the other worker runs every job once.
 
 Each prints a ``RECOVERY <scenario> <seconds>`` line (``pytest -s``) for docs/reliability.md.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import signal
 import time
@@ -37,6 +42,7 @@ import redis
 from openai import OpenAI
 from sqlalchemy import text
 
+from app.core.messaging.names import OWN_QUEUES_KEY, own_queue
 from tests.conftest import PostgresDatabases, fresh_redis_url
 from tests.support import TERMINAL, Receiver, Stack, queue, wait_until
 
@@ -193,8 +199,9 @@ def test_sigterm_hands_back_what_outlasts_the_grace(stack: Stack) -> None:
 
 SUBMIT = """
 import os
-from app.core import catalog, changes, jobs, transitions
-from app.core.schemas import JobCreate
+from app.core.contract.jobs import JobCreate
+from app.core.lifecycle import changes, jobs, transitions
+from app.core.scheduling import catalog
 body = JobCreate(prompt="hi", params={{"max_tokens": 4}})
 job = jobs.new_job("default", body, catalog.resolve(None))
 print(job.id, flush=True)
@@ -314,3 +321,108 @@ def test_a_background_response_outlives_its_worker_and_its_api_killed(stack: Sta
         assert event.type == "response.incomplete" and event.data.id == made["id"]
     finally:
         receiver.close()
+
+
+def test_kill_9_an_embedding_worker_mid_batch_answers_every_line_once(stack: Stack) -> None:
+    """Ten thousand one-input lines, grouped into jobs of 256 inputs (docs/openai.md,
+    "Batches of embeddings"), on a slowed simulated embedding model: the worker holding the
+    first groups dies; its jobs run again on the other, and the output has each line once."""
+    model = "emb"
+    slow = {"served_model_name": model, "model_task": "embed", "sim_time_scale": 150}
+    workers = [stack.start_worker(**slow), stack.start_worker(**slow)]
+    lines = 10_000
+    data = "".join(
+        json.dumps(
+            {
+                "custom_id": f"doc-{i}",
+                "method": "POST",
+                "url": "/v1/embeddings",
+                "body": {"model": model, "input": f"document {i} of the corpus"},
+            }
+        )
+        + "\n"
+        for i in range(lines)
+    ).encode()
+    client = OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    source = client.files.create(file=("corpus.jsonl", io.BytesIO(data)), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=source.id, endpoint="/v1/embeddings", completion_window="1h"
+    )
+
+    def holding() -> Any:
+        # Whichever worker took the first groups (under a loaded machine the one started
+        # second may be consuming first): it is the one killed. A batch that ended instead
+        # says why in the timeout's message.
+        got = client.batches.retrieve(batch.id)
+        if got.status in ("failed", "expired", "cancelled", "completed"):
+            raise AssertionError(f"the batch ended before a worker was killed: {got}")
+        owner = stack.scalar(
+            "SELECT lease_owner FROM jobs WHERE batch_id = :b AND status = 'running' LIMIT 1",
+            b=batch.id,
+        )
+        return next((w for w in workers if owner and owner.endswith(f":{w.pid}")), None)
+
+    holder = wait_until(holding, 60, "jobs of the batch running on a worker")
+    holder.signal(signal.SIGKILL)
+    killed_at = time.time()
+    holder.popen.wait(10)
+
+    def ended() -> Any:
+        got = client.batches.retrieve(batch.id)
+        return got if got.status in ("completed", "failed", "expired", "cancelled") else None
+
+    done = wait_until(ended, 180, "the batch to end", every=0.5)
+    report("kill-9-embedding-worker (kill -> batch completed)", time.time() - killed_at)
+    assert done.status == "completed", done
+    assert (done.request_counts.completed, done.request_counts.failed) == (lines, 0)
+    answered = [
+        json.loads(line)["custom_id"]
+        for line in client.files.content(done.output_file_id).text.splitlines()
+    ]
+    assert sorted(answered) == sorted(f"doc-{i}" for i in range(lines))  # each once
+    again = stack.scalar(
+        "SELECT count(*) FROM jobs WHERE batch_id = :b AND attempts = 2", b=batch.id
+    )
+    assert again >= 1  # the dead worker's jobs ran again
+
+
+def test_kill_9_a_worker_whose_own_queue_holds_jobs_runs_each_job_once(stack: Stack) -> None:
+    """Prefix affinity (docs/scheduling.md): a worker killed while its own queue holds messages
+    leaves them there; once its presence record lapses the dispatcher takes them back into the
+    fair order and the other worker runs them, each job once."""
+    cached = {"sim_prefix_cache": 8}
+    first, _second = stack.start_worker(**cached), stack.start_worker(**cached)
+    record = stack.worker_record(first.pid)
+    assert record is not None and record["own_lanes"], record
+    mine = own_queue("standard", str(record["model"]), str(record["worker_id"]))
+    prompt = "Policy {}. " + "answer briefly and cite the manual " * 40
+    bodies = [
+        {
+            "messages": [
+                {"role": "system", "content": prompt.format(i % 16)},
+                {"role": "user", "content": f"question {i}"},
+            ],
+            "params": {"max_tokens": 40},
+        }
+        for i in range(160)
+    ]
+    ids = stack.submit_many(bodies)
+    client = stack.redis()
+    wait_until(lambda: client.llen(mine), 30, "messages in worker 0's own queue")
+    first.signal(signal.SIGKILL)
+    killed_at = time.time()
+    first.popen.wait(10)
+    wait_until(lambda: not client.sismember(OWN_QUEUES_KEY, mine), 60, "its queue taken back")
+    report(
+        "kill-9-worker-with-own-queue (kill -> its own queue taken back)", time.time() - killed_at
+    )
+    done = wait_until(lambda: all_terminal(stack, ids), 180, "every job to end", every=0.5)
+    report("kill-9-worker-with-own-queue (kill -> every job succeeded)", time.time() - killed_at)
+    assert client.llen(mine) == 0
+    assert {r["status"] for r in done.values()} == {"succeeded"}
+    assert all(r["completion_tokens"] == 40 for r in done.values())
+    # Once: a job claimed by the dead worker ran again (attempts 2); one taken back from its
+    # queue was never claimed there (attempts 1); none ran a third time.
+    assert all(r["attempts"] in (1, 2) for r in done.values())
+    ran_again = [r for r in done.values() if r["attempts"] == 2]
+    assert all(not str(r["lease_owner"]).endswith(f":{first.pid}") for r in ran_again)

@@ -114,6 +114,10 @@ class Timings:
         self.steps[name] = round(time.monotonic() - began, 1)
 
 
+class BuildFailed(Exception):
+    """``podman build`` failed; the message is its output."""
+
+
 class Podman:
     """The podman CLI with this test's configuration."""
 
@@ -175,16 +179,20 @@ class Podman:
         assert done.returncode == 0 and tar.returncode == 0, done.stderr
         shutil.rmtree(rootfs, ignore_errors=True)
 
-    def build_inferq(self, tag: str, extras: str) -> str:
-        """The repository's Dockerfile on the base image; its build log."""
+    def build_inferq(self, tag: str, extras: str, *more: str, check: bool = True) -> str:
+        """The repository's Dockerfile on the base image (``more``: other arguments of
+        ``podman build``); its build log, the error output after it when ``check`` is False."""
         ca, wheels = pip_trust()
         args = ["build", "--network", "host", "--build-arg", f"BASE_IMAGE={BASE_IMAGE}"]
-        args += ["--build-arg", f"EXTRAS={extras}", "--tag", tag]
+        args += ["--build-arg", f"EXTRAS={extras}", "--tag", tag, *more]
         if ca is not None:
             args += ["--secret", f"id=pip-cert,src={ca}"]
         if wheels is not None:
             args += ["--volume", f"{wheels}:{wheels}:ro", "--build-arg", f"PIP_FIND_LINKS={wheels}"]
-        return self.run(*args, ".", timeout=1500).stdout
+        done = self.run(*args, ".", timeout=1500, check=check)
+        if not check and done.returncode != 0:
+            raise BuildFailed(done.stdout + done.stderr)
+        return done.stdout
 
     def build_service(self, target: str) -> None:
         self.run(

@@ -20,7 +20,7 @@ import pytest
 import redis
 from sqlalchemy import text
 
-from app.core.broker import RunJobs
+from app.core.messaging.broker import RunJobs
 from tests.conftest import PostgresDatabases, fresh_redis_url
 from tests.integration.test_api import assert_error
 from tests.support import Stack, queue, wait_until
@@ -128,6 +128,9 @@ def test_prompt_longer_than_the_context_is_refused_before_anything_is_written(
         "max_model_len": CONTEXT,
         "tokenizer": "words",
         "tool_parser": None,
+        "task": "generate",
+        "dimensions": None,
+        "matryoshka": False,
     }
     with key(stack, "context") as c:
         fits = c.post("/v1/jobs", json=job(lane="realtime", prompt="w " * (CONTEXT - 1)))

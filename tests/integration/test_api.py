@@ -155,9 +155,11 @@ def test_accepted_job_is_committed_and_queued(stack: Stack, client: httpx.Client
     assert job["status"] == "queued" and job["lane"] == "realtime"
     assert job["model"] == "inferq-demo" and job["metadata"] == {"team": "search"}
     assert job["result"] is None and job["error"] is None and job["attempts"] == 0
+    assert job["kind"] == "generate"
     assert set(job) == {
         "id",
         "object",
+        "kind",
         "status",
         "lane",
         "model",

@@ -15,13 +15,15 @@ import pytest
 import redis
 from sqlalchemy import select, text, update
 
-from app.core import clients, db, jobs, transitions
-from app.core.changes import changes
+from app.core import db
+from app.core.contract.jobs import JobCreate
+from app.core.lifecycle import jobs, transitions
+from app.core.lifecycle.changes import changes
+from app.core.lifecycle.transitions import Outcome
+from app.core.messaging import clients
 from app.core.models import Job, JobStatus, WebhookEvent
-from app.core.outbox import event_id_for_job
-from app.core.schemas import JobCreate
 from app.core.settings import get_settings
-from app.core.transitions import Outcome
+from app.core.webhooks.outbox import event_id_for_job
 from tests.conftest import PostgresDatabases, database_url_for, fresh_redis_url
 from tests.support import wait_until
 from workers.engines.base import GenRequest

@@ -226,7 +226,7 @@ def test_two_dispatchers_never_send_a_job_twice(stack: Stack) -> None:
 
 CRASH = """
 import os
-from app.core import broker, clients
+from app.core.messaging import broker, clients
 from app.dispatcher import refill
 
 send = broker.send_jobs

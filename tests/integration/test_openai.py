@@ -478,7 +478,7 @@ def test_batch_request_errors(client: OpenAI) -> None:
     with pytest.raises(openai.UnprocessableEntityError) as refused:
         client.batches.create(
             input_file_id=file_id,
-            endpoint="/v1/embeddings",
+            endpoint="/v1/moderations",  # OpenAI's, and not a job of inferq's
             completion_window="24h",  # type: ignore[arg-type]
         )
     assert refused.value.body["param"] == "endpoint"  # type: ignore[index]
@@ -633,11 +633,14 @@ def test_file_and_line_limits(client: OpenAI, stack: Stack) -> None:
             file=("big.jsonl", io.BytesIO(b"x" * (MAX_FILE_BYTES + 1))), purpose="batch"
         )
     assert refused.value.status_code == 413
+    # One line too many is refused while the file streams in (docs/files.md, "Uploads"): no
+    # row, and nothing left in the store, not even the upload's staging file.
+    stored = stack.tmp / "data" / "files"
+    before = (stack.scalar("SELECT count(*) FROM files"), sorted(stored.iterdir()))
     small = [line(f"n{i}", "x", 1) for i in range(MAX_LINES + 1)]
-    batch = client.batches.create(
-        input_file_id=upload(client, small), endpoint=CHAT, completion_window="24h"
-    )
-    failed = wait_batch(client, batch.id, {"failed", "in_progress", "completed"})
-    assert failed.status == "failed" and failed.errors is not None
-    assert [(e.code, e.line) for e in failed.errors.data] == [("too_many_requests", MAX_LINES + 1)]
-    assert stack.scalar("SELECT count(*) FROM jobs WHERE batch_id = :b", b=batch.id) == 0
+    with pytest.raises(openai.UnprocessableEntityError) as too_many:
+        upload(client, small)
+    assert too_many.value.code == "too_many_lines"
+    assert (stack.scalar("SELECT count(*) FROM files"), sorted(stored.iterdir())) == before
+    # The limit itself: exactly MAX_LINES lines are taken.
+    assert upload(client, small[:MAX_LINES]).startswith("file")

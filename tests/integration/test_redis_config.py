@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from app.core.clients import durability_warnings
+from app.core.messaging.clients import durability_warnings
 from tests.chaos.servers import RedisServer
 
 

@@ -1,4 +1,4 @@
-"""`inferq status` and app/core/snapshot.py against a real Redis and a real SQLite database.
+"""`inferq status` and app/core/observe/snapshot.py against a real Redis and a real SQLite database.
 
 The command runs as a real subprocess against a real API and simulated worker; the snapshot
 reads are checked against rows written here with known times.
@@ -27,8 +27,11 @@ import pytest
 import redis
 from sqlalchemy.orm import Session
 
-from app.core import snapshot
+from app.core.messaging.names import routes
 from app.core.models import Job, new_id
+from app.core.observe import snapshot
+from app.core.processes import presence
+from app.core.scheduling import backlog
 from app.core.settings import LANES
 from tests.conftest import fresh_redis_url
 from tests.support import DEMO_MODEL, REPO, Stack, queue, running_stack, wait_until
@@ -217,7 +220,7 @@ def test_unreachable_redis_or_database_is_one_line_and_exit_1(
     )
 
 
-# --- app/core/snapshot.py, with rows whose times are known ---------------------------------------
+# --- app/core/observe/snapshot.py, with rows whose times are known ------------------------
 
 
 def _job(
@@ -276,7 +279,7 @@ def test_snapshot_reads_lanes_workers_and_throughput(idle_stack: Stack) -> None:
 
     with idle_stack.db().connect() as connection:
         lanes = snapshot.lane_jobs(connection, now, ["simulated", "idle"])
-        queued = snapshot.queued_jobs(connection)
+        queued = backlog.queued_jobs(connection)
     # Every lane of the models named, in that order, then those of models found in the rows.
     assert list(lanes) == [
         (lane, model) for model in ("simulated", "idle", "other") for lane in LANES
@@ -301,7 +304,7 @@ def test_snapshot_reads_lanes_workers_and_throughput(idle_stack: Stack) -> None:
     client.lpush(queue("bulk", "a"), "m1", "m2", "m3")
     client.lpush(queue("realtime", "a"), "m4")
     client.lpush(queue("bulk", "b"), "m5")
-    assert snapshot.queue_messages(client, snapshot.routes(["a", "b"])) == {
+    assert snapshot.queue_messages(client, routes(["a", "b"])) == {
         ("realtime", "a"): 1,
         ("standard", "a"): 0,
         ("bulk", "a"): 3,
@@ -315,11 +318,11 @@ def test_snapshot_reads_lanes_workers_and_throughput(idle_stack: Stack) -> None:
     client.set("inferq:worker:host:3", json.dumps({"worker_id": "host:3"}), px=1)
     client.set("inferq:ops:host:4", json.dumps({"worker_id": "host:4", "role": "ops"}))
     time.sleep(0.05)
-    assert snapshot.workers(client) == [
+    assert presence.workers(client) == [
         {"worker_id": "host:1", "engine": "hf"},
         {"worker_id": "host:2", "engine": "vllm"},
     ]
-    assert snapshot.ops_workers(client) == [{"worker_id": "host:4", "role": "ops"}]
+    assert presence.ops_workers(client) == [{"worker_id": "host:4", "role": "ops"}]
 
 
 def _two_tenants(stack: Stack, now: float, model: str = "simulated") -> None:
@@ -430,7 +433,7 @@ def test_metrics_targets_list_every_announced_metrics_address(idle_stack: Stack)
     client.set("inferq:worker:gpu1:8", json.dumps({"worker_id": "gpu1:8", "engine": "vllm"}))
     ops = {"worker_id": "cpu:9", "metrics_url": "http://[::1]:40002/metrics"}
     client.set("inferq:ops:cpu:9", json.dumps(ops))
-    assert snapshot.metrics_targets(client) == [
+    assert presence.metrics_targets(client) == [
         {
             "targets": ["gpu1:40001"],
             "labels": {

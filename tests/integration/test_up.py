@@ -228,8 +228,8 @@ def test_a_killed_supervisor_leaves_no_child_and_a_second_start_names_what_runs(
     tmp_path: Path,
 ) -> None:
     """`kill -9` of `inferq up` (a closed terminal, the OOM killer): every child stops within
-    seconds, by the parent-death signal each was started with (app/core/lifeline.py). Before
-    that, a second `up` on the same data directory, and one on the same API port, refuse to
+    seconds, by the parent-death signal each was started with (app/core/processes/lifeline.py).
+    Before that, a second `up` on the same data directory, and one on the same API port, refuse to
     start and name the processes in the way."""
     api_port, redis_port = free_port(), free_port()
     env = up_env(tmp_path, api_port, redis_port)

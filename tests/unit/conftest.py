@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from app.core import clients, db
+from app.core import db
+from app.core.messaging import clients
 from app.core.settings import Settings, get_settings
 from tests.conftest import fresh_redis_url
 

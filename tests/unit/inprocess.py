@@ -12,7 +12,8 @@ from typing import Any, TypeVar
 import httpx
 
 from app.api.main import create_app
-from app.core import broker, clients, names, tokens
+from app.core.messaging import broker, clients, names
+from app.core.scheduling import tokens
 from app.core.settings import LANES, Settings
 from workers.engines.simulated import CostModel, SimulatedEngine
 from workers.inference.main import build_executor
@@ -47,17 +48,29 @@ class Worker:
     """An inference worker's executor on a simulated engine (SIMULATED), announced like a
     worker, taking its model's messages from Redis in lane order on a thread of its own."""
 
-    def __init__(self, settings: Settings, max_model_len: int = 131_072) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        max_model_len: int = 131_072,
+        *,
+        model: str | None = None,
+        task: str = "generate",
+    ) -> None:
+        """``model`` (default the settings') served for ``task``: generate, or a pooling
+        model's embed or score."""
+        name = model or settings.model_name
         engine = SimulatedEngine(
-            CostModel.from_settings(settings, base_ms=1.0),
-            model_name=settings.model_name,
+            CostModel.from_settings(settings, pooling=task != "generate", base_ms=1.0),
+            model_name=name,
             max_model_len=max_model_len,
+            task=task,
+            embed_dim=settings.sim_embed_dim,
         )
         self.runner = Runner(engine)
-        self.executor = build_executor(self.runner, "in-process", settings)
-        self.queues = [names.queue_of(lane, settings.model_name) for lane in LANES]
-        record = {"model": settings.model_name, "lanes": list(LANES), "concurrency": 16}
-        self.presence = Presence("inference", "in-process", 60, lambda: record)
+        self.executor = build_executor(self.runner, f"in-process-{name}", settings)
+        self.queues = [names.queue_of(lane, name) for lane in LANES]
+        record = {"model": name, "lanes": list(LANES), "concurrency": 16, "task": task}
+        self.presence = Presence("inference", f"in-process-{name}", 60, lambda: record)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="in-process-worker", daemon=True)
 
@@ -72,6 +85,9 @@ class Worker:
             engine.max_model_len,
             engine.tokenizer_json(),
             engine.tool_parser,
+            engine.task,
+            engine.embed_dim,
+            engine.matryoshka,
         )
         self.presence.announce()
         self._thread.start()

@@ -11,11 +11,13 @@ from typing import Any
 import pytest
 from sqlalchemy import text
 
-from app.core import broker, clients, db, limits, names
+from app.core import db
 from app.core.db import session_scope
-from app.core.keys import create_key
+from app.core.messaging import broker, clients, names
 from app.core.models import JobStatus
+from app.core.scheduling import limits
 from app.core.settings import Settings, get_settings
+from app.core.tenants.keys import create_key
 from tests.unit.inprocess import call
 
 JOB = {"prompt": "Hello", "params": {"max_tokens": 4}}
@@ -234,3 +236,29 @@ def test_health_and_readiness(core: Settings) -> None:
     assert call("GET", "/healthz").status_code == 200
     ready = call("GET", "/readyz")
     assert ready.status_code == 200 and ready.json()["redis"] == "ok"
+
+
+def test_files_and_batches_can_be_turned_off(
+    core: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    upload = {"files": {"file": ("in.jsonl", b"{}\n")}, "data": {"purpose": "batch"}}
+    assert call("POST", "/v1/files", **upload).status_code == 200
+    monkeypatch.setenv("INFERQ_BATCHES_ENABLED", "false")
+    get_settings.cache_clear()
+    for path, body in (
+        ("/v1/files", upload),
+        ("/v1/batches", {"json": {"input_file_id": "file_x"}}),
+    ):
+        off = call("POST", path, **body)
+        assert off.status_code == 404 and off.json()["error"]["code"] == "batches_disabled"
+
+
+def test_head_is_answered_as_get_without_a_body(core: Settings) -> None:
+    for path in ("/healthz", "/readyz", "/console", "/console/login", "/docs"):
+        got, head = call("GET", path), call("HEAD", path)
+        assert head.status_code == got.status_code != 405, path
+        assert head.content == b"" and head.headers.get("content-type") == got.headers.get(
+            "content-type"
+        )
+    # A file's bytes are not read from the store only to be dropped.
+    assert call("HEAD", "/v1/files/file_x/content").status_code == 405

@@ -1,5 +1,5 @@
-"""The backlog signal (app/core/backlog.py, workers/ops/autoscale.py): the formula on its own,
-the backlog read from a real SQLite file, and the gauges the ops worker exports, sampled from
+"""The backlog signal (app/core/scheduling/backlog.py, workers/ops/autoscale.py): the formula on its
+own, the backlog read from a real SQLite file, and the gauges the ops worker exports, sampled from
 jobs committed and ended through their owners."""
 
 from __future__ import annotations
@@ -10,11 +10,14 @@ import math
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.core import backlog, clients, db, jobs, transitions
-from app.core.changes import changes
+from app.core import db
+from app.core.contract.jobs import JobCreate
+from app.core.lifecycle import jobs, transitions
+from app.core.lifecycle.changes import changes
+from app.core.messaging import clients
+from app.core.messaging.names import AUTOSCALE_RATE_PREFIX, WORKERS_KEY_PREFIX
 from app.core.models import JobStatus, now
-from app.core.names import AUTOSCALE_RATE_PREFIX, WORKERS_KEY_PREFIX
-from app.core.schemas import JobCreate
+from app.core.scheduling import backlog
 from app.core.settings import Settings
 from tests.unit.conftest import environment
 from workers.ops.autoscale import BacklogSignal

@@ -43,8 +43,9 @@ def test_lines_are_numbered_blank_ones_skipped_and_long_ones_marked() -> None:
 
 def test_a_good_line_becomes_its_job_body() -> None:
     raw = line(chat(max_tokens=7, temperature=0.5), custom_id="q-1")
-    custom_id, job, model = parse(raw, CHAT, 10_000)
-    assert custom_id == "q-1" and model == DEMO_MODEL_NAME
+    parsed = parse(raw, CHAT, 10_000)
+    custom_id, job, model = parsed.custom_id, parsed.job, parsed.model
+    assert custom_id == "q-1" and model == DEMO_MODEL_NAME and job is not None
     assert job.messages is not None and job.messages[0].content == "hi"
     assert job.params.max_tokens == 7 and job.params.temperature == 0.5
     assert job.lane.value == "realtime"  # the endpoint's default; a batch moves it to bulk

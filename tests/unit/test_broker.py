@@ -1,5 +1,5 @@
 """The messages inferq pushes onto its queues' lists are Celery's own, and task-sent events go
-out only while Flower says it watches (app/core/broker.py)."""
+out only while Flower says it watches (app/core/messaging/broker.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from app.core import broker, clients
-from app.core.names import RUN_JOBS_TASK
+from app.core.messaging import broker, clients
+from app.core.messaging.names import RUN_JOBS_TASK
 from app.core.settings import Settings
 from workers import celery_app
 

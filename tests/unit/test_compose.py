@@ -94,6 +94,7 @@ def test_services_and_their_guarantees() -> None:
         "worker",
         "worker-gpu",
         "worker-gpu-b",
+        "worker-embed",
         "flower",
         "prometheus",
         "grafana",
@@ -130,6 +131,11 @@ def test_services_and_their_guarantees() -> None:
         services["worker-gpu"], "model"
     )
     assert default_services_reserving_devices(load()) == []
+    # An embedding model beside it, a profile of its own (docs/openai.md, "Embeddings, rerank
+    # and score"): its worker says its model's task.
+    embed = services["worker-embed"]
+    assert embed["profiles"] == ["embeddings"]
+    assert setting_in_compose(embed, "model_task") == "embed"
     # Jobs the API leaves waiting are sent by the dispatcher's loop, which the ops worker runs
     # unless told not to (docs/scheduling.md, "Fair share"): nothing here tells it not to.
     assert services["ops"]["command"] == ["inferq", "ops"]

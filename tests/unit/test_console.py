@@ -9,10 +9,10 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from app.core import clients
 from app.core.db import session_scope
-from app.core.keys import create_key, revoke_key
+from app.core.messaging import clients
 from app.core.settings import Settings, get_settings
+from app.core.tenants.keys import create_key, revoke_key
 from tests.unit.inprocess import run
 
 JOB = {"prompt": "Hello", "params": {"max_tokens": 4}}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.core.broker import jobs_per_message
+from app.core.messaging.broker import jobs_per_message
 from app.dispatcher.plan import LiveWorker, Recall, Refill, decide, lanes_above, target
 
 CHUNK = 32  # bulk_chunk_size

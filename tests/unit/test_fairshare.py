@@ -1,5 +1,5 @@
 """The fair-share rules as functions: turns by virtual tokens, joining, cost and prefixes
-(app/core/fairshare.py), and the slots a lane below a waiting lane gets
+(app/core/scheduling/fairshare.py), and the slots a lane below a waiting lane gets
 (app/dispatcher/loop.py). The dispatcher that uses them is tested on real databases in
 tests/integration/test_fairshare.py."""
 
@@ -7,8 +7,11 @@ from __future__ import annotations
 
 from collections import Counter
 
-from app.core import clients, db, fairshare, jobs, limits, tokens
-from app.core.schemas import JobCreate
+from app.core import db
+from app.core.contract.jobs import JobCreate
+from app.core.lifecycle import jobs
+from app.core.messaging import clients
+from app.core.scheduling import fairshare, limits, tokens
 from app.core.settings import Settings
 from app.dispatcher.loop import LiveWorker
 

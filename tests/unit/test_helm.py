@@ -34,12 +34,19 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "deploy" / "helm" / "inferq"
 GPU_VALUES = CHART / "ci" / "gpu-two-models.yaml"
+S3_VALUES = CHART / "ci" / "object-storage.yaml"
+CLUSTER_VALUES = CHART / "ci" / "cluster.yaml"
 DASHBOARD = REPO / "deploy" / "grafana" / "dashboards" / "inferq.json"
 RELEASE = "inferq"
 # The schemas of the Kubernetes that the pinned helm and kubectl target (1.35).
 KUBERNETES = "1.35.0"
-# The values each render uses: name -> values files (none: the chart's defaults).
-RENDERS: dict[str, list[Path]] = {"default": [], "gpu": [GPU_VALUES]}
+# The values each render uses: name -> values files. "default": the chart's defaults with a
+# bucket for files (alone they name no place for files, and are refused: test_files_...).
+RENDERS: dict[str, list[Path]] = {
+    "default": [S3_VALUES],
+    "gpu": [GPU_VALUES],
+    "cluster": [CLUSTER_VALUES],
+}
 LABELS = {
     "app.kubernetes.io/name",
     "app.kubernetes.io/instance",
@@ -83,8 +90,11 @@ def run(command: list[str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
 
 
-def template(helm: list[str], *args: str) -> subprocess.CompletedProcess[str]:
-    return run([*helm, "template", RELEASE, str(CHART), "--namespace", "inferq", *args])
+def template(helm: list[str], *args: str, bucket: bool = True) -> subprocess.CompletedProcess[str]:
+    """``helm template`` of the chart with ``args``, after the bucket for files of
+    ``S3_VALUES`` (the defaults alone are refused) unless ``bucket`` is False."""
+    first = ["-f", str(S3_VALUES)] if bucket else []
+    return run([*helm, "template", RELEASE, str(CHART), "--namespace", "inferq", *first, *args])
 
 
 def values_args(files: list[Path]) -> list[str]:
@@ -96,7 +106,7 @@ def renders(helm: list[str]) -> dict[str, list[Obj]]:
     """Each render's objects, hooks included, rendered once for the module."""
     out = {}
     for name, files in RENDERS.items():
-        done = template(helm, *values_args(files))
+        done = template(helm, *values_args(files), bucket=False)
         assert done.returncode == 0, done.stderr
         out[name] = [doc for doc in yaml.safe_load_all(done.stdout) if doc]
     return out
@@ -187,8 +197,8 @@ def test_renders_the_expected_objects(renders: dict[str, list[Obj]]) -> None:
     assert "Secret" not in kinds["gpu"]  # secrets.existingSecret
     # API, ops with beat (and the dispatcher's loop), one worker per model; the GPU file adds
     # ops without beat and more dispatchers.
-    assert len(of_kind(renders["default"], "Deployment")) == 3
-    assert len(of_kind(renders["gpu"], "Deployment")) == 6
+    assert len(of_kind(renders["default"], "Deployment")) == 2 + len(models_of([]))
+    assert len(of_kind(renders["gpu"], "Deployment")) == 4 + len(models_of(RENDERS["gpu"]))
 
 
 @pytest.mark.parametrize("render", RENDERS)
@@ -300,7 +310,7 @@ def test_migrations_run_before_the_new_code(renders: dict[str, list[Obj]]) -> No
             "before-hook-creation",
             "hook-succeeded",
         }
-        assert job["spec"]["template"]["spec"]["containers"][0]["args"] == ["inferq", "migrate"]
+        assert job["spec"]["template"]["spec"]["containers"][0]["args"][:2] == ["inferq", "migrate"]
         # The chart's own Secret exists before the Job that reads it: a hook of lower weight.
         for secret in of_kind(objs, "Secret"):
             hooks = secret["metadata"]["annotations"]
@@ -388,8 +398,9 @@ def test_every_variable_the_chart_sets_is_a_documented_setting(
     table = (REPO / "docs" / "settings.md").read_text()
     documented = set(re.findall(r"^\| `(INFERQ_[A-Z0-9_]+)` \|", table, re.M))
     assert documented
-    # Variables a values file adds itself (a model's `env`, e.g. HF_TOKEN) are the user's.
-    given = set()
+    # Variables a values file adds itself (a model's `env`) are the user's; the chart's own that
+    # are not settings: the Hugging Face token and the first operator key, from Secrets.
+    given = {"HF_TOKEN", "OPERATOR_API_KEY"}
     for path in RENDERS["gpu"]:
         values = yaml.safe_load(path.read_text())
         parts = [*values.get("models", []), *(v for v in values.values() if isinstance(v, dict))]
@@ -457,3 +468,197 @@ def test_the_packaged_chart_carries_the_dashboard(helm: list[str], tmp_path: Pat
         member = tar.extractfile("inferq/dashboards/inferq.json")
         assert member is not None
         assert json.loads(member.read()) == json.loads(DASHBOARD.read_text())
+
+
+def test_each_models_task_reaches_its_workers_and_every_process(
+    renders: dict[str, list[Obj]],
+) -> None:
+    """docs/kubernetes.md, "Models": a model's ``task`` is its workers' INFERQ_MODEL_TASK, and
+    every process knows every model's (INFERQ_MODEL_TASKS), so the API routes an embedding
+    call to an embedding model before any of its workers has started."""
+    objs = renders["gpu"]
+    models = {m["name"]: m for m in models_of(RENDERS["gpu"])}
+    [embedder] = [m for m in models.values() if m.get("task") == "embed"]
+    container = worker_pod(objs, embedder)["containers"][0]
+    assert env_of(container)["INFERQ_MODEL_TASK"]["value"] == "embed"
+    others = [m for m in models.values() if m is not embedder]
+    for model in others:
+        worker = env_of(worker_pod(objs, model)["containers"][0])
+        assert "INFERQ_MODEL_TASK" not in worker  # unset: vLLM's own resolution (auto)
+    for name, pod in pod_specs(objs):
+        for c in pod["containers"]:
+            tasks = json.loads(env_of(c)["INFERQ_MODEL_TASKS"]["value"])
+            assert tasks == {embedder["servedModelName"]: "embed"}, name
+
+
+# --- where files live (docs/files.md) -----------------------------------------------------------
+
+
+def files_env(objs: list[Obj]) -> dict[str, dict[str, Obj]]:
+    """Deployment name -> the files settings of its first container."""
+    out = {}
+    for name, spec in pod_specs(objs):
+        env = env_of(spec["containers"][0])
+        out[name] = {k: v for k, v in env.items() if k.startswith(("INFERQ_FILES", "INFERQ_BATCH"))}
+    return out
+
+
+def test_files_in_a_bucket_reach_the_api_and_the_ops_worker_only(
+    renders: dict[str, list[Obj]],
+) -> None:
+    objs = renders["default"]
+    for name in (f"{RELEASE}-api", f"{RELEASE}-ops"):
+        spec = dict(pod_specs(objs))[name]
+        container = spec["containers"][0]
+        env = env_of(container)
+        assert env["INFERQ_FILES_URL"]["value"] == "s3://inferq-files/prod"
+        assert env["INFERQ_FILES_ENDPOINT"]["value"] == "https://s3.example.internal"
+        assert env["INFERQ_BATCHES_ENABLED"]["value"] == "true"
+        assert "INFERQ_FILES_DIR" not in env
+        assert container["envFrom"] == [{"secretRef": {"name": "inferq-s3"}}]
+        assert "files" not in [v["name"] for v in spec["volumes"]]
+    for name, spec in pod_specs(objs):
+        if "-worker-" in name:
+            assert "INFERQ_FILES_URL" not in env_of(spec["containers"][0])
+            assert "envFrom" not in spec["containers"][0]
+
+
+def test_files_on_a_claim_are_mounted_by_the_api_and_the_ops_worker(
+    renders: dict[str, list[Obj]],
+) -> None:
+    specs = dict(pod_specs(renders["gpu"]))
+    for name in (f"{RELEASE}-api", f"{RELEASE}-ops"):
+        spec = specs[name]
+        assert env_of(spec["containers"][0])["INFERQ_FILES_DIR"]["value"] == "/files"
+        (volume,) = [v for v in spec["volumes"] if v["name"] == "files"]
+        assert volume["persistentVolumeClaim"]["claimName"] == "inferq-files"
+
+
+def test_batches_need_a_place_for_files(helm: list[str]) -> None:
+    refused = template(helm, bucket=False)
+    assert refused.returncode != 0
+    assert "/files/url" in refused.stderr and "/files/existingClaim" in refused.stderr
+    off = template(helm, "--set", "batches.enabled=false", bucket=False)
+    assert off.returncode == 0, off.stderr
+    objs = [doc for doc in yaml.safe_load_all(off.stdout) if doc]
+    for name, spec in pod_specs(objs):
+        if name in (f"{RELEASE}-api", f"{RELEASE}-ops"):
+            env = env_of(spec["containers"][0])
+            assert env["INFERQ_BATCHES_ENABLED"]["value"] == "false"
+            assert "INFERQ_FILES_URL" not in env and "INFERQ_FILES_DIR" not in env
+    wrong = template(helm, "--set", "files.url=ftp://somewhere", bucket=False)
+    assert wrong.returncode != 0 and "/files/url" in wrong.stderr
+
+
+# --- a real cluster's GPU nodes and gated weights (issue 56) ----------------------------------
+
+
+def test_gpu_workers_tolerate_the_gpu_taint_unless_they_say_otherwise(
+    helm: list[str], renders: dict[str, list[Obj]], tmp_path: Path
+) -> None:
+    taint = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+    (model,) = models_of(RENDERS["default"])
+    assert worker_pod(renders["default"], model)["tolerations"] == [taint]
+    own = tmp_path / "own.yaml"
+    models = [
+        {**model, "tolerations": []},
+        {"name": "cpu", "model": "m", "gpus": {"count": 0}},
+    ]
+    own.write_text(yaml.safe_dump({"models": models}))
+    done = template(helm, "-f", str(own))
+    assert done.returncode == 0, done.stderr
+    objs = [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+    for m in models:
+        assert "tolerations" not in worker_pod(objs, m), m["name"]
+
+
+def test_the_hugging_face_token_comes_from_a_secret(helm: list[str]) -> None:
+    done = template(helm, "--set", "hfToken.secretName=hf", "--set", "hfToken.secretKey=tok")
+    assert done.returncode == 0, done.stderr
+    objs = [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+    (model,) = models_of([])
+    env = env_of(worker_pod(objs, model)["containers"][0])
+    assert env["HF_TOKEN"] == {
+        "name": "HF_TOKEN",
+        "valueFrom": {"secretKeyRef": {"name": "hf", "key": "tok"}},
+    }
+    for name, spec in pod_specs(objs):
+        if "-worker-" not in name:
+            assert "HF_TOKEN" not in env_of(spec["containers"][0]), name
+
+
+def test_the_ingress_routes_to_the_api(renders: dict[str, list[Obj]]) -> None:
+    assert of_kind(renders["default"], "Ingress") == []
+    ingress = named(renders["cluster"], "Ingress", "api")
+    (rule,) = ingress["spec"]["rules"]
+    backend = rule["http"]["paths"][0]["backend"]["service"]
+    assert (rule["host"], backend["name"]) == ("inferq.example.com", f"{RELEASE}-api")
+    api = named(renders["cluster"], "Service", "api")
+    assert backend["port"]["name"] in [p["name"] for p in api["spec"]["ports"]]
+    assert ingress["spec"]["tls"] == [{"secretName": "inferq-tls", "hosts": ["inferq.example.com"]}]
+
+
+def test_network_policies_cover_every_pod_and_open_only_their_ports(
+    renders: dict[str, list[Obj]],
+) -> None:
+    objs = renders["cluster"]
+    assert of_kind(renders["default"], "NetworkPolicy") == []
+    policies = of_kind(objs, "NetworkPolicy")
+
+    def selects(policy: Obj, labels: dict[str, str]) -> bool:
+        selector = policy["spec"]["podSelector"]
+        if any(labels.get(k) != v for k, v in selector["matchLabels"].items()):
+            return False
+        return all(labels.get(e["key"]) in e["values"] for e in selector["matchExpressions"])
+
+    for o in objs:
+        if o["kind"] in ("Deployment", "Job"):
+            labels = o["spec"]["template"]["metadata"]["labels"]
+            chosen = [p["metadata"]["name"] for p in policies if selects(p, labels)]
+            assert len(chosen) == 1, (o["metadata"]["name"], chosen)
+    egress = {
+        p["metadata"]["name"].removeprefix(f"{RELEASE}-"): {
+            port["port"] for rule in p["spec"]["egress"] for port in rule["ports"]
+        }
+        for p in policies
+    }
+    assert egress["api"] == egress["internal"] == {53, 5432, 6379, 443}
+    assert egress["ops"] == {53, 5432, 6379, 443, 80}  # webhook targets
+    api = named(objs, "NetworkPolicy", "api")["spec"]["ingress"]
+    assert [p["port"] for rule in api for p in rule["ports"]] == ["http"]
+
+
+def test_a_first_operator_key_comes_from_a_secret_through_the_environment(
+    renders: dict[str, list[Obj]],
+) -> None:
+    plain = named(renders["default"], "Job", "migrate")["spec"]["template"]["spec"]
+    assert plain["containers"][0]["args"] == ["inferq", "migrate"]
+    job = named(renders["cluster"], "Job", "migrate")["spec"]["template"]["spec"]
+    (container,) = job["containers"]
+    assert container["args"] == [
+        "inferq",
+        "migrate",
+        "--operator-key-env",
+        "OPERATOR_API_KEY",
+        "--operator-tenant",
+        "operator",
+    ]
+    assert env_of(container)["OPERATOR_API_KEY"]["valueFrom"] == {
+        "secretKeyRef": {"name": "inferq-operator", "key": "api-key"}
+    }
+
+
+@pytest.mark.parametrize(
+    ("args", "where"),
+    [
+        (["--set", "ingress.enabled=true"], "/ingress/hosts"),
+        (["--set", "operatorKey.tenant=a b;rm"], "/operatorKey/tenant"),
+        (["--set-json", "networkPolicy.egressPorts=[70000]"], "/networkPolicy/egressPorts/0"),
+        (["--set", "hfToken.secretKey="], "/hfToken/secretKey"),
+    ],
+)
+def test_the_new_options_refuse_bad_values_naming_them(
+    helm: list[str], args: list[str], where: str
+) -> None:
+    done = template(helm, *args)
+    assert done.returncode != 0 and where in done.stderr, done.stderr

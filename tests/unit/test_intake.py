@@ -183,8 +183,8 @@ def test_the_capacity_is_what_runs_while_jobs_wait_through_a_step() -> None:
 
 def test_a_bulk_message_needs_room_for_what_the_dispatcher_sends_this_worker() -> None:
     """The dispatcher sends bulk in messages of a quarter of what the smallest worker holds
-    (app/core/broker.py): the room a worker wants for one follows what it holds, so an engine of
-    16 sequences does not wait for room for a whole chunk of 32."""
+    (app/core/messaging/broker.py): the room a worker wants for one follows what it holds, so an
+    engine of 16 sequences does not wait for room for a whole chunk of 32."""
     intake = Intake(LANES, 256, SHARE, 32, MODEL, 4)
     engine = Engine()
     intake.watch(engine.load, lambda: None)

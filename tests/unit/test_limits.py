@@ -1,5 +1,5 @@
-"""Admission (app/core/limits.py) called directly, on a SQLite file and a real Redis: tenant rate
-and token windows, the tenant's queued jobs, and each lane's backpressure per model."""
+"""Admission (app/core/scheduling/limits.py) called directly, on a SQLite file and a real Redis:
+tenant rate and token windows, the tenant's queued jobs, and each lane's backpressure per model."""
 
 from __future__ import annotations
 
@@ -7,10 +7,12 @@ import time
 
 import pytest
 
-from app.core import db, jobs, limits, transitions
-from app.core.changes import changes
+from app.core import db
+from app.core.contract.jobs import JobCreate
 from app.core.errors import DomainError, Kind
-from app.core.schemas import JobCreate
+from app.core.lifecycle import jobs, transitions
+from app.core.lifecycle.changes import changes
+from app.core.scheduling import limits
 from app.core.settings import Settings, get_settings
 
 

@@ -1,5 +1,5 @@
-"""Missing parts (app/core/missing.py) on a real SQLite file and a real Redis: each rule with the
-work that waits and the presence record that clears it, and the same answer in /readyz, the
+"""Missing parts (app/core/observe/missing.py) on a real SQLite file and a real Redis: each rule
+with the work that waits and the presence record that clears it, and the same answer in /readyz, the
 API's /metrics and `inferq status`."""
 
 from __future__ import annotations
@@ -9,11 +9,14 @@ import json
 from rich.console import Console
 
 from app.cli import status
-from app.core import clients, db, jobs, missing, transitions
-from app.core.changes import changes
+from app.core import db
+from app.core.contract.jobs import JobCreate
+from app.core.lifecycle import jobs, transitions
+from app.core.lifecycle.changes import changes
+from app.core.messaging import clients
+from app.core.messaging.names import DISPATCHER_KEY_PREFIX, OPS_KEY_PREFIX, WORKERS_KEY_PREFIX
 from app.core.models import JobStatus, now
-from app.core.names import DISPATCHER_KEY_PREFIX, OPS_KEY_PREFIX, WORKERS_KEY_PREFIX
-from app.core.schemas import JobCreate
+from app.core.observe import missing
 from app.core.settings import Settings
 from tests.unit.conftest import environment
 from tests.unit.inprocess import call

@@ -6,8 +6,8 @@ import time
 
 import pytest
 
+from app.core.lifecycle.transitions import compare_and_set
 from app.core.models import TERMINAL, TRANSITIONS, JobStatus, can_transition, new_id
-from app.core.transitions import compare_and_set
 
 
 def test_terminal_states_have_no_way_out() -> None:

@@ -1,12 +1,12 @@
 """Every piece of state has one writer, and what follows a commit has one runner.
 
 - ``jobs.status`` and a job's sent sub-state (``enqueued_at``, ``charged``) are written only by
-  app/core/transitions.py; ``batches.status`` and the ops worker's lease on a batch
+  app/core/lifecycle/transitions.py; ``batches.status`` and the ops worker's lease on a batch
   (``claimed_at``) only by app/batches/transitions.py (docs/architecture.md, "Job states" and
   "Batches").
-- An ``After`` is built and run only by app/core/after.py and app/core/changes.py, and webhook
-  events are announced only there and by the outbox's own thread: "commit, then run what
-  follows" is one construct (``changes``).
+- An ``After`` is built and run only by app/core/lifecycle/after.py and
+  app/core/lifecycle/changes.py, and webhook events are announced only there and by the outbox's own
+  thread: "commit, then run what follows" is one construct (``changes``).
 
 The source of every product module is read (its syntax tree, not its text) for the ways a
 column can be written: an UPDATE or INSERT of the model whose values name the column (or pass
@@ -49,14 +49,14 @@ class State:
 
 
 JOB_STATUS = State(
-    "jobs.status", "Job", "jobs", frozenset({"status"}), Path("app/core/transitions.py")
+    "jobs.status", "Job", "jobs", frozenset({"status"}), Path("app/core/lifecycle/transitions.py")
 )
 JOB_SENT = State(
     "a job's sent sub-state",
     "Job",
     "jobs",
     frozenset({"enqueued_at", "charged"}),
-    Path("app/core/transitions.py"),
+    Path("app/core/lifecycle/transitions.py"),
 )
 BATCH_STATUS = State(
     "batches.status and claimed_at",
@@ -286,8 +286,8 @@ def test_other_writes_are_not_taken_for_these(state: State, harmless: str) -> No
 
 # --- what follows a commit: one construct ---------------------------------------------------
 
-RUNNERS = {Path("app/core/after.py"), Path("app/core/changes.py")}
-ANNOUNCERS = RUNNERS | {Path("app/core/outbox.py")}  # the outbox's own announcer thread
+RUNNERS = {Path("app/core/lifecycle/after.py"), Path("app/core/lifecycle/changes.py")}
+ANNOUNCERS = RUNNERS | {Path("app/core/webhooks/outbox.py")}  # the outbox's own announcer thread
 
 
 def _text(node: ast.AST) -> str:
@@ -320,7 +320,9 @@ def test_only_the_construct_runs_what_follows_a_commit() -> None:
         for path in product_modules()
         if (lines := effects_run((REPO / path).read_text(), path))
     }
-    assert offenders == {}, f"an After is built or run outside app/core/changes.py: {offenders}"
+    assert offenders == {}, (
+        f"an After is built or run outside app/core/lifecycle/changes.py: {offenders}"
+    )
 
 
 @pytest.mark.parametrize(

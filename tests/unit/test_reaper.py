@@ -7,8 +7,8 @@ import logging
 
 import pytest
 
-from app.core import clients
-from app.core.names import EPOCH_KEY
+from app.core.messaging import clients
+from app.core.messaging.names import EPOCH_KEY
 from app.core.settings import Settings
 from tests.unit.test_transitions import add, row
 from workers.ops import reaper

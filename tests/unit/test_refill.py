@@ -9,13 +9,19 @@ from typing import Any
 
 from sqlalchemy import select
 
-from app.core import broker, clients, db, fairshare, jobs, transitions
-from app.core.changes import changes
+from app.core import db
+from app.core.contract.jobs import JobCreate
+from app.core.lifecycle import jobs, transitions
+from app.core.lifecycle.changes import changes
+from app.core.messaging import broker, clients
+from app.core.messaging.names import own_queue
 from app.core.models import Job, now
-from app.core.schemas import JobCreate
+from app.core.scheduling import fairshare
 from app.core.settings import Settings
+from app.dispatcher.affinity import home
 from app.dispatcher.loop import Dispatcher
-from app.dispatcher.refill import Route, recall, refill
+from app.dispatcher.plan import LiveWorker
+from app.dispatcher.refill import Affine, Route, recall, refill
 
 # Submission times a millisecond apart, in the order of the calls (ids of one millisecond are
 # ordered by their random bits, so a tenant's own order is read from the ids).
@@ -59,6 +65,7 @@ def fill(route: Route, n: int, policy: str = "fair", unit: int = 1, **kw: Any) -
         weights=kw.pop("weights", {}),
         waited=kw.pop("waited", set()),
         client=clients.redis_client(),
+        affine=kw.pop("affine", None),
     )
 
 
@@ -142,7 +149,7 @@ def test_a_recall_takes_the_newest_messages_back_and_refunds_them(core: Settings
     ids = sorted(add(core, "a", 6, lane="bulk"))
     fill(route, 6, unit=2)
     before = fairshare.counters(clients.redis_client(), route.lane, route.model)["a"]
-    assert recall(route, 2) == 4
+    assert recall([route.queue], 2) == 4
     left = messages(route)
     assert [sorted(m.job_ids) for m in left] == [ids[:2]]  # the oldest message stays
     stored = rows(ids)
@@ -184,3 +191,100 @@ def test_a_tenant_that_starts_waiting_gets_the_list_refilled_in_the_fair_order(
     # At most once a MAKE_WAY_S a queue.
     add(core, "c", 4, lane="bulk")
     assert dispatcher._make_way({route}, {route: 2}) == {route: 2}
+
+
+# --- prefix affinity: where the messages go (app/dispatcher/affinity.py) -------------------------
+
+WORKERS = ["vm:101", "vm:202"]
+
+
+def chats(settings: Settings, tenant: str, prompts: list[str]) -> list[str]:
+    """Standard chat jobs of ``tenant``, one per system prompt in ``prompts``."""
+    made = []
+    for i, system in enumerate(prompts):
+        messages_ = [{"role": "system", "content": system}, {"role": "user", "content": f"q{i}"}]
+        body = JobCreate(messages=messages_, lane="standard", params={"max_tokens": 8})
+        made.append(jobs.new_job(tenant, body, settings.model_name))
+    with changes("api") as tx:
+        transitions.create(tx, made)
+    return [job.id for job in made]
+
+
+def own_messages(route: Route, worker: str) -> list[list[str]]:
+    raw = clients.redis_client().lrange(own_queue(route.lane, route.model, worker), 0, -1)
+    return [broker.RunJobs.of_stored(payload).job_ids for payload in reversed(raw)]
+
+
+def test_a_refill_sends_each_prefix_to_its_home_and_the_rest_to_the_shared_queue(
+    core: Settings,
+) -> None:
+    route = Route("standard", core.model_name)
+    prompts = [f"policy {i} " + "rules " * 80 for i in range(6)]
+    ids = chats(core, "a", prompts)
+    [plain] = add(core, "a", 1)  # a short prompt: no prefix
+    affine = Affine(WORKERS, {}, 0, 10.0)  # a loose bound: every prefix goes home
+    done = fill(route, 7, affine=affine)
+    assert done.sent == 7 and sum(done.sent_to.values()) == 6 and not done.overflow
+    by_id = rows(ids)
+    for worker in WORKERS:
+        for [job_id] in own_messages(route, worker):
+            assert home(by_id[job_id].prefix, WORKERS) == worker
+    assert [m.job_ids for m in messages(route)] == [[plain]]
+    assert set(broker.own_queues()) == {
+        own_queue("standard", core.model_name, w) for w in done.sent_to
+    }
+
+
+def test_past_the_bound_the_shared_queue(core: Settings) -> None:
+    """Eight jobs of one prefix: its home takes them while under c x the mean (the others run
+    nothing), the rest go to the shared queue and count as its overflow."""
+    route = Route("standard", core.model_name)
+    chats(core, "a", ["hot " + "rules " * 80] * 8)
+    done = fill(route, 8, affine=Affine(WORKERS, {}, 0, 1.25))
+    [(hot, sent)] = done.sent_to.items()
+    assert sent + done.overflow[hot] == 8 and 0 < sent < 8
+    assert len(messages(route)) == done.overflow[hot]
+
+
+def test_a_gone_workers_own_queue_is_taken_back_and_forgotten(core: Settings) -> None:
+    route = Route("standard", core.model_name)
+    ids = chats(core, "a", [f"policy {i} " + "rules " * 80 for i in range(6)])
+    fill(route, 6, affine=Affine(WORKERS, {}, 0, 1.25))
+    dispatcher = Dispatcher(core, clients.redis_client())
+    alive = LiveWorker(
+        core.model_name, frozenset({"standard"}), 8, {}, WORKERS[0], frozenset({"standard"})
+    )
+    gone = own_queue("standard", core.model_name, WORKERS[1])
+    held = [job_id for [job_id] in own_messages(route, WORKERS[1])]
+    assert held
+    dispatcher._take_back_gone([alive])
+    assert clients.redis_client().llen(gone) == 0 and gone not in broker.own_queues()
+    assert all(rows(held)[i].enqueued_at is None for i in held)  # unsent: sent again
+    kept = [i for i in ids if i not in held]
+    assert all(rows(kept)[i].enqueued_at is not None for i in kept)
+    assert route in dispatcher.backlog and dispatcher.recalled == len(held)
+
+
+def test_a_long_own_queue_is_halved_for_a_worker_with_nothing_listed(core: Settings) -> None:
+    route = Route("standard", core.model_name)
+    client = clients.redis_client()
+    prompts = [f"policy {i} " + "rules " * 80 for i in range(40)]
+    mine = [p for p in prompts if home(fairshare_prefix(p), WORKERS) == WORKERS[0]][:6]
+    chats(core, "a", mine)
+    fill(route, 6, affine=Affine(WORKERS, {}, 0, 10.0))
+    dispatcher = Dispatcher(core, client)
+    dispatcher._own = {route: {WORKERS[0]: 6, WORKERS[1]: 0}}
+    dispatcher._shared = {route: 0}
+    depths = dispatcher._rebalance({route: 6})
+    assert depths == {route: 3} and len(own_messages(route, WORKERS[0])) == 3
+    assert dispatcher.rebalanced == 3 and route in dispatcher.backlog
+    # At most once a REBALANCE_S.
+    dispatcher._own = {route: {WORKERS[0]: 3, WORKERS[1]: 0}}
+    assert dispatcher._rebalance({route: 3}) == {route: 3}
+
+
+def fairshare_prefix(system: str) -> str:
+    body = JobCreate(
+        messages=[{"role": "system", "content": system}, {"role": "user", "content": "q"}]
+    )
+    return fairshare.prefix_of(body)

@@ -1,4 +1,5 @@
-"""The relay (app/core/relay.py) over a real Redis: a worker's Publisher to the API's Replies.
+"""The relay (app/core/messaging/relay.py) over a real Redis: a worker's Publisher to the API's
+Replies.
 
 The first piece of a call goes out alone (it is the caller's time to first token), later ones
 merged while they queue up, and the end message carries the committed outcome after whatever
@@ -13,7 +14,7 @@ import asyncio
 import pytest
 import redis
 
-from app.core import clients, relay
+from app.core.messaging import clients, relay
 from app.core.settings import Settings
 
 UPON = {"token": " upon", "logprob": -0.5, "top_logprobs": []}

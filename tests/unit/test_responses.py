@@ -26,9 +26,8 @@ from sqlalchemy import text
 from app.api.main import create_app
 from app.core import db
 from app.core.db import session_scope
-from app.core.keys import create_key
-from app.core.openai_format import Ended
-from app.core.responses_format import (
+from app.core.openai.openai_format import Ended
+from app.core.openai.responses_format import (
     RESPONSES_REFUSED,
     EventLog,
     ResponseCreate,
@@ -36,6 +35,7 @@ from app.core.responses_format import (
     response_object,
 )
 from app.core.settings import Settings
+from app.core.tenants.keys import create_key
 from tests.unit.conftest import environment
 from tests.unit.inprocess import BASE_URL, Worker, run
 

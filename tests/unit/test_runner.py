@@ -26,9 +26,13 @@ def runner() -> Iterator[Runner]:
 def test_requests_from_many_threads_are_batched_in_one_engine(runner: Runner) -> None:
     results: list[GenResult] = []
     lock = threading.Lock()
+    # All submit at once, and each runs for 64 steps: on a loaded machine (CI builds images
+    # beside this layer) threads started one after another missed each other's steps.
+    together = threading.Barrier(24)
 
     def task(i: int) -> None:
-        result = runner.submit(GenRequest(f"r{i}", prompt=f"job {i}", max_tokens=16)).result(30)
+        together.wait(30)
+        result = runner.submit(GenRequest(f"r{i}", prompt=f"job {i}", max_tokens=64)).result(30)
         with lock:
             results.append(result)
 
@@ -40,7 +44,7 @@ def test_requests_from_many_threads_are_batched_in_one_engine(runner: Runner) ->
     engine = runner.engine
     assert isinstance(engine, SimulatedEngine)
     assert len(results) == 24
-    assert all(r.completion_tokens == 16 and r.finish_reason == "length" for r in results)
+    assert all(r.completion_tokens == 64 and r.finish_reason == "length" for r in results)
     assert all(r.text and r.prompt_tokens == 2 and r.first_token_at for r in results)
     # The engine ran all 24 sequences together in one step at least once.
     assert engine.max_batch >= 20

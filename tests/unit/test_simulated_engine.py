@@ -221,3 +221,47 @@ def test_the_token_window_keeps_its_sum_as_steps_come_and_go() -> None:
     assert window.read() == (0, None)
     window.add(5)
     assert window.read()[0] == 5 and window.per_s() == pytest.approx(5 / 0.05)
+
+
+def test_a_held_prefix_skips_its_prefill_and_is_counted_as_vllm_counts_it() -> None:
+    """INFERQ_SIM_PREFIX_CACHE: a chat whose system prompt is held skips its prefill (all but
+    the last prompt token), the counters say so, and the least recently used prefix goes."""
+    system = "policy " * 400
+
+    def chat(rid: str, lead: str) -> GenRequest:
+        messages = [{"role": "system", "content": lead}, {"role": "user", "content": rid}]
+        return GenRequest(rid, messages=messages, max_tokens=1)
+
+    async def main() -> tuple[list[float], list[tuple[int, int]]]:
+        engine = SimulatedEngine(cost(base_ms=0.0, decode_ms_per_seq=0.0, prefix_cache=1))
+        await engine.start()
+        took, counts = [], []
+        for rid, lead in (("a", system), ("b", system), ("c", "other " * 400), ("d", system)):
+            started = time.perf_counter()
+            await _collect(engine, chat(rid, lead))
+            took.append(time.perf_counter() - started)
+            stats = engine.stats()
+            counts.append((stats.prefix_cache_queries, stats.prefix_cache_hits))
+        await engine.shutdown()
+        return took, counts
+
+    took, counts = asyncio.run(main())
+    # a: computed; b: held, ~400 tokens of prefill skipped; c: another prefix takes the one
+    # place; d: the first prefix was dropped, computed again.
+    hits = [after[1] - before[1] for before, after in zip([(0, 0), *counts], counts, strict=False)]
+    assert hits[0] == 0 and hits[1] >= 400 and hits[2] == 0 and hits[3] == 0
+    assert counts[-1][0] > counts[-1][1] > 0
+    assert took[1] < took[0] / 3 and took[3] > took[1] * 3
+
+
+def test_no_prefix_cache_by_default() -> None:
+    async def main() -> tuple[int, int]:
+        engine = SimulatedEngine(cost(base_ms=0.0, prefill_ms_per_token=0.0))
+        await engine.start()
+        for rid in ("a", "b"):
+            await _collect(engine, GenRequest(rid, prompt="x " * 300 + rid, max_tokens=1))
+        stats = engine.stats()
+        await engine.shutdown()
+        return stats.prefix_cache_queries, stats.prefix_cache_hits
+
+    assert asyncio.run(main()) == (0, 0)

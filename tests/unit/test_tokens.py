@@ -1,4 +1,5 @@
-"""app/core/tokens.py against a real Redis and a real (freshly trained) byte-level BPE tokenizer."""
+"""app/core/scheduling/tokens.py against a real Redis and a real (freshly trained) byte-level BPE
+tokenizer."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import pytest
 import redis
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-from app.core import names, tokens
+from app.core.contract.jobs import JobCreate
 from app.core.errors import DomainError, Kind
-from app.core.schemas import JobCreate
+from app.core.messaging import names
+from app.core.scheduling import tokens
 
 _names = itertools.count()
 

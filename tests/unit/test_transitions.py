@@ -18,11 +18,14 @@ import pytest
 from sqlalchemy import select, text, update
 
 from app.batches import transitions as batches
-from app.core import broker, clients, db, fairshare, jobs, names, transitions
-from app.core.after import After, By, Tx
-from app.core.changes import changes
+from app.core import db
+from app.core.contract.jobs import JobCreate
+from app.core.lifecycle import jobs, transitions
+from app.core.lifecycle.after import After, By, Tx
+from app.core.lifecycle.changes import changes
+from app.core.messaging import broker, clients, names
 from app.core.models import Batch, BatchStatus, Job, JobStatus, WebhookEvent, now
-from app.core.schemas import JobCreate
+from app.core.scheduling import fairshare
 from app.core.settings import Settings
 
 HOOK = "https://8.8.8.8/hook"  # a public address: accepted, never called here

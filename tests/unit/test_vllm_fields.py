@@ -1,8 +1,8 @@
 """vLLM's dialect at the door: explicit nulls, the sampling options' bounds, and every field of
 vLLM's two request classes either taken or refused by name (docs/openai.md, "vLLM's fields").
 
-The models are checked on their own, without a stack: app/core/openai_format.py's request
-classes (the OpenAI endpoints and batch lines share them) and app/core/schemas.py's
+The models are checked on their own, without a stack: app/core/openai/openai_format.py's request
+classes (the OpenAI endpoints and batch lines share them) and app/core/contract/params.py's
 ``JobCreate``. The API's answers to the same bodies are tests/integration/test_openai.py's.
 """
 
@@ -18,14 +18,15 @@ from typing import Any
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from app.core.openai_format import (
+from app.core.contract.jobs import JobChoice, JobCreate
+from app.core.contract.params import JobParams
+from app.core.openai.openai_format import (
     CHAT_REFUSED,
     COMPLETION_REFUSED,
     ChatCompletionRequest,
     CompletionRequest,
 )
-from app.core.responses_format import RESPONSES_REFUSED, ResponseCreate
-from app.core.schemas import JobChoice, JobCreate, JobParams
+from app.core.openai.responses_format import RESPONSES_REFUSED, ResponseCreate
 from app.core.settings import DEMO_MODEL_NAME
 
 CHAT = {"model": DEMO_MODEL_NAME, "messages": [{"role": "user", "content": "hi"}]}

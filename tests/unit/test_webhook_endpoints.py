@@ -25,11 +25,12 @@ from sqlalchemy import text
 from app.api.main import create_app
 from app.batches import finalize
 from app.cli.main import main as cli
-from app.core import db, endpoints, webhooks
+from app.core import db
 from app.core.db import session_scope
 from app.core.errors import DomainError
-from app.core.keys import create_key
 from app.core.settings import Settings, get_settings
+from app.core.tenants.keys import create_key
+from app.core.webhooks import endpoints, rules
 from tests.conftest import PostgresDatabases, database_url_for
 from tests.support import Receiver
 from tests.unit.conftest import environment
@@ -235,7 +236,7 @@ def test_the_docs_samples_have_the_fields_the_api_answers(client: OpenAI) -> Non
     answered: Any = client.get(f"/webhook_endpoints/{made.id}", cast_to=object)
     assert set(created_sample) == set(answered) | {"signing_secret"}
     assert set(created_sample) == set(made.model_dump())
-    body = json.loads(webhooks.render_openai("evt_x", "batch.completed", 1.0, "batch_x"))
+    body = json.loads(rules.render_openai("evt_x", "batch.completed", 1.0, "batch_x"))
     assert set(event_sample) == set(body) and set(event_sample["data"]) == set(body["data"])
     assert event_sample["type"] in client.webhooks.event_types.list().data
 

@@ -1,4 +1,4 @@
-"""The webhook URL policy, signing and schedule (app/core/webhooks.py), without a network."""
+"""The webhook URL policy, signing and schedule (app/core/webhooks/rules.py), without a network."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from standardwebhooks import Webhook, WebhookVerificationError
 
-from app.core import webhooks
 from app.core.settings import Settings
+from app.core.webhooks import rules
 
 REFUSED = [
     "127.0.0.1",
@@ -44,26 +44,26 @@ ALLOWED = ["8.8.8.8", "1.1.1.1", "2606:4700:4700::1111", "::ffff:8.8.8.8"]
 
 @pytest.mark.parametrize("address", REFUSED)
 def test_non_public_addresses_are_refused(address: str) -> None:
-    assert not webhooks.is_public(ipaddress.ip_address(address))
+    assert not rules.is_public(ipaddress.ip_address(address))
     host = f"[{address}]" if ":" in address else address
-    with pytest.raises(webhooks.WebhookUrlError, match="non-public"):
-        webhooks.check_url(f"https://{host}/hook", allow_private=False)
+    with pytest.raises(rules.WebhookUrlError, match="non-public"):
+        rules.check_url(f"https://{host}/hook", allow_private=False)
     # The setting lets them through (tests and private deployments).
-    target = webhooks.check_url(f"https://{host}/hook", allow_private=True)
+    target = rules.check_url(f"https://{host}/hook", allow_private=True)
     assert target.addresses == (ipaddress.ip_address(address),)
 
 
 @pytest.mark.parametrize("address", ALLOWED)
 def test_public_addresses_pass(address: str) -> None:
     host = f"[{address}]" if ":" in address else address
-    target = webhooks.check_url(f"http://{host}:8080/x?y=1", allow_private=False)
+    target = rules.check_url(f"http://{host}:8080/x?y=1", allow_private=False)
     assert target.port == 8080 and target.scheme == "http"
 
 
 def test_hostnames_are_judged_by_what_they_resolve_to() -> None:
-    with pytest.raises(webhooks.WebhookUrlError, match="non-public"):
-        webhooks.check_url("http://localhost/hook", allow_private=False)
-    target = webhooks.check_url("http://localhost:1234/hook", allow_private=True)
+    with pytest.raises(rules.WebhookUrlError, match="non-public"):
+        rules.check_url("http://localhost/hook", allow_private=False)
+    target = rules.check_url("http://localhost:1234/hook", allow_private=True)
     assert target.host == "localhost" and target.port == 1234
     assert all(a.is_loopback for a in target.addresses)
 
@@ -81,14 +81,14 @@ def test_hostnames_are_judged_by_what_they_resolve_to() -> None:
     ],
 )
 def test_malformed_urls_are_refused(url: str, why: str) -> None:
-    with pytest.raises(webhooks.WebhookUrlError, match=why):
-        webhooks.check_url(url, allow_private=True)
+    with pytest.raises(rules.WebhookUrlError, match=why):
+        rules.check_url(url, allow_private=True)
 
 
 def test_signatures_verify_with_the_library_and_rotation_sends_both() -> None:
     new, old = "whsec_" + "A" * 32, "whsec_" + "B" * 32
-    body = webhooks.render("job.succeeded", 1_700_000_000.5, {"id": "job_1"})
-    headers = webhooks.signed_headers("msg_1", body, time.time(), [new, old])
+    body = rules.render("job.succeeded", 1_700_000_000.5, {"id": "job_1"})
+    headers = rules.signed_headers("msg_1", body, time.time(), [new, old])
     assert headers["webhook-id"] == "msg_1"
     assert Webhook(new).verify(body, headers)["data"] == {"id": "job_1"}
     assert Webhook(old).verify(body, headers)["type"] == "job.succeeded"
@@ -101,7 +101,7 @@ def test_signatures_verify_with_the_library_and_rotation_sends_both() -> None:
 def test_retry_schedule_and_its_validation() -> None:
     settings = Settings(webhook_retry_schedule="5, 300,1800")
     assert settings.webhook_retry_delays == [5.0, 300.0, 1800.0]
-    assert [webhooks.retry_delay(settings, n) for n in (1, 2, 3, 4)] == [5.0, 300.0, 1800.0, None]
+    assert [rules.retry_delay(settings, n) for n in (1, 2, 3, 4)] == [5.0, 300.0, 1800.0, None]
     default = Settings()
     assert default.webhook_retry_delays == [5, 300, 1800, 7200, 18000, 36000, 36000]
     for bad in ("5,-1", "soon"):
@@ -111,9 +111,9 @@ def test_retry_schedule_and_its_validation() -> None:
 
 def test_default_secret_is_made_once_and_kept(tmp_path: Path) -> None:
     settings = Settings(data_dir=tmp_path)
-    secret = webhooks.load_secret(settings)
-    assert secret.startswith("whsec_") and webhooks.load_secret(settings) == secret
-    assert (tmp_path / webhooks.SECRET_FILE).stat().st_mode & 0o777 == 0o600
+    secret = rules.load_secret(settings)
+    assert secret.startswith("whsec_") and rules.load_secret(settings) == secret
+    assert (tmp_path / rules.SECRET_FILE).stat().st_mode & 0o777 == 0o600
     Webhook(secret)  # a valid Standard Webhooks secret
     explicit = Settings(data_dir=tmp_path, webhook_secret="whsec_" + "D" * 32)
-    assert webhooks.load_secret(explicit) == "whsec_" + "D" * 32
+    assert rules.load_secret(explicit) == "whsec_" + "D" * 32

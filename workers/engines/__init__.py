@@ -52,11 +52,16 @@ def create_engine(settings: Settings) -> Engine:
     if name == "simulated":
         from workers.engines.simulated import CostModel, SimulatedEngine
 
+        task = "generate" if settings.model_task == "auto" else settings.model_task
+        pooling = task != "generate"
         return SimulatedEngine(
-            CostModel.from_settings(settings),
+            CostModel.from_settings(settings, pooling=pooling),
             model_name=settings.model_name,
-            # Llama-3.1-8B's context, the model the cost model is calibrated to.
-            max_model_len=settings.max_model_len or 131_072,
+            # Llama-3.1-8B's context, the model the cost model is calibrated to; a pooling
+            # model's, MiniLM's 512 tokens (docs/engines.md, "Pooling models").
+            max_model_len=settings.max_model_len or (512 if pooling else 131_072),
+            task=task,
+            embed_dim=settings.sim_embed_dim,
         )
     model, served = resolve_model(settings)
     if name == "vllm":

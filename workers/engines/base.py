@@ -2,7 +2,9 @@
 
 An engine is driven from one asyncio event loop (the runner's). ``generate`` streams deltas and
 ends with a chunk that carries ``finish_reason``; many ``generate`` calls are in flight at once,
-and an engine with continuous batching batches them at every step.
+and an engine with continuous batching batches them at every step. An engine of a pooling
+model (its ``task`` embed or score) serves ``pool`` instead: a job's inputs go to the engine
+together, each its own engine request (vLLM's), so they are batched with everything in flight.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ class GenRequest:
     priority: int = 1  # lower runs first (vLLM's convention)
     arrival: float = 0.0
     # The other sampling options the caller set, by ``SamplingParams``' names (top_k, min_p,
-    # logit_bias, ...: app/core/schemas.py ``JobParams``); absent ones are at their defaults.
+    # logit_bias, ...: app/core/contract/params.py ``JobParams``); absent ones are at their
+    # defaults.
     options: Mapping[str, Any] = field(default_factory=dict)
     # A chat's tools, tool_choice and parallel_tool_calls (``jobs.tools``); the chat template
     # shows the tools to the model, and workers/inference/tools.py finds the calls in the output.
@@ -43,6 +46,42 @@ class GenRequest:
     @property
     def tool_choice(self) -> str | dict[str, str]:
         return "none" if self.tools is None else self.tools["tool_choice"]
+
+
+@dataclass(frozen=True)
+class PoolRequest:
+    """A pooled job for the engine (docs/engines.md, "Pooling models"): ``inputs`` to embed
+    (texts, or lists of token ids), or ``pairs`` (query, document) to score."""
+
+    request_id: str
+    task: str  # "embed" or "score" (app.core.models.JobKind)
+    inputs: Sequence[str | Sequence[int]] = ()
+    pairs: Sequence[tuple[str, str]] = ()
+    # vLLM's pooling options the caller set: dimensions, truncate_prompt_tokens, use_activation.
+    options: Mapping[str, Any] = field(default_factory=dict)
+    priority: int = 1  # lower runs first (vLLM's convention)
+    arrival: float = 0.0
+
+    @property
+    def size(self) -> int:
+        """How many vectors or scores the request yields."""
+        return len(self.inputs) if self.task == "embed" else len(self.pairs)
+
+
+@dataclass
+class PoolResult:
+    """What the engine pooled: one row of ``width`` float32 values per input, in input order,
+    packed as ``Job.pooled`` stores them (app/core/contract/pooling.py, ``pack``). An input
+    the engine refused on its own (too long, a token id out of range) has a row of zeros and
+    its error in ``errors``; the others are unaffected."""
+
+    data: bytes
+    width: int
+    prompt_tokens: int
+    errors: dict[int, tuple[str, str]] = field(default_factory=dict)  # index -> (code, message)
+    counts: list[int] = field(default_factory=list)  # each input's prompt tokens (0: refused)
+    finished_at: float | None = None
+    abort_reason: str | None = None  # set when the runner stopped it: cancelled, deadline, ...
 
 
 @dataclass
@@ -133,6 +172,14 @@ def check_adapter(req: GenRequest, model_name: str) -> None:
         )
 
 
+def wrong_task(engine: str, model: str, task: str, asked: str) -> EngineRequestError:
+    """What an engine raises for a job its model's task cannot run (the API refuses such a job
+    before it is written; a worker can still meet one whose model changed task since)."""
+    return EngineRequestError(
+        "wrong_task", f"the {engine} engine runs {model!r} as a {task} model, not to {asked}"
+    )
+
+
 class EngineDeadError(Exception):
     """The engine cannot serve anything any more; the worker must stop."""
 
@@ -179,6 +226,13 @@ def ignore_step(sequences: int, tokens: int) -> None:
 class Engine(Protocol):
     name: str
     model_name: str
+    # What the model does: generate, embed or score (app.core.models.JobKind), known once
+    # start() has returned; an engine serves ``generate`` or ``pool``, as its task says.
+    task: str
+    # An embedding model's vectors: how many dimensions, and whether ``dimensions`` may cut
+    # them (a matryoshka model); None and False otherwise. Known once start() has returned.
+    embed_dim: int | None
+    matryoshka: bool
     continuous_batching: bool
     # The engine's compute runs in processes of its own (vLLM's EngineCore), not in this one.
     own_processes: bool
@@ -193,10 +247,16 @@ class Engine(Protocol):
 
     def tokenizer_json(self) -> str | None:
         """The tokenizer as a ``tokenizer.json`` for the API to count prompts with
-        (app/core/tokens.py; ``WORDS``: the simulated word counter); None where there is none."""
+        (app/core/scheduling/tokens.py; ``WORDS``: the simulated word counter); None where there
+        is none."""
         ...
 
     def generate(self, req: GenRequest) -> AsyncIterator[GenChunk]: ...
+
+    async def pool(self, req: PoolRequest) -> PoolResult:
+        """Embed or score ``req``'s inputs, all of them in flight at once (an engine whose task
+        is not ``req.task`` raises EngineRequestError)."""
+        ...
 
     def extract_tool_calls(
         self, text: str, tools: Sequence[dict[str, Any]]

@@ -27,6 +27,8 @@ from workers.engines.base import (
     EngineStats,
     GenChunk,
     GenRequest,
+    PoolRequest,
+    PoolResult,
     StepObserver,
     TokenWindow,
     ToolStream,
@@ -35,6 +37,7 @@ from workers.engines.base import (
     ignore_step,
     prompt_text,
     refuse_options,
+    wrong_task,
 )
 
 log = logging.getLogger("inferq.engine.hf")
@@ -70,11 +73,19 @@ def _sampling_key(req: GenRequest) -> tuple[Any, ...]:
 
 class HFEngine:
     name = "hf"
+    task = "generate"  # pooling models are vLLM's (docs/engines.md, "Pooling models")
+    embed_dim: int | None = None
+    matryoshka = False
     continuous_batching = False
     own_processes = False
     tool_parser: str | None = None  # tool_choice auto is refused (refuse_options)
 
     def __init__(self, model: str | Path, model_name: str, settings: Settings) -> None:
+        if settings.model_task not in ("auto", "generate"):
+            raise ValueError(
+                f"the hf engine serves generation models: INFERQ_MODEL_TASK={settings.model_task} "
+                "needs the vllm engine (or the simulated one)"
+            )
         self.model_path = str(model)
         self.model_name = model_name
         self.max_batch = settings.micro_batch_max_size
@@ -144,6 +155,9 @@ class HFEngine:
         finally:
             if not item.future.done():
                 item.future.cancel()
+
+    async def pool(self, req: PoolRequest) -> PoolResult:
+        raise wrong_task(self.name, self.model_name, self.task, req.task)
 
     async def abort(self, request_id: str) -> None:
         for item in self._pending:

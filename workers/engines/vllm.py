@@ -6,17 +6,30 @@ to vLLM priorities (lower runs first); a waiting request never preempts a runnin
 protection is also done before the engine (workers/inference/runner.py).
 Known across vLLM 0.10-0.33: keyword-only arguments after ``request_id``; ``get_tokenizer`` is
 async in older versions; raw string prompts are accepted (deprecated in 0.32, still working).
+
+A pooling model (``INFERQ_MODEL_TASK`` embed or score, or what vLLM resolves for ``auto``)
+runs with ``runner="pooling"`` and serves :meth:`VLLMEngine.pool`: each input is one
+``AsyncLLM.encode`` request, all of a job's in flight at once, as vLLM's own server sends a
+list ``input`` (``entrypoints/pooling/base/serving.py``). Embeddings ask for
+``PoolingParams(task="embed")`` explicitly (without a task vLLM returns per-token vectors);
+a score renders its (query, document) pair with vLLM's own cross-encoder IO processor, the one
+its ``/rerank`` and ``/score`` use (``entrypoints/pooling/scoring/io_processor.py``), so the
+pair's tokens and token types are the server's.
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 import os
+import time
+from array import array
 from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from app.core.contract.pooling import pack
 from app.core.settings import Settings
 from workers.engines.base import (
     EngineDeadError,
@@ -24,6 +37,8 @@ from workers.engines.base import (
     EngineStats,
     GenChunk,
     GenRequest,
+    PoolRequest,
+    PoolResult,
     StepObserver,
     TokenWindow,
     ToolDelta,
@@ -32,6 +47,7 @@ from workers.engines.base import (
     ignore_step,
     prompt_text,
     token_logprob,
+    wrong_task,
 )
 
 log = logging.getLogger("inferq.engine.vllm")
@@ -113,6 +129,23 @@ def _stat_logger_factory(engine: VLLMEngine) -> Any:
     return CaptureStats
 
 
+# inferq's task of a model as vLLM's runner and convert options (``--runner``, ``--convert``).
+_RUNNER = {"embed": ("pooling", "embed"), "score": ("pooling", "classify")}
+# vLLM's pooling task of a served model as inferq's task: a classifier scores pairs (a
+# cross-encoder, as vLLM's /score and /rerank run it).
+_TASK_OF_POOLING = {"embed": "embed", "classify": "score"}
+
+
+def _pooling_error(exc: Exception) -> tuple[str, str]:
+    """An input vLLM refused, as a job's error: (code, message)."""
+    message = str(exc)
+    if "context length" in message or "maximum model length" in message:
+        return "context_length_exceeded", message
+    if "out of vocabulary" in message:
+        return "invalid_token_ids", message
+    return "invalid_request", message
+
+
 class VLLMEngine:
     name = "vllm"
     continuous_batching = True
@@ -122,6 +155,11 @@ class VLLMEngine:
         self.model = str(model)
         self.model_name = model_name
         self.settings = settings
+        # Known once started (auto: what vLLM resolves from the model's architecture).
+        self.task: str = "generate" if settings.model_task == "auto" else settings.model_task
+        self.embed_dim: int | None = None
+        self.matryoshka = False
+        self._scorer: Any = None  # vLLM's cross-encoder IO processor (task score)
         self._llm: Any = None
         self._tokenizer: Any = None
         self.max_model_len = settings.max_model_len
@@ -148,12 +186,15 @@ class VLLMEngine:
             "max_num_seqs": s.vllm_max_num_seqs,
             "enforce_eager": s.vllm_enforce_eager,
             "load_format": s.vllm_load_format,
-            # On by default for decoder models (vLLM 0.32, CPU included); said here so that jobs
-            # sharing a prompt prefix (grouped by the dispatcher) reuse its KV blocks.
-            "enable_prefix_caching": True,
         }
         if s.max_model_len:
             args["max_model_len"] = s.max_model_len
+        if s.model_task in _RUNNER:
+            args["runner"], args["convert"] = _RUNNER[s.model_task]
+        # Prefix caching is vLLM's default for generation models (0.32, CPU included): jobs that
+        # share a prompt prefix, sent together by the dispatcher, reuse its KV blocks. vLLM
+        # turns it off for encoder-only pooling models (BERT), which keep no KV cache at all;
+        # said outright, it fails their engine's start.
         if s.adapters_of(self.model_name):
             # vLLM's LoRA support: adapters are loaded on first use, max_loras at once.
             args.update(enable_lora=True, max_loras=s.max_loras, max_lora_rank=s.max_lora_rank)
@@ -186,7 +227,39 @@ class VLLMEngine:
         self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[_stat_logger_factory(self)])
         tokenizer = self._llm.get_tokenizer()
         self._tokenizer = await tokenizer if inspect.isawaitable(tokenizer) else tokenizer
-        self.max_model_len = int(self._llm.model_config.max_model_len)
+        model_config = self._llm.model_config
+        self.max_model_len = int(model_config.max_model_len)
+        if model_config.runner_type == "pooling":
+            await self._start_pooling(model_config)
+
+    async def _start_pooling(self, model_config: Any) -> None:
+        """What a pooling model does (embed, or score with a classifier), and for scoring,
+        vLLM's cross-encoder IO processor."""
+        supported = await self._llm.get_supported_tasks()
+        pooling = model_config.get_pooling_task(supported)
+        if pooling not in _TASK_OF_POOLING:
+            raise ValueError(
+                f"{self.model_name!r}: vLLM pools it as {pooling!r}; inferq serves embedding "
+                "models (embed) and cross-encoders (classify, scored as pairs)"
+            )
+        self.task = _TASK_OF_POOLING[pooling]
+        if self.task == "embed":
+            self.embed_dim = int(model_config.get_hidden_size())
+            self.matryoshka = bool(getattr(model_config, "is_matryoshka", False))
+        if self.task == "score":
+            from vllm.entrypoints.pooling.factories import init_pooling_io_processors
+            from vllm.renderers.chat_utils import ChatTemplateConfig
+
+            processors = init_pooling_io_processors(
+                supported, self._llm.vllm_config, self._llm.renderer, ChatTemplateConfig()
+            )
+            scorers = [p for p in processors.values() if p.name == "cross-encoder"]
+            if not scorers:
+                raise ValueError(
+                    f"{self.model_name!r} is a classifier vLLM cannot score pairs with"
+                )
+            self._scorer = scorers[0]
+        log.info("pooling model: task %s, %s dimensions", self.task, self.embed_dim)
 
     def record_step(self, scheduler_stats: Any, iteration_stats: Any) -> None:
         """vLLM's stat loggers are called once per engine step, on the loop thread."""
@@ -199,7 +272,115 @@ class VLLMEngine:
     def tokenizer_json(self) -> str | None:
         return hf_tokenizer_json(self._tokenizer)
 
+    async def pool(self, req: PoolRequest) -> PoolResult:
+        if req.task != self.task:
+            raise wrong_task(self.name, self.model_name, self.task, req.task)
+        from vllm import PoolingParams
+        from vllm.v1.engine.exceptions import EngineDeadError as VLLMDead
+
+        options = dict(req.options)
+        truncate = options.pop("truncate_prompt_tokens", None)
+        try:
+            params = PoolingParams(
+                task="embed" if req.task == "embed" else "classify",
+                dimensions=options.get("dimensions") if req.task == "embed" else None,
+                use_activation=options.get("use_activation"),
+            )
+            if req.task == "embed":
+                prompts: list[Any] = [self._embed_prompt(item) for item in req.inputs]
+                kwargs = None if truncate is None else {"truncate_prompt_tokens": truncate}
+            else:
+                prompts = [self._score_prompt(q, d, params, truncate) for q, d in req.pairs]
+                kwargs = None
+        except self._request_errors as exc:  # dimensions this model does not have, ...
+            raise EngineRequestError(*_pooling_error(exc)) from exc
+        outputs = await asyncio.gather(
+            *(
+                self._encode(f"{req.request_id}.{i}", prompt, params, req.priority, kwargs)
+                for i, prompt in enumerate(prompts)
+            ),
+            return_exceptions=True,
+        )
+        rows: list[list[float] | None] = []
+        errors: dict[int, tuple[str, str]] = {}
+        counts: list[int] = []
+        for i, out in enumerate(outputs):
+            if isinstance(out, VLLMDead):
+                raise EngineDeadError(str(out)) from out
+            if isinstance(out, asyncio.CancelledError):
+                raise out
+            if isinstance(out, BaseException):
+                if not isinstance(out, self._request_errors):
+                    raise out
+                errors[i] = _pooling_error(out)  # type: ignore[arg-type]
+                rows.append(None)
+                counts.append(0)
+                continue
+            counts.append(len(out.prompt_token_ids or ()))
+            data = out.outputs.data
+            rows.append(data.squeeze().float().reshape(-1).tolist())
+        width = next((len(r) for r in rows if r is not None), 1)
+        values = array("f")
+        for row in rows:
+            values.extend(row if row is not None else [0.0] * width)
+        return PoolResult(pack(values), width, sum(counts), errors, counts, time.time())
+
+    def _embed_prompt(self, item: str | Sequence[int]) -> Any:
+        if isinstance(item, str):
+            return item
+        from vllm.inputs import TokensPrompt
+
+        return TokensPrompt(prompt_token_ids=list(item))
+
+    def _score_prompt(self, query: str, document: str, params: Any, truncate: int | None) -> Any:
+        """The pair as vLLM's /score renders it: the engine input, with its own params (the
+        token types travel in them)."""
+        from vllm.entrypoints.pooling.typing import ScoringRenderParams
+
+        tok_params = self._llm.renderer.default_cmpl_tok_params
+        if truncate is not None:
+            tok_params = tok_params.with_kwargs(truncate_prompt_tokens=truncate)
+        rendered = self._scorer.render(
+            ScoringRenderParams(
+                data_1=query,
+                data_2=document,
+                chat_template=None,
+                max_tokens_per_query=0,
+                max_tokens_per_doc=0,
+                tok_params=tok_params,
+                prompt_extras=None,
+                skip_mm_cache=False,
+                params=params,
+                lora_requests=None,
+                priorities=0,
+            )
+        )
+        return rendered["prompts"], rendered["params"]
+
+    async def _encode(
+        self,
+        request_id: str,
+        prompt: Any,
+        params: Any,
+        priority: int,
+        tokenization_kwargs: dict[str, Any] | None,
+    ) -> Any:
+        if isinstance(prompt, tuple):  # a rendered pair carries its own params
+            prompt, params = prompt
+        final = None
+        async for out in self._llm.encode(
+            prompt,
+            params,
+            request_id,
+            priority=priority,
+            tokenization_kwargs=tokenization_kwargs,
+        ):
+            final = out  # FINAL_ONLY: one output, when the input is pooled
+        return final
+
     async def generate(self, req: GenRequest) -> AsyncIterator[GenChunk]:
+        if self.task != "generate":
+            raise wrong_task(self.name, self.model_name, self.task, "generate")
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
         from vllm.v1.engine.exceptions import EngineDeadError as VLLMDead

@@ -2,8 +2,10 @@
 a claimed row and of what the engine returned, with no database, Redis or engine behind them.
 
 - :class:`Claim`: a job this worker claimed (its lease, its engine request, who waits on it);
-- :func:`request_for`: the engine request of a claimed row (``transitions.CLAIMED``);
-- :func:`ending_of`: the outcome (or release) of a generation that left the engine;
+- :func:`request_for`: the engine request of a claimed row (``transitions.CLAIMED``), a
+  generation or, for a pooled job, its inputs to embed or score;
+- :func:`ending_of`: the outcome (or release) of a generation that left the engine, and
+  :func:`pooled_ending_of` of a pooled job (a grouped batch job's inputs fail by line);
 - :func:`echo_of`: what an ``echo`` request's output starts with.
 
 The executor (workers/inference/executor.py) and the recorder (recorder.py) both use them.
@@ -14,10 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from app.core.models import LANE_PRIORITY, JobStatus
+from app.core.lifecycle.transitions import DEADLINE_EXCEEDED, Lease, Outcome
+from app.core.models import LANE_PRIORITY, JobKind, JobStatus
 from app.core.settings import Settings
-from app.core.transitions import DEADLINE_EXCEEDED, Lease, Outcome
-from workers.engines.base import GenRequest
+from workers.engines.base import GenRequest, PoolRequest, PoolResult
 from workers.inference.runner import GenResult
 
 
@@ -26,11 +28,13 @@ class Claim:
     """A job this worker claimed: its lease, its engine request and what its caller awaits."""
 
     lease: Lease
-    request: GenRequest
+    request: GenRequest | PoolRequest
     deadline: float | None
-    relay: str | None  # a caller waits (app/core/relay.py): "end" or "tokens"
+    relay: str | None  # a caller waits (app/core/messaging/relay.py): "end" or "tokens"
     reply_to: str | None  # where the relay goes
     echo: str = ""  # what the output starts with (``echo``: see echo_of)
+    # A grouped batch job's lines (Job.lines): an input's error fails its line only.
+    lines: list[dict[str, Any]] | None = None
 
     @property
     def job_id(self) -> str:
@@ -78,10 +82,27 @@ def echo_of(job: Any) -> str:
     return str(last.get("content") or "") if last.get("role") == "assistant" else ""
 
 
-def request_for(job: Any, token: int, settings: Settings) -> GenRequest:
+def request_for(job: Any, token: int, settings: Settings) -> GenRequest | PoolRequest:
     """The engine request for a claimed row (``transitions.CLAIMED``) or an ORM ``Job``, on a
     worker of ``settings.model_name``: a job naming another model names one of its adapters."""
     params: dict[str, Any] = job.params
+    if job.kind != JobKind.GENERATE:
+        inputs = job.inputs
+        pairs: list[tuple[str, str]] = []
+        if job.kind == JobKind.SCORE:
+            queries, documents = inputs["queries"], inputs["documents"]
+            if len(queries) == 1:
+                queries = queries * len(documents)
+            pairs = list(zip(queries, documents, strict=True))
+        return PoolRequest(
+            request_id=request_id(job.id, token),
+            task=job.kind,
+            inputs=inputs if job.kind == JobKind.EMBED else (),
+            pairs=pairs,
+            options=params,
+            priority=LANE_PRIORITY[job.lane],
+            arrival=job.created_at,
+        )
     adapter = None if job.model == settings.model_name else job.model
     mine = adapter in settings.adapters_of(settings.model_name)
     return GenRequest(
@@ -134,4 +155,61 @@ def ending_of(result: GenResult, echo: str = "") -> Outcome | Released:
         completion_tokens=result.completion_tokens,
         first_token_at=result.first_token_at,
         choices=choices,
+    )
+
+
+def pooled_ending_of(result: PoolResult, lines: list[dict[str, Any]] | None) -> Outcome | Released:
+    """How a pooled job that left the engine ends. An input the engine refused fails the whole
+    job, as OpenAI answers a request with one bad input; in a batch job (``lines``) it fails
+    its line only (``line_results``: each line's prompt tokens, or its error), and the job
+    fails when every line did."""
+    match result.abort_reason:
+        case None:
+            pass
+        case "cancelled":
+            return Outcome(JobStatus.CANCELLED, finish_reason="cancelled")
+        case "deadline":
+            return Outcome(
+                JobStatus.EXPIRED,
+                error_code=DEADLINE_EXCEEDED,
+                error_message="the job's timeout_s passed while it was running",
+            )
+        case reason:
+            return Released(reason)
+    errors = result.errors
+    if errors and lines is None:
+        index, (code, message) = min(errors.items())
+        return Outcome(JobStatus.FAILED, error_code=code, error_message=f"input {index}: {message}")
+    results: dict[str, dict[str, Any]] = {}
+    failed = 0
+    start = 0
+    for line in lines or ():
+        mine = range(start, start + line["inputs"])
+        refused = [i for i in mine if i in errors]
+        if refused:
+            code, message = errors[refused[0]]
+            results[str(line["line"])] = {
+                "error": {"code": code, "message": f"input {refused[0] - start}: {message}"}
+            }
+            failed += 1
+        else:
+            results[str(line["line"])] = {"prompt_tokens": sum(result.counts[i] for i in mine)}
+        start += line["inputs"]
+    if lines and failed == len(lines):
+        error = results[str(lines[0]["line"])]["error"]
+        return Outcome(
+            JobStatus.FAILED,
+            error_code=error["code"],
+            error_message=f"every line failed; line {lines[0]['line']}: {error['message']}",
+            line_results=results,
+        )
+    return Outcome(
+        JobStatus.SUCCEEDED,
+        prompt_tokens=result.prompt_tokens,
+        completion_tokens=0,
+        first_token_at=result.finished_at,
+        pooled=result.data,
+        pooled_width=result.width,
+        failed_lines=failed,
+        line_results=results or None,
     )

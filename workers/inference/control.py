@@ -12,7 +12,7 @@ import threading
 
 import redis
 
-from app.core.names import CONTROL_CHANNEL
+from app.core.messaging.names import CONTROL_CHANNEL
 from workers.inference.executor import Executor
 
 log = logging.getLogger("inferq.control")

@@ -24,19 +24,34 @@ import threading
 from collections import Counter, deque
 from collections.abc import Callable, Iterator, Sequence
 
-from app.core import transitions
-from app.core.changes import changes
 from app.core.db import with_db_retry
+from app.core.lifecycle import transitions
+from app.core.lifecycle.changes import changes
+from app.core.lifecycle.transitions import Outcome
 from app.core.models import JobStatus, now
 from app.core.settings import Settings
-from app.core.transitions import Outcome
 from workers import metrics
-from workers.engines.base import EngineDeadError, EngineRequestError, GenChunk
+from workers.engines.base import (
+    EngineDeadError,
+    EngineRequestError,
+    GenChunk,
+    GenRequest,
+    PoolRequest,
+    PoolResult,
+)
 from workers.inference import tools
-from workers.inference.claims import Claim, Released, echo_of, ending_of, request_for, request_id
+from workers.inference.claims import (
+    Claim,
+    Released,
+    echo_of,
+    ending_of,
+    pooled_ending_of,
+    request_for,
+    request_id,
+)
 from workers.inference.intake import Intake
 from workers.inference.recorder import Recorder
-from workers.inference.runner import GenResult, Runner
+from workers.inference.runner import Result, Runner
 
 log = logging.getLogger("inferq.executor")
 
@@ -112,7 +127,7 @@ class Executor:
             # A message may carry more jobs than the worker has slots (a bulk chunk on a small
             # worker): at most ``slots`` of them are in the engine at once.
             waiting = deque(claims)
-            futures: dict[concurrent.futures.Future[GenResult], Claim] = {}
+            futures: dict[concurrent.futures.Future[Result], Claim] = {}
             running = self._start_from(waiting, max(1, self.intake.slots), futures)
             recorded: list[tuple[Claim, Outcome, concurrent.futures.Future[bool]]] = []
             try:
@@ -168,8 +183,8 @@ class Executor:
         self,
         waiting: deque[Claim],
         n: int,
-        futures: dict[concurrent.futures.Future[GenResult], Claim],
-    ) -> set[concurrent.futures.Future[GenResult]]:
+        futures: dict[concurrent.futures.Future[Result], Claim],
+    ) -> set[concurrent.futures.Future[Result]]:
         """Put up to ``n`` waiting claims into the engine (one wake-up); returns their futures."""
         claims = [waiting.popleft() for _ in range(min(n, len(waiting)))]
         if not claims:
@@ -191,12 +206,13 @@ class Executor:
         each with its choice's index and, asked for, its tokens' logprobs; a job with tools
         relays its content and pieces of its calls instead of its text
         (workers/inference/tools.py)."""
-        if claim.relay != "tokens" or claim.reply_to is None:
-            return None
+        request = claim.request
+        if claim.relay != "tokens" or claim.reply_to is None or isinstance(request, PoolRequest):
+            return None  # a pooled job streams nothing: its caller gets the end
         reply_to, token, publish = claim.reply_to, claim.token, self.recorder.relay.piece
         if claim.echo:  # the caller's first piece is what the output starts with
             publish(reply_to, token, claim.echo)
-        if claim.request.tool_choice == "none":
+        if request.tool_choice == "none":
 
             def relay(chunk: GenChunk) -> None:
                 # A token with no text (the end of sequence) still has its logprob.
@@ -205,7 +221,7 @@ class Executor:
 
             return relay
         streamed = self._streamed[claim.job_id] = tools.Streamed(
-            claim.request.tools or {}, self.runner.engine
+            request.tools or {}, self.runner.engine
         )
 
         def relay_calls(chunk: GenChunk) -> None:
@@ -216,16 +232,19 @@ class Executor:
         return relay_calls
 
     def _ending(
-        self, claim: Claim, future: concurrent.futures.Future[GenResult]
+        self, claim: Claim, future: concurrent.futures.Future[Result]
     ) -> Outcome | Released:
         """How the job left the engine (raises EngineDeadError)."""
         try:
             result = future.result()
+            if isinstance(result, PoolResult):
+                return pooled_ending_of(result, claim.lines)
             streamed = self._streamed.pop(claim.job_id, None)
+            request = claim.request
             if streamed is not None:
                 result = streamed.apply(result)
-            elif claim.request.tools is not None:
-                result = tools.with_calls(result, claim.request.tools, self.runner.engine)
+            elif isinstance(request, GenRequest) and request.tools is not None:
+                result = tools.with_calls(result, request.tools, self.runner.engine)
             return ending_of(result, claim.echo)
         except EngineRequestError as exc:
             return Outcome(JobStatus.FAILED, error_code=exc.code, error_message=str(exc))
@@ -256,6 +275,7 @@ class Executor:
                 relay=row.relay,
                 reply_to=row.reply_to,
                 echo=echo_of(row),
+                lines=row.lines,
             )
             for row in rows
         ]

@@ -25,7 +25,7 @@ import sys
 import time
 from types import FrameType
 
-from app.core import lifeline
+from app.core.processes import lifeline
 from app.core.settings import Settings, get_settings
 
 log = logging.getLogger("inferq.gpus")

@@ -133,6 +133,12 @@ class Heartbeat:
             "kv_cache_usage": stats.kv_cache_usage,
             "tokens_per_s": round(stats.generated_tokens_per_s, 1),
             "engine_stats": stats.extra,
+            # The engine's own count of prompt tokens looked up in its prefix cache and found
+            # there: `inferq status` and the console show the hit rate (prefix affinity).
+            "prefix_cache": {
+                "queries": stats.prefix_cache_queries,
+                "hits": stats.prefix_cache_hits,
+            },
             "step_ms": metrics.steps.median_ms(),
             "intake": self.executor.intake.snapshot(),
         }

@@ -32,7 +32,7 @@ through the whole step (the engine is full), else the most seen running, startin
 slots. A change of a tenth or more is announced at once (the heartbeat's presence record),
 not at the next beat. What the worker holds at most, ``holds = min(slots, capacity +
 engine_queue)``, is what the dispatcher counts it as, and sizes bulk messages by: a quarter of
-it at most (app/core/broker.py, ``jobs_per_message``), the room a bulk message needs here.
+it at most (app/core/messaging/broker.py, ``jobs_per_message``), the room a bulk message needs here.
 
 Celery fetches whatever its free threads can hold, from any queue. To make the rule bind before
 a message is fetched, the worker stops consuming a lane's queue when the lane has no room (and
@@ -57,9 +57,9 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
-from app.core.broker import jobs_per_message
-from app.core.names import queue_of
-from app.core.settings import Settings
+from app.core.messaging.broker import jobs_per_message
+from app.core.messaging.names import lane_queues
+from app.core.settings import LANES, Settings
 
 # The time from a lane opening to its next message's jobs in the engine: Celery's broker poll
 # (50 ms, docs/architecture.md, "Intake"), the claim's transaction, the dispatcher refilling
@@ -79,8 +79,16 @@ class Intake:
         bulk_chunk: int,
         model: str,
         engine_queue: int = 0,
+        worker_id: str = "",
+        affine: frozenset[str] = frozenset(),
     ) -> None:
         self.lanes = list(lanes)
+        # Each lane's queues, the worker's own first where the lane is sent by prefix affinity
+        # (app/core/messaging/names.py, lane_queues): they open and close together.
+        self.queues = {
+            lane: lane_queues(lane, model, worker_id, affine if worker_id else ())
+            for lane in self.lanes
+        }
         # 0: no bound from the engine's queue (the slots alone decide).
         self.engine_queue = engine_queue
         self.waiting_in_engine = 0
@@ -90,7 +98,7 @@ class Intake:
         self._announced = slots
         self._engine_load: Callable[[], tuple[int, int]] = lambda: (0, 0)
         self._on_capacity: Callable[[], None] = lambda: None
-        self.model = model  # the lanes are this model's queues (app/core/names.py)
+        self.model = model  # the lanes are this model's queues (app/core/messaging/names.py)
         self.slots = slots
         self.reserved = {lane: int(slots * reserved_share.get(lane, 0.0)) for lane in self.lanes}
         self.used = dict.fromkeys(self.lanes, 0)
@@ -104,7 +112,9 @@ class Intake:
         self._lock = threading.Lock()
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> Intake:
+    def from_settings(cls, settings: Settings, worker_id: str = "") -> Intake:
+        """The intake of a worker of ``settings``; ``worker_id``: it consumes its own queues
+        (prefix affinity) under that id, in ``settings.affine_lanes``."""
         return cls(
             settings.lanes,
             settings.worker_concurrency,
@@ -112,7 +122,18 @@ class Intake:
             settings.bulk_chunk_size,
             settings.model_name,
             settings.worker_engine_queue,
+            worker_id,
+            settings.affine_lanes,
         )
+
+    @property
+    def own_lanes(self) -> list[str]:
+        """The lanes whose own queue this worker consumes (its presence record says so)."""
+        return [lane for lane, queues in self.queues.items() if len(queues) > 1]
+
+    def all_queues(self) -> list[str]:
+        """Every queue this worker consumes, in the order it tries them."""
+        return [name for lane in LANES if lane in self.queues for name in self.queues[lane]]
 
     def bind(self, consumer: Any) -> None:
         """Attach Celery's consumer (``worker_ready``); from now on lanes open and close."""
@@ -188,7 +209,7 @@ class Intake:
 
     def need(self, lane: str) -> int:
         """Slots a message of ``lane`` may bring: a bulk message carries a chunk of jobs, sized
-        by what the worker holds (app/core/broker.py, jobs_per_message)."""
+        by what the worker holds (app/core/messaging/broker.py, jobs_per_message)."""
         ceiling = self.slots - sum(self.reserved[m] for m in self.lanes if m != lane)
         wanted = jobs_per_message(lane, self.bulk_chunk, self.holds())
         return max(1, min(wanted, ceiling))
@@ -278,7 +299,8 @@ class Intake:
                 else:
                     continue
                 try:
-                    change(queue_of(lane, self.model))
+                    for name in self.queues[lane]:
+                        change(name)
                 except Exception as exc:
                     log.warning(
                         "%s(%s) failed: %r; the consumer Celery rebuilds when the broker is "

@@ -21,9 +21,9 @@ import logging
 import os
 from collections.abc import Callable
 
-from app.core import clients, outbox, relay
-from app.core.names import queue_of
-from app.core.settings import LANES, Settings, get_settings
+from app.core.messaging import clients, relay
+from app.core.settings import Settings, get_settings
+from app.core.webhooks import outbox
 from workers import celery_app, metrics
 from workers.engines import create_engine
 from workers.inference import tasks
@@ -60,7 +60,7 @@ def build_executor(
     return Executor(
         runner,
         recorder,
-        intake or Intake.from_settings(settings),
+        intake or Intake.from_settings(settings, worker_id),
         settings,
         on_engine_dead=on_engine_dead,
     )
@@ -90,6 +90,9 @@ def build(settings: Settings) -> InferenceWorker:
         "batching": runner.batching,
         "lanes": settings.lanes,
         "concurrency": settings.worker_concurrency,
+        # The lanes whose own queue it consumes before the shared one: the dispatcher sends
+        # those lanes' jobs to it by prefix affinity (docs/scheduling.md, "Prefix affinity").
+        "own_lanes": intake.own_lanes,
         # The GPUs this worker sees (`inferq worker --gpus` pins one per worker).
         "devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
     }
@@ -120,6 +123,6 @@ def main() -> None:
     celery_app.run_worker(
         app,
         "worker",
-        [queue_of(lane, settings.model_name) for lane in LANES if lane in settings.lanes],
+        worker.executor.intake.all_queues(),
         settings.worker_concurrency + SPARE_THREADS,
     )

@@ -20,11 +20,13 @@ import queue
 import threading
 from functools import partial
 
-from app.core import outbox, relay, transitions
-from app.core.changes import changes
 from app.core.db import with_db_retry
+from app.core.lifecycle import transitions
+from app.core.lifecycle.changes import changes
+from app.core.lifecycle.transitions import Outcome
+from app.core.messaging import relay
 from app.core.models import JobStatus, now
-from app.core.transitions import Outcome
+from app.core.webhooks import outbox
 from workers import metrics
 from workers.inference.claims import Claim
 

@@ -21,16 +21,15 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
-from app.core.models import LANE_PRIORITY
+from app.core.models import LANE_PRIORITY, choice
 from app.core.settings import Settings
-from app.core.transitions import choice
 from workers import metrics
-from workers.engines.base import Engine, EngineStats, GenChunk, GenRequest
+from workers.engines.base import Engine, EngineStats, GenChunk, GenRequest, PoolRequest, PoolResult
 
 log = logging.getLogger("inferq.runner")
 
@@ -126,15 +125,18 @@ class MicroBatcher:
 
 
 # (request, deadline, on_delta, the caller's future): one request for the loop thread to start.
+# What the engine gives back for a request: a generation's text, or a pooled job's rows.
+Result = GenResult | PoolResult
+
 _Spawn = tuple[
-    GenRequest,
+    GenRequest | PoolRequest,
     float | None,
     Callable[[GenChunk], None] | None,
-    concurrent.futures.Future[GenResult],
+    concurrent.futures.Future[Result],
 ]
 
 
-def _settle(future: concurrent.futures.Future[GenResult], task: asyncio.Task[GenResult]) -> None:
+def _settle(future: concurrent.futures.Future[Result], task: asyncio.Task[Result]) -> None:
     """Copy a finished task's outcome to the caller's future."""
     if task.cancelled():
         future.set_exception(concurrent.futures.CancelledError())
@@ -307,7 +309,7 @@ class Runner:
         self.batcher: MicroBatcher | None = None
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run_loop, name="engine-loop", daemon=True)
-        self._tasks: dict[str, asyncio.Task[GenResult]] = {}
+        self._tasks: dict[str, asyncio.Task[Result]] = {}
         self._abort_reasons: dict[str, str] = {}
         # Static micro-batches run as a unit: there is no engine step to keep short.
         self.pacer = BulkPacer(
@@ -349,29 +351,49 @@ class Runner:
             self.batcher = MicroBatcher(*self._micro_args)
             self.batcher.start()
 
+    @overload
     def submit(
         self,
         req: GenRequest,
         *,
         deadline: float | None = None,
         on_delta: Callable[[GenChunk], None] | None = None,
-    ) -> concurrent.futures.Future[GenResult]:
+    ) -> concurrent.futures.Future[GenResult]: ...
+
+    @overload
+    def submit(
+        self,
+        req: PoolRequest,
+        *,
+        deadline: float | None = None,
+        on_delta: Callable[[GenChunk], None] | None = None,
+    ) -> concurrent.futures.Future[PoolResult]: ...
+
+    def submit(
+        self,
+        req: GenRequest | PoolRequest,
+        *,
+        deadline: float | None = None,
+        on_delta: Callable[[GenChunk], None] | None = None,
+    ) -> concurrent.futures.Future[Any]:
         """Start ``req`` in the engine; the future resolves when it finishes or is stopped.
 
         ``deadline`` is unix time; past it the request is aborted with reason ``deadline``.
         ``on_delta(chunk)`` is called on the loop thread for every streamed piece (its
         ``index`` is the choice's: a request with ``n`` > 1 streams several) and for the last.
         """
-        future: concurrent.futures.Future[GenResult] = concurrent.futures.Future()
+        future: concurrent.futures.Future[Result] = concurrent.futures.Future()
         self.loop.call_soon_threadsafe(self._spawn, [(req, deadline, on_delta, future)])
         return future
 
     def submit_many(
         self,
-        requests: list[tuple[GenRequest, float | None, Callable[[GenChunk], None] | None]],
-    ) -> list[concurrent.futures.Future[GenResult]]:
+        requests: list[
+            tuple[GenRequest | PoolRequest, float | None, Callable[[GenChunk], None] | None]
+        ],
+    ) -> list[concurrent.futures.Future[Result]]:
         """:meth:`submit` for several (request, deadline, on_delta) with one loop wake-up."""
-        futures: list[concurrent.futures.Future[GenResult]] = [
+        futures: list[concurrent.futures.Future[Result]] = [
             concurrent.futures.Future() for _ in requests
         ]
         batch: list[_Spawn] = [
@@ -386,7 +408,12 @@ class Runner:
         # single cost of a busy worker's loop thread (py-spy, ceiling benchmark).
         for req, deadline, on_delta, future in batch:
             if future.set_running_or_notify_cancel():
-                task = self.loop.create_task(self._generate(req, deadline, on_delta))
+                work: Coroutine[Any, Any, Result] = (
+                    self._pool(req, deadline)
+                    if isinstance(req, PoolRequest)
+                    else self._generate(req, deadline, on_delta)
+                )
+                task = self.loop.create_task(work)
                 task.add_done_callback(functools.partial(_settle, future))
 
     def abort(self, request_id: str, reason: str) -> None:
@@ -477,6 +504,41 @@ class Runner:
             choices = _choices(n, texts, finishes, logprobs, reason is not None)
         text = "".join(texts[0])
         return GenResult(text, finish, prompt_tokens, tokens, first_at, reason, choices)
+
+    async def _pool(self, req: PoolRequest, deadline: float | None) -> PoolResult:
+        """A pooled job's inputs in the engine, under the same deadline, aborts and pacing as a
+        generation: its pooling is its prefill (bulk waits for the pacer to let it in)."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks[req.request_id] = task
+        realtime = req.priority == REALTIME_PRIORITY
+        bulk = False
+        result: PoolResult | None = None
+        if realtime:
+            self.pacer.realtime_in()
+        try:
+            timeout = None if deadline is None else max(0.0, deadline - time.time())
+            async with asyncio.timeout(timeout):
+                if req.priority >= BULK_PRIORITY:
+                    await self.pacer.bulk_in()
+                    bulk = True
+                result = await self.engine.pool(req)
+        except TimeoutError:
+            self._abort_reasons.setdefault(req.request_id, "deadline")
+        except asyncio.CancelledError:
+            if req.request_id not in self._abort_reasons:
+                raise  # not our abort: the loop is shutting down
+        finally:
+            if realtime:
+                self.pacer.realtime_out()
+            if bulk:
+                self.pacer.bulk_first_token()
+                self.pacer.bulk_done()
+            self._tasks.pop(req.request_id, None)
+        reason = self._abort_reasons.pop(req.request_id, None)
+        if reason is not None or result is None:
+            return PoolResult(b"", 0, 0, abort_reason=reason or "abort")
+        return result
 
     def in_flight(self) -> int:
         return len(self._tasks)

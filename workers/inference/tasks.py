@@ -10,8 +10,8 @@ from typing import Any
 
 from celery import Celery, Task
 
-from app.core.broker import RunJobs
-from app.core.names import RUN_JOBS_TASK
+from app.core.messaging.broker import RunJobs
+from app.core.messaging.names import RUN_JOBS_TASK
 from workers.inference.executor import Executor
 
 

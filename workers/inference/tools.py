@@ -28,7 +28,7 @@ import secrets
 from collections.abc import Mapping
 from typing import Any
 
-from app.core.transitions import choice
+from app.core.models import choice
 from workers.engines.base import Engine, GenChunk, ToolDelta, ToolStream
 from workers.inference.runner import GenResult
 

@@ -25,8 +25,9 @@ import redis
 from celery import signals
 from prometheus_client import REGISTRY
 
-from app.core import broker, clients, tokens
-from app.core.names import RUN_JOBS_TASK
+from app.core.messaging import broker, clients
+from app.core.messaging.names import RUN_JOBS_TASK
+from app.core.scheduling import tokens
 from app.core.settings import Settings
 from workers import metrics
 from workers.inference import children
@@ -100,6 +101,8 @@ class InferenceWorker:
             log.warning("killed %d engine process(es) left behind by dead workers", killed)
         log.info("starting engine %s", engine.name)
         self.runner.start()
+        # What the model does is known once the engine is up (vLLM resolves ``auto``).
+        self.heartbeat.info["task"] = engine.task
         if engine.own_processes:
             log.info("recorded %d engine process(es)", children.record(settings.data_dir))
         self._publish_card()
@@ -114,8 +117,8 @@ class InferenceWorker:
         )
 
     def _publish_card(self) -> None:
-        # The API counts prompt tokens with what this publishes (app/core/tokens.py); without it
-        # the engine alone refuses prompts longer than the context.
+        # The API counts prompt tokens with what this publishes (app/core/scheduling/tokens.py);
+        # without it the engine alone refuses prompts longer than the context.
         engine = self.runner.engine
         try:
             card = tokens.publish(
@@ -124,6 +127,9 @@ class InferenceWorker:
                 engine.max_model_len,
                 engine.tokenizer_json(),
                 engine.tool_parser,
+                engine.task,
+                engine.embed_dim,
+                engine.matryoshka,
             )
         except redis.RedisError as exc:
             log.warning("could not publish the model card (%s); the API will not count tokens", exc)

@@ -1,6 +1,6 @@
 """The backlog signal on the ops worker's /metrics: per model and lane the queued work and how
 long the live workers need to drain it, and per model the workers it needs (the formula is
-app/core/backlog.py's; docs/kubernetes.md, "Autoscaling on the backlog").
+app/core/scheduling/backlog.py's; docs/kubernetes.md, "Autoscaling on the backlog").
 
 Only the ops worker that runs beat samples and exports it: one per deployment, so a
 Prometheus query needs no de-duplication across API replicas. A thread takes a sample every
@@ -19,10 +19,12 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from sqlalchemy.exc import SQLAlchemyError
 
-from app.core import backlog, catalog, clients, snapshot
 from app.core.db import session_scope
+from app.core.messaging import clients
+from app.core.messaging.names import AUTOSCALE_RATE_PREFIX, DRAIN_METRIC
 from app.core.models import now
-from app.core.names import AUTOSCALE_RATE_PREFIX, DRAIN_METRIC
+from app.core.processes import presence
+from app.core.scheduling import backlog, catalog
 from app.core.settings import LANES, Settings
 
 log = logging.getLogger("inferq.autoscale")
@@ -67,7 +69,7 @@ class BacklogSignal(Collector):
         """Read the backlog and the workers, take a rate sample where it is a full one."""
         client = clients.redis_client()
         stamp = now()
-        workers = catalog.counts(snapshot.workers(client))
+        workers = catalog.counts(presence.workers(client))
         with session_scope() as session:
             queued = backlog.read(session, self.settings)
             waiting = backlog.waiting(session, self.settings)

@@ -21,14 +21,20 @@ import logging
 import ssl
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 from sqlalchemy import or_, select, update
 from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
 
-from app.core import broker, endpoints, outbox, webhooks
+from app.batches.schemas import BatchOut
+from app.core.contract.jobs import JobOut
 from app.core.db import session_scope, with_db_retry
+from app.core.messaging import broker
 from app.core.models import (
+    Batch,
+    Job,
     WebhookAttempt,
     WebhookEndpoint,
     WebhookEvent,
@@ -36,11 +42,13 @@ from app.core.models import (
     new_id,
     now,
 )
-from app.core.outbox import SWEEP_BATCH
 from app.core.settings import Settings
+from app.core.webhooks import endpoints, rules
+from app.core.webhooks.outbox import SWEEP_BATCH
 from workers import metrics
 
 log = logging.getLogger("inferq.delivery")
+
 
 # How far past its timeout an attempt's lease reaches before a sweep may send it again.
 LEASE_MARGIN_S = 15.0
@@ -68,6 +76,19 @@ class Sent:
     response_body: str | None = None
     latency_ms: float | None = None
     address: str | None = None
+
+
+def _event_data(session: Session, job_id: str | None, batch_id: str | None) -> dict[str, Any]:
+    """The ``data`` of an event: the job or batch exactly as the API returns it."""
+    if job_id is not None:
+        job = session.get(Job, job_id)
+        if job is not None:
+            return JobOut.from_row(job, vectors=False).model_dump(mode="json")
+    if batch_id is not None:
+        batch = session.get(Batch, batch_id)
+        if batch is not None:
+            return BatchOut.from_row(batch).model_dump(mode="json")
+    return {"id": job_id or batch_id}
 
 
 def deliver(event_id: str, settings: Settings) -> str:
@@ -113,24 +134,24 @@ def _claim(event_id: str, settings: Settings) -> Claimed | None:
         ).first()
         if row is None:
             return None
-        # A registered endpoint's event (its OpenAI body written with it, app/core/outbox.py)
-        # is signed with the endpoint's secrets as they are now: a rotation applies to the
-        # retries. Else inferq's body and the deployment's secrets.
+        # A registered endpoint's event (its OpenAI body written with it,
+        # app/core/webhooks/outbox.py) is signed with the endpoint's secrets as they are now: a
+        # rotation applies to the retries. Else inferq's body and the deployment's secrets.
         endpoint = (
             session.get(WebhookEndpoint, row.endpoint_id) if row.endpoint_id is not None else None
         )
         body = row.body
         if body is None:
             # Rendered once, at the first attempt: every retry sends the same bytes.
-            data = outbox.event_data(session, row.job_id, row.batch_id)
-            body = webhooks.render(row.type, row.occurred_at, data)
+            data = _event_data(session, row.job_id, row.batch_id)
+            body = rules.render(row.type, row.occurred_at, data)
             session.execute(
                 update(WebhookEvent).where(WebhookEvent.id == event_id).values(body=body)
             )
         signing = (
             endpoints.signing_secrets(endpoint, stamp)
             if endpoint is not None
-            else webhooks.signing_secrets(settings)
+            else rules.signing_secrets(settings)
         )
     kind = "redelivery" if row.round_attempts == 1 and row.attempts > 1 else "scheduled"
     # An endpoint's events go where it points now: a tenant that moves it moves its retries.
@@ -160,11 +181,11 @@ async def _send(
             try:
                 # Resolved again now: what was checked at submit time may point elsewhere today.
                 target = await asyncio.to_thread(
-                    webhooks.check_url, url, settings.webhook_allow_private
+                    rules.check_url, url, settings.webhook_allow_private
                 )
-            except webhooks.WebhookUrlError as exc:
+            except rules.WebhookUrlError as exc:
                 return Sent(False, error=f"refused: {exc}")
-            headers = webhooks.signed_headers(event_id, body, time.time(), secrets)
+            headers = rules.signed_headers(event_id, body, time.time(), secrets)
             headers["accept-encoding"] = "identity"  # the recorded bytes are the bytes read
             parsed = httpx.URL(url)
             headers["host"] = parsed.netloc.decode("ascii")  # IDNA-encoded by httpx
@@ -232,7 +253,7 @@ def _record(claimed: Claimed, sent: Sent, settings: Settings) -> str:
     if sent.ok:
         outcome, values = WebhookStatus.DELIVERED, {"next_attempt_at": None}
     else:
-        delay = webhooks.retry_delay(settings, claimed.round_number)
+        delay = rules.retry_delay(settings, claimed.round_number)
         if delay is None:
             outcome, values = WebhookStatus.FAILED, {"next_attempt_at": None}
         else:

@@ -26,10 +26,10 @@ from typing import Any
 from celery import signals
 from prometheus_client import REGISTRY
 
-from app.core import clients
-from app.core.names import MAINTENANCE_QUEUE, WEBHOOK_QUEUE
+from app.core.messaging import clients
+from app.core.messaging.names import MAINTENANCE_QUEUE, WEBHOOK_QUEUE
 from app.core.settings import Settings, get_settings
-from app.core.webhooks import load_secret
+from app.core.webhooks.rules import load_secret
 from app.dispatcher.loop import Dispatcher
 from workers import celery_app, metrics
 from workers.ops import tasks

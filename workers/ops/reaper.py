@@ -8,7 +8,7 @@ Redis message only a hint, so the sweep repairs what a crash or a lost message l
    ``attempts`` grows with the next claim. After
    ``INFERQ_MAX_ATTEMPTS`` claims it ends ``failed`` (``worker_lost``) instead, and one past its
    deadline ends ``expired``. The old worker's token no longer matches, so its late writes change
-   nothing (the fence in app/core/transitions.py, which makes every change here).
+   nothing (the fence in app/core/lifecycle/transitions.py, which makes every change here).
 2. **Lost with Redis**: Redis restarted empty or was wiped. The reaper keeps a marker key in
    Redis; when it is gone, every queued job marked sent is marked unsent (``enqueued_at``
    empty), and the dispatcher sends it again. That is logged as a loss only when there was such
@@ -39,11 +39,14 @@ from sqlalchemy import and_, or_, select
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import InterfaceError, OperationalError
 
-from app.core import catalog, clients, snapshot, transitions
-from app.core.changes import changes
 from app.core.db import session_scope
+from app.core.lifecycle import transitions
+from app.core.lifecycle.changes import changes
+from app.core.messaging import clients
+from app.core.messaging.names import EPOCH_KEY, queue_of, routes
 from app.core.models import Job, JobStatus, now
-from app.core.names import EPOCH_KEY, queue_of
+from app.core.observe import snapshot
+from app.core.scheduling import catalog
 from app.core.settings import Settings
 from workers import metrics
 
@@ -136,12 +139,12 @@ def _empty_queues_with_waiting_jobs(stamp: float, settings: Settings) -> list[tu
     """(lane, model) of the known models' queues whose list is empty while jobs of theirs,
     sent more than ``REAPER_GRACE_S`` ago, are still queued. (A model nobody serves or
     accepts has no worker to lose messages to; its jobs are sent when one announces it.)"""
-    routes = snapshot.routes(catalog.names())
+    known = routes(catalog.names())
     try:
-        sizes = snapshot.queue_messages(clients.redis_client(), routes)
+        sizes = snapshot.queue_messages(clients.redis_client(), known)
     except redis.RedisError:
         return []
-    empty = [route for route in routes if not sizes[route]]
+    empty = [route for route in known if not sizes[route]]
     if not empty:
         return []
     with session_scope() as session:

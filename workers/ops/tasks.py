@@ -1,7 +1,8 @@
 """The ops worker's tasks: thin, each one hands off to the module that owns the work.
 
 Registered on the ops worker's own Celery app by its composition root (workers/ops/main.py):
-webhook deliveries, and the sweeps beat sends (webhooks due, the reaper, batches).
+webhook deliveries, and the sweeps beat sends (webhooks due, the reaper, batches, expired
+files).
 """
 
 from __future__ import annotations
@@ -9,14 +10,17 @@ from __future__ import annotations
 from celery import Celery
 
 from app.batches import finalize, validation
-from app.core.names import (
+from app.core.messaging.names import (
     DELIVER_WEBHOOK_TASK,
+    EXPIRE_FILES_TASK,
+    FINALIZE_BATCH_TASK,
     REAP_TASK,
     START_BATCH_TASK,
     SWEEP_BATCHES_TASK,
     SWEEP_WEBHOOKS_TASK,
 )
 from app.core.settings import Settings
+from app.core.storage import files, store
 from workers.ops import delivery, reaper
 
 
@@ -38,10 +42,21 @@ def register(app: Celery, settings: Settings) -> None:
         """Validate a batch's input file and start its jobs, or fail it."""
         return validation.start(batch_id)
 
+    @app.task(name=FINALIZE_BATCH_TASK)  # type: ignore[untyped-decorator]
+    def finalize_batch(batch_id: str) -> bool:
+        """Write a batch's outputs now that its last jobs ended (a worker's nudge)."""
+        return finalize.finalize(batch_id)
+
     @app.task(name=SWEEP_BATCHES_TASK)  # type: ignore[untyped-decorator]
     def sweep_batches() -> int:
         """Expire overdue batches and finalize finished ones (beat)."""
         return finalize.sweep()
+
+    @app.task(name=EXPIRE_FILES_TASK)  # type: ignore[untyped-decorator]
+    def expire_files() -> int:
+        """Delete files whose expires_at has passed, object and row, and remove uploads
+        nobody will finish (beat)."""
+        return files.delete_expired() + store.abort_abandoned(settings.files_abandoned_upload_s)
 
     @app.task(name=REAP_TASK)  # type: ignore[untyped-decorator]
     def reap() -> dict[str, int]:

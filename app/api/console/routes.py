@@ -2,7 +2,7 @@
 
 Thin routes: who is looking comes from the session (app/api/console/sessions.py), what a page
 shows from app/api/console/views.py, and each action is the call its /v1 route makes
-(``jobs.cancel``, ``jobs.redeliver_webhook``, ``batches.cancel``), under the viewer's tenant
+(``jobs.cancel``, ``deliveries.redeliver_job_event``, ``batches.cancel``), under the viewer's tenant
 scope, after the session's CSRF token is checked. Every page's live part is also served alone
 (``?live=1``), which console.js fetches every few seconds in place: the pages update without a
 reload and say the time of their data.
@@ -20,17 +20,20 @@ from typing import Annotated, Any
 from urllib.parse import urlencode
 
 from fastapi import APIRouter, Form, Query, Request
-from fastapi.responses import FileResponse, RedirectResponse, Response
+from fastapi.responses import RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
+from starlette.concurrency import run_in_threadpool
 
+from app.api import downloads
 from app.api.console import sessions, views
 from app.api.console.sessions import Viewer
 from app.batches import service as batches
-from app.core import files, jobs, storage
 from app.core.db import session_scope
 from app.core.errors import DomainError, Kind
+from app.core.lifecycle import deliveries, jobs
 from app.core.settings import get_settings
 from app.core.status_codes import status_of
+from app.core.storage import files
 
 HERE = Path(__file__).parent
 STATIC = HERE / "static"
@@ -231,23 +234,22 @@ def tenants(request: Request) -> Response:
 
 
 @router.get("/files/{file_id}")
-def file_content(request: Request, file_id: str) -> Response:
+async def file_content(request: Request, file_id: str) -> Response:
     """A file's bytes, as ``GET /v1/files/{id}/content`` serves them, for the signed-in
     viewer."""
     viewer = None
     try:
-        viewer, _ = _viewer(request)
+        viewer, _ = await run_in_threadpool(_viewer, request)
         if viewer is None:
             return _secure(RedirectResponse("/console/login", status_code=303))
-        with session_scope() as session:
-            row = files.get(session, viewer.scope, file_id)
-            path, filename = storage.path(row.id), row.filename
+        row = await run_in_threadpool(files.find, viewer.scope, file_id)
+        answer = await downloads.response(row.id, row.bytes, row.filename, None)
     except DomainError as exc:
         context = {"error": exc.message, "code": exc.code, "viewer": viewer, "page": "error"}
         return _secure(
             templates.TemplateResponse(request, "error.html", context, status_code=status_of(exc))
         )
-    return _secure(FileResponse(path, media_type="application/octet-stream", filename=filename))
+    return _secure(answer)
 
 
 # --- actions: the calls of their /v1 routes ---------------------------------------------------
@@ -271,7 +273,7 @@ def redeliver(
 ) -> Response:
     def send(viewer: Viewer) -> str:
         with session_scope() as session:
-            jobs.redeliver_webhook(session, jobs.get(session, viewer.scope, job_id))
+            deliveries.redeliver_job_event(session, jobs.get(session, viewer.scope, job_id))
         return f"/console/jobs/{job_id}"
 
     return _act(request, csrf, send)

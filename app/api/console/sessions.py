@@ -1,7 +1,7 @@
 """The console's sign-in: one session per browser, kept in Redis, named by an HttpOnly cookie.
 
 - ``POST /console/login`` with an API key: the key is checked as /v1 checks it
-  (app/core/keys.py) and a session is made: a random id in the cookie (HttpOnly,
+  (app/core/tenants/keys.py) and a session is made: a random id in the cookie (HttpOnly,
   SameSite=Strict, Secure over https) and, in Redis under the id's SHA-256, the key's tenant,
   whether it is an operator's key, the key's id and the session's CSRF token, for
   ``INFERQ_CONSOLE_SESSION_S``. The key itself is never kept, nor put in a URL.
@@ -27,13 +27,13 @@ from dataclasses import asdict, dataclass
 
 import redis
 
-from app.core import clients
 from app.core.db import session_scope
 from app.core.errors import BROKER_DOWN, DomainError, Kind, unavailable
-from app.core.keys import DEFAULT_TENANT, key_for
+from app.core.messaging import clients
+from app.core.messaging.names import CONSOLE_SESSION_PREFIX
 from app.core.models import ApiKey
-from app.core.names import CONSOLE_SESSION_PREFIX
 from app.core.settings import get_settings
+from app.core.tenants.keys import DEFAULT_TENANT, key_for
 
 COOKIE = "inferq_console"
 CSRF_FIELD = "csrf"

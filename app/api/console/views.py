@@ -1,11 +1,11 @@
 """What each console page shows, read through the services the API reads through.
 
-Jobs, batches and files come from their services (app/core/jobs.py, app/batches/service.py,
-app/core/files.py) scoped to the viewer (``Viewer.scope``: the operator reads every tenant's);
-lanes, workers, throughput and tenants from app/core/snapshot.py (what `inferq status` and
-/metrics read), fair share weights from app/core/fairshare.py, missing parts from
-app/core/missing.py. Nothing here writes: the actions are the routes', through the same calls
-as /v1 (app/api/console/routes.py).
+Jobs, batches and files come from their services (app/core/lifecycle/jobs.py,
+app/batches/service.py, app/core/storage/files.py) scoped to the viewer (``Viewer.scope``: the
+operator reads every tenant's); lanes, workers, throughput and tenants from
+app/core/observe/snapshot.py (what `inferq status` and /metrics read), fair share weights from
+app/core/scheduling/fairshare.py, missing parts from app/core/observe/missing.py. Nothing here
+writes: the actions are the routes', through the same calls as /v1 (app/api/console/routes.py).
 
 The pictures (a chart, a timeline, a progress bar) are SVG shapes whose sizes are computed
 here, so the pages need no script and no inline style to draw them (the console's
@@ -26,12 +26,20 @@ from sqlalchemy.orm import Session
 
 from app.api.console.sessions import Viewer
 from app.batches import service as batches
-from app.core import catalog, clients, fairshare, jobs, missing, outbox, snapshot
-from app.core.limits import for_key, window_usage
-from app.core.models import TERMINAL, ApiKey, Batch, Job, JobStatus
+from app.core.contract.pooling import unpack
+from app.core.lifecycle import jobs
+from app.core.messaging import clients
+from app.core.messaging.names import routes
+from app.core.models import TERMINAL, ApiKey, Batch, Job, JobKind, JobStatus
+from app.core.observe import missing, snapshot
+from app.core.processes import presence
+from app.core.scheduling import catalog, fairshare
+from app.core.scheduling.limits import for_key, window_usage
 from app.core.settings import LANES, get_settings
+from app.core.webhooks import outbox
 
 PAGE = 25  # rows of a jobs or batches page
+PREVIEW_ROWS, PREVIEW_VALUES = 4, 8  # of a pooled job's output on its page
 CHART_MINUTES = 15
 TENANT_WINDOW_S = 3600.0  # the tenants page's share of tokens: the last hour
 # Lane colours of the chart and the tables (console.css has the same classes).
@@ -91,7 +99,7 @@ def overview(session: Session, viewer: Viewer, now: float) -> dict[str, Any]:
             for (lane, model, tenant), counts in snapshot.tenant_jobs(session, now).items()
             if tenant == viewer.tenant
         }
-        for lane, model in snapshot.routes(models, mine):
+        for lane, model in routes(models, mine):
             own = mine.get((lane, model))
             rows.append(
                 {
@@ -134,7 +142,9 @@ def throughput_chart(series: list[tuple[float, dict[str, int]]]) -> dict[str, An
 
 
 def parts(client: redis.Redis) -> dict[str, Any]:
-    """The live processes (their presence records) and this API process."""
+    """The live processes (their presence records) and this API process; each worker with its
+    prefix-cache hit rate and its prefix-affinity counts (docs/scheduling.md, "Prefix affinity")."""
+    routed = snapshot.affinity_counts(client)
     workers = [
         {
             "id": w.get("worker_id"),
@@ -144,14 +154,16 @@ def parts(client: redis.Redis) -> dict[str, Any]:
             "slots": (w.get("intake") or {}).get("slots"),
             # CUDA_VISIBLE_DEVICES as the worker saw it (None: every GPU, or none)
             "gpu": w.get("devices") or "",
+            "cache_hits": snapshot.prefix_hit_rate(w),
+            "affinity": routed.get(str(w.get("worker_id"))),
         }
-        for w in snapshot.workers(client)
+        for w in presence.workers(client)
     ]
     return {
         "api": f"{socket.gethostname()} (pid {os.getpid()})",
         "workers": workers,
-        "ops": [o.get("worker_id") for o in snapshot.ops_workers(client)],
-        "dispatchers": [d.get("worker_id") for d in snapshot.dispatchers(client)],
+        "ops": [o.get("worker_id") for o in presence.ops_workers(client)],
+        "dispatchers": [d.get("worker_id") for d in presence.dispatchers(client)],
     }
 
 
@@ -209,6 +221,29 @@ def job_row(job: Job) -> dict[str, Any]:
         "finished": stamp(job.finished_at),
         "batch": job.batch_id,
         "tokens": (job.prompt_tokens or 0) + (job.completion_tokens or 0),
+        "kind": job.kind,
+    }
+
+
+def pooled_preview(job: Job) -> dict[str, Any] | None:
+    """A pooled job's output as the page shows it: how many rows, and the first few values of
+    the first rows (a job's vectors can be megabytes: GET /v1/jobs/{id} has them whole)."""
+    if job.pooled is None or not job.pooled_width:
+        return None
+    rows = unpack(job.pooled[: 4 * job.pooled_width * PREVIEW_ROWS], job.pooled_width)
+    shown = [
+        "["
+        + ", ".join(f"{v:.4f}" for v in row[:PREVIEW_VALUES])
+        + (", …]" if len(row) > PREVIEW_VALUES else "]")
+        for row in rows
+    ]
+    count = len(job.pooled) // (4 * job.pooled_width)
+    more = [f"… {count - len(rows)} more"] if count > len(rows) else []
+    return {
+        "rows": count,
+        "width": job.pooled_width,
+        "what": "scores" if job.kind == JobKind.SCORE else "vectors",
+        "preview": "\n".join(shown + more),
     }
 
 
@@ -219,6 +254,7 @@ def job_page(session: Session, viewer: Viewer, job_id: str, now: float) -> dict[
     return {
         "job": job,
         "row": job_row(job),
+        "pooled": pooled_preview(job),
         "timeline": timeline(job, now),
         "params": job.params,
         "deliveries": [
@@ -285,7 +321,7 @@ def batches_page(session: Session, viewer: Viewer, after: str | None, now: float
 
 
 def batch_row(session: Session, batch: Batch) -> dict[str, Any]:
-    by_status = batches.jobs_by_status(session, batch.id)
+    by_status = batches.lines_by_status(session, batch.id)
     counts = batches.counts(session, batch, by_status)
     total = max(counts.total, sum(by_status.values()), 1)
     width, x = 300.0, 0.0

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Form, Query, Request, UploadFile
-from fastapi.responses import FileResponse
+from fastapi import APIRouter, Depends, Header, Query, Request
+from fastapi.responses import Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
+from app.api import downloads, uploads
 from app.api.auth import Tenant, caller_limits
 from app.api.deps import SessionDep
 from app.api.schemas import (
@@ -16,24 +19,70 @@ from app.api.schemas import (
     Page,
 )
 from app.batches import service as batches
-from app.core import files, limits, storage
-from app.core.schemas import BatchCreate, BatchOut
+from app.batches.schemas import BatchCreate, BatchOut
+from app.core.errors import DomainError, Kind
+from app.core.models import new_id
+from app.core.scheduling import limits
+from app.core.settings import get_settings
+from app.core.storage import files, store
 
 router = APIRouter(prefix="/v1", tags=["batches"], responses={"default": {"model": ErrorBody}})
+
+
+def _batches_on() -> None:
+    """A deployment with no place for files serves no files nor batches (INFERQ_BATCHES_ENABLED,
+    docs/files.md)."""
+    if not get_settings().batches_enabled:
+        raise DomainError(
+            Kind.NOT_FOUND,
+            "batches_disabled",
+            "files and batches are off in this deployment (INFERQ_BATCHES_ENABLED)",
+        )
+
+
+BatchesOn = Depends(_batches_on)
 
 
 # --- files -------------------------------------------------------------------------------------
 
 
-@router.post("/files", response_model=FileOut)
-def upload_file(
-    tenant: Tenant,
-    session: SessionDep,
-    file: UploadFile,
-    purpose: Annotated[str, Form()],
-) -> FileOut:
-    """Upload a JSONL batch input (multipart: ``file`` and ``purpose=batch``)."""
-    row = files.upload(session, tenant, file.file, file.filename or "upload.jsonl", purpose)
+@router.post("/files", response_model=FileOut, dependencies=[BatchesOn])
+async def upload_file(request: Request, tenant: Tenant) -> FileOut:
+    """Upload a JSONL batch input (multipart: ``file``, ``purpose=batch``, optionally
+    ``expires_after[anchor]`` and ``expires_after[seconds]``), streamed to the file store as it
+    arrives and checked on the way (docs/files.md)."""
+    settings = get_settings()
+    form = uploads.Upload(request)
+    counter = files.Counter(settings)
+    file_id = new_id("file")
+    checked: dict[str, Any] = {}  # the form's fields, once parts() has checked them
+
+    async def parts() -> AsyncIterator[bytes]:
+        early = False
+        async for data in form.file_bytes():
+            if not early and "purpose" in form.fields:  # sent before the file: check it now
+                files.check_purpose(form.fields["purpose"])
+                early = True
+            counter.feed(data)
+            yield data
+        if not form.saw_file:
+            raise DomainError(Kind.INVALID, "missing_file", "file is required", param="file")
+        counter.finish()
+        checked["purpose"] = files.check_purpose(form.fields.get("purpose"))
+        checked["filename"] = files.check_filename(form.filename)
+        checked["expires_s"] = files.expires_in(form.fields, settings)
+
+    # An error in parts() aborts the upload: no object, no parts, no row.
+    await store.put(file_id, parts())
+    row = await run_in_threadpool(
+        files.add_upload,
+        tenant,
+        file_id,
+        checked["filename"],
+        checked["purpose"],
+        counter.bytes,
+        checked["expires_s"],
+    )
     return FileOut.from_row(row)
 
 
@@ -55,13 +104,15 @@ def get_file(file_id: str, tenant: Tenant, session: SessionDep) -> FileOut:
     return FileOut.from_row(files.get(session, tenant, file_id))
 
 
-@router.get("/files/{file_id}/content", response_class=FileResponse)
-def file_content(file_id: str, tenant: Tenant, session: SessionDep) -> FileResponse:
-    """The file's bytes, streamed from storage."""
-    row = files.get(session, tenant, file_id)
-    return FileResponse(
-        storage.path(row.id), media_type="application/octet-stream", filename=row.filename
-    )
+@router.get("/files/{file_id}/content", response_class=StreamingResponse)
+async def file_content(
+    file_id: str,
+    tenant: Tenant,
+    byte_range: Annotated[str | None, Header(alias="range")] = None,
+) -> Response:
+    """The file's bytes, streamed from the store; one ``Range`` of bytes gives a 206."""
+    row = await run_in_threadpool(files.find, tenant, file_id)
+    return await downloads.response(row.id, row.bytes, row.filename, byte_range)
 
 
 @router.delete("/files/{file_id}", response_model=FileDeleted)
@@ -72,7 +123,7 @@ def delete_file(file_id: str, tenant: Tenant, session: SessionDep) -> FileDelete
 # --- batches -----------------------------------------------------------------------------------
 
 
-@router.post("/batches", response_model=BatchOut)
+@router.post("/batches", response_model=BatchOut, dependencies=[BatchesOn])
 def create_batch(
     body: BatchCreate, tenant: Tenant, session: SessionDep, request: Request
 ) -> BatchOut:

@@ -10,9 +10,11 @@ from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
 
 from app.api.metrics import api_exposition
-from app.core import clients, missing, snapshot
 from app.core.db import session_scope
 from app.core.errors import unavailable
+from app.core.messaging import clients
+from app.core.observe import missing
+from app.core.processes import presence
 
 router = APIRouter(tags=["health"])
 
@@ -35,7 +37,7 @@ def database_ok() -> bool:
 @router.get("/readyz")
 def readyz() -> dict[str, object]:
     """The database and Redis both answer (503 when not). A part of the deployment whose work
-    waits with no live process to do it (app/core/missing.py) makes the answer ``degraded``
+    waits with no live process to do it (app/core/observe/missing.py) makes the answer ``degraded``
     and is listed under ``missing``, still with 200: readiness takes an API pod out of its
     Service, and an API that cannot be reached does not bring a dispatcher or a worker back;
     it only stops submissions, polls and cancels too (docs/architecture.md, "No silent
@@ -70,7 +72,7 @@ def metrics_targets() -> JSONResponse:
     """Prometheus HTTP service discovery (``http_sd_configs``): the /metrics of every live
     inference worker and ops worker, from their presence records (docs/observability.md)."""
     try:
-        groups = snapshot.metrics_targets(clients.redis_client())
+        groups = presence.metrics_targets(clients.redis_client())
     except redis.RedisError:
         # Not an empty list: Prometheus keeps the targets it last discovered while this fails,
         # and would drop every worker on an empty answer.

@@ -17,10 +17,12 @@ from app.api.schemas import (
     WebhookDeliveryOut,
     WebhookEventOut,
 )
-from app.core import catalog, jobs, outbox
+from app.core.contract.jobs import JobCreate, JobOut
+from app.core.lifecycle import deliveries, jobs
 from app.core.models import JobStatus, Lane
-from app.core.schemas import JobCreate, JobOut
+from app.core.scheduling import catalog
 from app.core.settings import get_settings
+from app.core.webhooks import outbox
 
 router = APIRouter(prefix="/v1", tags=["jobs"], responses={"default": {"model": ErrorBody}})
 
@@ -107,4 +109,4 @@ def list_webhook_deliveries(
 def redeliver_webhook(job_id: str, tenant: Tenant, session: SessionDep) -> WebhookEventOut:
     """Send the job's event again (same webhook-id), with a fresh retry schedule."""
     job = jobs.get(session, tenant, job_id)
-    return WebhookEventOut.from_row(jobs.redeliver_webhook(session, job))
+    return WebhookEventOut.from_row(deliveries.redeliver_job_event(session, job))

@@ -1,6 +1,8 @@
-"""OpenAI-compatible realtime endpoints: /v1/chat/completions, /v1/completions, /v1/models.
+"""OpenAI-compatible realtime endpoints: /v1/chat/completions, /v1/completions, /v1/models, and
+/v1/embeddings, /v1/rerank and /v1/score (vLLM's).
 
-Each call is a job, served by app/api/completions.py; the models are app/core/catalog.py's.
+Each call is a job, served by app/api/completions.py (a pooled call by app/api/pooling.py);
+the models are app/core/scheduling/catalog.py's.
 """
 
 from __future__ import annotations
@@ -10,11 +12,12 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from app.api import completions
+from app.api import completions, pooling
 from app.api.auth import Tenant
 from app.api.schemas import ErrorBody
-from app.core import catalog
-from app.core.openai_format import ChatCompletionRequest, CompletionRequest
+from app.core.openai.openai_format import ChatCompletionRequest, CompletionRequest
+from app.core.openai.pooling_format import EmbeddingRequest, RerankRequest, ScoreRequest
+from app.core.scheduling import catalog
 
 router = APIRouter(prefix="/v1", tags=["openai"], responses={"default": {"model": ErrorBody}})
 
@@ -30,6 +33,7 @@ def _model(model: catalog.Model) -> dict[str, Any]:
         "workers": model.workers,
         "max_model_len": model.max_model_len,  # None until a worker of it has run
         "parent": model.parent,  # a LoRA adapter's base model (vLLM's field), else None
+        "task": model.task,  # generate, embed or score: which endpoints it serves
     }
 
 
@@ -57,3 +61,21 @@ async def chat_completions(
 async def text_completions(body: CompletionRequest, request: Request, tenant: Tenant) -> Response:
     """Text completion as a job; ``stream: true`` relays tokens as they are produced."""
     return await completions.complete(body, request, tenant)
+
+
+@router.post("/embeddings", response_model=None)
+async def embeddings(body: EmbeddingRequest, request: Request, tenant: Tenant) -> Response:
+    """OpenAI's embeddings, as a job on an embedding model."""
+    return await pooling.answer(body, request, tenant)
+
+
+@router.post("/rerank", response_model=None)
+async def rerank(body: RerankRequest, request: Request, tenant: Tenant) -> Response:
+    """vLLM's rerank: the documents by relevance to the query, on a scoring model."""
+    return await pooling.answer(body, request, tenant)
+
+
+@router.post("/score", response_model=None)
+async def score(body: ScoreRequest, request: Request, tenant: Tenant) -> Response:
+    """vLLM's score: one score per (text_1, text_2) pair, on a scoring model."""
+    return await pooling.answer(body, request, tenant)

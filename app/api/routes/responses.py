@@ -1,4 +1,4 @@
-"""OpenAI's Responses API: /v1/responses. A response runs as a job (app/core/responses.py);
+"""OpenAI's Responses API: /v1/responses. A response runs as a job (app/core/openai/responses.py);
 a foreground one answers when its job ends (app/api/completions.py), a background one at once
 with ``status: "queued"``, to be polled from any API process (docs/openai.md, "Responses")."""
 
@@ -14,12 +14,14 @@ from app.api import completions, response_stream
 from app.api.auth import Tenant, caller_limits
 from app.api.deps import SessionDep
 from app.api.schemas import ErrorBody
-from app.core import queries, relay, responses
+from app.core import queries
 from app.core.db import session_scope
 from app.core.errors import DomainError, Kind
+from app.core.messaging import relay
 from app.core.models import Job, JobStatus, StoredResponse, response_id_of
-from app.core.openai_format import job_error
-from app.core.responses_format import ResponseCreate
+from app.core.openai import responses
+from app.core.openai.openai_format import job_error
+from app.core.openai.responses_format import ResponseCreate
 
 router = APIRouter(prefix="/v1", tags=["responses"], responses={"default": {"model": ErrorBody}})
 

@@ -1,5 +1,6 @@
 """OpenAI's webhook endpoints: /v1/webhook_endpoints and /v1/webhook_event_types, for the
-caller's tenant (app/core/endpoints.py does the work; docs/webhooks.md, "Webhook endpoints")."""
+caller's tenant (app/core/webhooks/endpoints.py does the work; docs/webhooks.md, "Webhook
+endpoints")."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from app.api.schemas import (
     WebhookEventTypeList,
     WebhookSecretRotate,
 )
-from app.core import endpoints, outbox
+from app.core.lifecycle import deliveries
+from app.core.webhooks import endpoints, outbox
 
 router = APIRouter(prefix="/v1", tags=["webhooks"], responses={"default": {"model": ErrorBody}})
 
@@ -126,7 +128,9 @@ def redeliver(
     endpoint_id: str, event_id: str, tenant: Tenant, session: SessionDep
 ) -> WebhookEventOut:
     """Send the event again (same webhook-id, same body), with a fresh retry schedule."""
-    return WebhookEventOut.from_row(endpoints.redeliver(session, tenant, endpoint_id, event_id))
+    return WebhookEventOut.from_row(
+        deliveries.redeliver_endpoint_event(session, tenant, endpoint_id, event_id)
+    )
 
 
 @router.get("/webhook_event_types", response_model=WebhookEventTypeList)

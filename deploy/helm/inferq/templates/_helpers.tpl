@@ -91,8 +91,8 @@ the same value on every process (docs/scheduling.md, "Many models"). Also checks
 The environment of a container, as a list of EnvVar: (dict "root" $ "set" DICT "extra" LIST).
 First the database and Redis URLs (from the Secret), then `config` (settings for every process),
 then "set" (name -> string: what the chart computes for this container, plus the models'
-catalog: INFERQ_ADAPTERS, INFERQ_ACCEPTED_MODELS, INFERQ_SERVED_MODEL_NAME, the same on every
-process), then "extra" (the component's own `env`, copied as given). A `config` key that the chart sets here is refused:
+catalog: INFERQ_ADAPTERS, INFERQ_ACCEPTED_MODELS, INFERQ_MODEL_TASKS, INFERQ_SERVED_MODEL_NAME,
+the same on every process), then "extra" (the component's own `env`, copied as given). A `config` key that the chart sets here is refused:
 the chart's value is tied to the pod spec (ports, grace period), so a second one could not win.
 */}}
 {{- define "inferq.env" -}}
@@ -100,8 +100,17 @@ the chart's value is tied to the pod spec (ports, grace period), so a second one
 {{- $set := .set | default dict }}
 {{- $_ := set $set "INFERQ_ADAPTERS" (include "inferq.adapters" $root) }}
 {{- $served := list }}
-{{- range $root.Values.models }}
-{{- $served = append $served (include "inferq.servedName" .) }}
+{{- $tasks := dict }}
+{{- range $m := $root.Values.models }}
+{{- $served = append $served (include "inferq.servedName" $m) }}
+{{- with $m.task }}
+{{- $_ := set $tasks (include "inferq.servedName" $m) . }}
+{{- end }}
+{{- end }}
+{{- if $tasks }}
+{{- /* What each model does, for the API to route each kind of job before any worker of it has
+announced itself (docs/openai.md, "Embeddings, rerank and score"). */}}
+{{- $_ := set $set "INFERQ_MODEL_TASKS" ($tasks | toJson) }}
 {{- end }}
 {{- if $served }}
 {{- /* Every model of the chart is known with or without a live worker (scaled to zero);
@@ -192,14 +201,10 @@ files the API and the ops worker share.
   emptyDir: {}
 - name: home
   emptyDir: {}
-{{- if .files }}
+{{- if and .files .root.Values.files.existingClaim }}
 - name: files
-  {{- if .root.Values.files.existingClaim }}
   persistentVolumeClaim:
     claimName: {{ .root.Values.files.existingClaim }}
-  {{- else }}
-  emptyDir: {}
-  {{- end }}
 {{- end }}
 {{- end }}
 
@@ -207,8 +212,33 @@ files the API and the ops worker share.
 - {name: tmp, mountPath: /tmp}
 - {name: data, mountPath: /data}
 - {name: home, mountPath: /home/inferq}
-{{- if .files }}
+{{- if and .files .root.Values.files.existingClaim }}
 - {name: files, mountPath: /files}
+{{- end }}
+{{- end }}
+
+{{/*
+Where the API and the ops worker keep the bytes of files (docs/files.md), into (dict "root" $
+"set" $set): the object store of files.url, else the claim of files.existingClaim at /files;
+and whether batches are on. Credentials are not settings: files.credentialsSecret comes in as
+the environment (inferq.filesEnvFrom), or the service account's role does.
+*/}}
+{{- define "inferq.filesSet" -}}
+{{- $files := .root.Values.files }}
+{{- if $files.url }}
+{{- $_ := set .set "INFERQ_FILES_URL" $files.url }}
+{{- with $files.endpoint }}{{ $_ := set $.set "INFERQ_FILES_ENDPOINT" . }}{{ end }}
+{{- with $files.region }}{{ $_ := set $.set "INFERQ_FILES_REGION" . }}{{ end }}
+{{- else if $files.existingClaim }}
+{{- $_ := set .set "INFERQ_FILES_DIR" "/files" }}
+{{- end }}
+{{- $_ := set .set "INFERQ_BATCHES_ENABLED" (toString .root.Values.batches.enabled) }}
+{{- end }}
+
+{{- define "inferq.filesEnvFrom" -}}
+{{- with .Values.files.credentialsSecret }}
+envFrom:
+  - secretRef: {name: {{ . }}}
 {{- end }}
 {{- end }}
 

@@ -1,0 +1,4 @@
+"""Who calls: API keys, made, looked up and revoked (``keys``).
+
+May import: the ground only.
+"""
