@@ -47,7 +47,6 @@ from app.core.messaging.names import (
 )
 from app.core.models import LANE_PRIORITY, UNSENT, Job, now
 from app.core.processes import presence
-from app.core.scheduling import fairshare
 from app.core.settings import LANES, Settings, get_settings
 from app.dispatcher.plan import LiveWorker, Recall, decide, lanes_above
 from app.dispatcher.refill import Affine, Route, must_make_way, recall, refill
@@ -59,7 +58,6 @@ IDLE_S = 1.0  # longest wait for a wake-up while nothing waits
 IDLE_WAIT_S = 0.05  # longest wait between looks at lists that do not move
 SLOTS_S = 1.0  # how often the workers' presence records (their slots) are read
 SLOTS_FRESH_S = 0.1  # ... while a queue is found empty
-WEIGHTS_S = 5.0  # how often the tenants' weights are read
 RETRY_S = 1.0  # pause after Redis or the database failed
 MAKE_WAY_S = 1.0  # least time between two lists taken back for tenants that start waiting
 REBALANCE_S = 0.5  # least time between two own queues of a route evened out (_rebalance)
@@ -77,7 +75,6 @@ class Dispatcher:
         self.recalled = 0  # jobs whose message was taken back (a lane above them waited)
         self._scanned = 0.0
         self._workers: tuple[float, list[LiveWorker]] = (0.0, [])
-        self._weights: tuple[float, dict[str, float]] = (-WEIGHTS_S, {})
         self.worker_id = f"{socket.gethostname()}-{os.getpid()}"
         self._announced = 0.0
         self._depths: dict[Route, int] = {}  # each list's length at the last look
@@ -264,7 +261,6 @@ class Dispatcher:
             jobs,
             policy=self.settings.dispatch_policy,
             unit=unit,
-            weights=self._tenant_weights(),
             waited=self.waited.get(route, set()),
             client=self.client,
             affine=affine,
@@ -341,14 +337,6 @@ class Dispatcher:
         ]
         self._workers = (time.monotonic(), workers)
         return workers
-
-    def _tenant_weights(self) -> dict[str, float]:
-        at, weights = self._weights
-        if time.monotonic() - at >= WEIGHTS_S:
-            with session_scope() as session:
-                weights = fairshare.weights(session)
-            self._weights = (time.monotonic(), weights)
-        return weights
 
     # --- presence: `inferq status` and `inferq up` see the dispatchers that run ----------------
 

@@ -241,7 +241,6 @@ def refill(
     *,
     policy: str,
     unit: int,
-    weights: Mapping[str, float],
     waited: set[str],
     client: redis.Redis,
     affine: Affine | None = None,
@@ -269,7 +268,7 @@ def refill(
             )
         }
         if backlog:
-            chosen = _choose(tx, route, waiting, n, stamp, policy, backlog, weights, waited, client)
+            chosen = _choose(tx, route, waiting, n, stamp, policy, backlog, waited, client)
             batch, placement = _placed(
                 tx, route, _messages(unit, chosen.rows, chosen.turns), affine
             )
@@ -296,16 +295,19 @@ def _choose(
     stamp: float,
     policy: str,
     backlog: Mapping[str, tuple[int, float]],
-    weights: Mapping[str, float],
     waited: set[str],
     client: redis.Redis,
 ) -> Chosen:
-    """Pick (and stamp) up to ``n`` of the ``waiting`` jobs by ``policy``."""
+    """Pick (and stamp) up to ``n`` of the ``waiting`` jobs by ``policy``. The waiting tenants'
+    weights are read here, in the refill's transaction: a key created (or revoked) a moment
+    before its jobs arrive counts from their first refill. (A copy kept for seconds gave a
+    new tenant of weight 3 the share of weight 1 until it was read again.)"""
     if policy == "arrival":
         picked = _pick(tx, waiting, n, stamp, None)
         in_order = sorted(picked, key=lambda r: (r.created_at, r.batch_line or 0, r.id))
         return Chosen({"": in_order}, {"": [0.0]})
     charged = fairshare.counters(client, route.lane, route.model)
+    weights = fairshare.weights(tx.connection, backlog)
     old, new = fairshare.joining(backlog, waited)
     running = _running_charges(tx, route, [*old, *new]) if new and old else {}
     lifted = fairshare.join(charged, backlog, waited, weights, running)

@@ -236,7 +236,7 @@ def send_then_die(batch):
     os._exit(1)  # after the messages went out, before the transaction committed
 
 broker.send_jobs = send_then_die
-refill.refill(refill.Route("standard", "m-crash"), 5, policy="fair", unit=1, weights={},
+refill.refill(refill.Route("standard", "m-crash"), 5, policy="fair", unit=1,
               waited=set(), client=clients.redis_client())
 """
 

@@ -18,6 +18,7 @@ from app.core.messaging.names import own_queue
 from app.core.models import Job, now
 from app.core.scheduling import fairshare
 from app.core.settings import Settings
+from app.core.tenants import keys
 from app.dispatcher.affinity import home
 from app.dispatcher.loop import Dispatcher
 from app.dispatcher.plan import LiveWorker
@@ -62,7 +63,6 @@ def fill(route: Route, n: int, policy: str = "fair", unit: int = 1, **kw: Any) -
         n,
         policy=policy,
         unit=unit,
-        weights=kw.pop("weights", {}),
         waited=kw.pop("waited", set()),
         client=clients.redis_client(),
         affine=kw.pop("affine", None),
@@ -87,6 +87,20 @@ def test_tenants_take_turns_and_each_pick_is_stamped_and_charged(core: Settings)
     assert counters == {
         t: sum(stored[i].charged for i in sent if i in ids) for t, ids in (("a", a), ("b", b))
     }
+
+
+def test_a_key_weight_counts_from_the_first_refill_after_it_is_created(core: Settings) -> None:
+    """Weights are read in the refill's transaction: a tenant whose key of weight 3 was made
+    a moment before its jobs arrived takes three turns to one at once (a copy read every few
+    seconds gave it one to one until then)."""
+    route = Route("standard", core.model_name)
+    with db.session_scope() as session:
+        keys.create_key(session, "heavy", weight=3)
+    heavy = add(core, "heavy", 12)
+    add(core, "light", 12)
+    fill(route, 8)
+    tenants = ["heavy" if m.job_ids[0] in heavy else "light" for m in messages(route)]
+    assert (tenants.count("heavy"), tenants.count("light")) == (6, 2), tenants
 
 
 def test_arrival_order_sends_the_oldest_whoever_submitted_them(core: Settings) -> None:

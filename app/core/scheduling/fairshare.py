@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import redis
 from prometheus_client import Counter
-from sqlalchemy import func, select
+from sqlalchemy import Connection, func, select
 from sqlalchemy.orm import Session
 
 from app.core.contract.jobs import JobCreate
@@ -105,13 +105,17 @@ def counters_key(lane: str, model: str) -> str:
     return f"{FAIR_COUNTERS_PREFIX}{queue_of(lane, model)}"
 
 
-def weights(session: Session) -> dict[str, float]:
-    """Each tenant's weight: its heaviest live key's (a key without one weighs 1)."""
-    rows = session.execute(
+def weights(db: Session | Connection, tenants: Iterable[str] | None = None) -> dict[str, float]:
+    """Each tenant's weight (of ``tenants`` only, when given): its heaviest live key's (a key
+    without one weighs 1; a tenant with no key is missing, and weighs 1 where it is read)."""
+    query = (
         select(ApiKey.tenant, func.max(func.coalesce(ApiKey.weight, 1.0)))
         .where(ApiKey.revoked_at.is_(None))
         .group_by(ApiKey.tenant)
-    ).all()
+    )
+    if tenants is not None:
+        query = query.where(ApiKey.tenant.in_(list(tenants)))
+    rows = db.execute(query).all()
     return {tenant: float(weight) for tenant, weight in rows}
 
 
