@@ -62,11 +62,6 @@ class PoolRequest:
     priority: int = 1  # lower runs first (vLLM's convention)
     arrival: float = 0.0
 
-    @property
-    def size(self) -> int:
-        """How many vectors or scores the request yields."""
-        return len(self.inputs) if self.task == "embed" else len(self.pairs)
-
 
 @dataclass
 class PoolResult:

@@ -74,7 +74,8 @@ END_BYTES_MAX = 1 << 20
 
 
 def _jsonable(outcome: dict[str, Any]) -> dict[str, Any]:
-    """``outcome`` with its bytes as base64 text, or left out (named in ``pooled_in_row``)."""
+    """``outcome`` with its bytes as base64 text, or left out when larger than
+    ``END_BYTES_MAX`` (the caller then reads them from the row)."""
     out = dict(outcome)
     for column, value in outcome.items():
         if isinstance(value, bytes):
@@ -82,7 +83,6 @@ def _jsonable(outcome: dict[str, Any]) -> dict[str, Any]:
                 out[column] = base64.b64encode(value).decode()
             else:
                 del out[column]
-                out["pooled_in_row"] = True
     return out
 
 
@@ -135,7 +135,7 @@ class Publisher:
     def end(self, reply_to: str, token: int, outcome: dict[str, Any]) -> None:
         """The outcome is committed: ``outcome`` is what was committed (see ``Ended``). Bytes
         (a pooled job's vectors) travel base64-encoded up to ``END_BYTES_MAX``; larger ones
-        are left out, and the caller reads them from the row (``pooled_in_row``)."""
+        are left out, and the caller reads them from the row."""
         self._queue.put((reply_to, token, 0, _jsonable(outcome)))
 
     def _loop(self) -> None:

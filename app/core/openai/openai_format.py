@@ -380,7 +380,6 @@ class Ended:
     # A pooled job's rows (relay.end: base64 in the message, or left in the row when large).
     pooled: bytes | None = None
     pooled_width: int | None = None
-    pooled_in_row: bool = False
 
     @classmethod
     def of(cls, job: JobView, row: dict[str, Any]) -> Ended:
@@ -400,7 +399,6 @@ class Ended:
             error_message=row.get("error_message"),
             pooled=base64.b64decode(pooled) if isinstance(pooled, str) else None,
             pooled_width=row.get("pooled_width"),
-            pooled_in_row=bool(row.get("pooled_in_row")),
         )
 
 

@@ -204,12 +204,8 @@ def _base64(row: np.ndarray) -> str:
     return base64.b64encode(row.tobytes()).decode()  # little-endian float32, as stored
 
 
-def embedding_response(
-    pooled: Pooled, encoding_format: str = "float", rows: range | None = None
-) -> dict[str, Any]:
-    """OpenAI's embedding list (with vLLM's ``id`` and ``created``); ``rows``: the rows of this
-    response, when a job holds several batch lines' inputs."""
-    taken = range(len(pooled.rows)) if rows is None else rows
+def embedding_response(pooled: Pooled, encoding_format: str = "float") -> dict[str, Any]:
+    """OpenAI's embedding list (with vLLM's ``id`` and ``created``)."""
     return {
         "id": pooled.id,
         "object": "list",
@@ -219,11 +215,9 @@ def embedding_response(
             {
                 "object": "embedding",
                 "index": index,
-                "embedding": _base64(pooled.rows[at])
-                if encoding_format == "base64"
-                else pooled.rows[at],
+                "embedding": _base64(row) if encoding_format == "base64" else row,
             }
-            for index, at in enumerate(taken)
+            for index, row in enumerate(pooled.rows)
         ],
         "usage": _usage(pooled),
     }
