@@ -201,8 +201,10 @@ class Dispatcher:
         longest own queue is taken back; its jobs are placed again, and those whose worker is
         past the load bound go to the shared queue, where the waiting worker takes them. At most
         once a ``REBALANCE_S`` a queue, and only an own queue of ``REBALANCE_MIN`` messages or
-        more."""
-        for route, own in self._own.items():
+        more. Only the routes of this look: ``_own`` keeps the last counts of routes no longer
+        looked at, which would take messages back on old numbers."""
+        for route in list(depths):
+            own = self._own.get(route, {})
             if len(own) < 2 or self._shared.get(route, 0) or min(own.values()) > 0:
                 continue
             longest = max(own, key=lambda w: own[w])
