@@ -101,7 +101,7 @@ def finalize(batch_id: str) -> bool:
         return False
     batch, status, final = taken
     try:
-        output_id, error_id, completed, failed = _write_outputs(batch, final)
+        output_id, error_id, completed, failed, sizes = _write_outputs(batch, final)
     except DomainError as exc:
         if exc.kind != Kind.UNAVAILABLE:
             raise
@@ -130,7 +130,9 @@ def finalize(batch_id: str) -> bool:
         if done:
             for file_id, name in ((output_id, "output"), (error_id, "errors")):
                 if file_id is not None:
-                    files.add_output(session, batch.tenant, file_id, f"{batch.id}_{name}.jsonl")
+                    files.add_output(
+                        session, batch.tenant, file_id, f"{batch.id}_{name}.jsonl", sizes[file_id]
+                    )
     if not done:  # our lease ran out and another ops worker took over
         for file_id in (output_id, error_id):
             if file_id is not None:
@@ -172,8 +174,11 @@ def _take_if_done(batch_id: str, held: float) -> tuple[Batch, str, BatchStatus] 
     return batch, now_status, BatchStatus.COMPLETED
 
 
-def _write_outputs(batch: Batch, final: str) -> tuple[str | None, str | None, int, int]:
-    """Stream the batch's jobs into an output and an error file; (ids or None, counts).
+def _write_outputs(
+    batch: Batch, final: str
+) -> tuple[str | None, str | None, int, int, dict[str, int]]:
+    """Stream the batch's jobs into an output and an error file; (ids or None, counts, each
+    file's size by id).
 
     Jobs are read a page per short transaction (on SQLite every transaction holds the write
     lock), in input order.
@@ -213,7 +218,14 @@ def _write_outputs(batch: Batch, final: str) -> tuple[str | None, str | None, in
         store.delete(output_id)
     if not failed:
         store.delete(error_id)
-    return (output_id if completed else None, error_id if failed else None, completed, failed)
+    sizes = {output_id: out.size, error_id: err.size}
+    return (
+        output_id if completed else None,
+        error_id if failed else None,
+        completed,
+        failed,
+        sizes,
+    )
 
 
 # Lines the batch itself stopped (queued ones ended, running ones aborted), by how it ended.

@@ -371,7 +371,9 @@ def wait_batch(client: OpenAI, batch_id: str, statuses: set[str], timeout: float
 def output_lines(client: OpenAI, file_id: str | None) -> list[dict[str, Any]]:
     if file_id is None:
         return []
-    return [json.loads(x) for x in client.files.content(file_id).text.splitlines()]
+    content = client.files.content(file_id).content
+    assert client.files.retrieve(file_id).bytes == len(content)  # the row says what was written
+    return [json.loads(x) for x in content.decode().splitlines()]
 
 
 def test_files_round_trip(client: OpenAI) -> None:

@@ -152,9 +152,10 @@ def add_upload(
     return row
 
 
-def add_output(session: Session, tenant: str, file_id: str, filename: str) -> File:
-    """The row of a file a batch has written (``store.writer``), in the caller's transaction."""
-    size = store.size(file_id)
+def add_output(session: Session, tenant: str, file_id: str, filename: str, size: int) -> File:
+    """The row of a file a batch has written (``store.writer``: ``size`` is what it wrote), in
+    the caller's transaction. (Asking the store for the size here sent a HEAD request, on S3
+    with its retries, while the batch's row was locked.)"""
     expires_s = get_settings().files_expires_s
     return _row(session, tenant, file_id, filename, OUTPUT_PURPOSE, size, expires_s)
 

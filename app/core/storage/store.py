@@ -102,16 +102,20 @@ def key(file_id: str) -> str:
 
 class _Writer:
     """obstore's buffered writer, its store's failures a 503 (obstore raises them as
-    ``OSError`` from ``write`` and ``close``)."""
+    ``OSError`` from ``write`` and ``close``); ``size``: the bytes written, the object's size
+    once the block ends (no HEAD request to learn it)."""
 
     def __init__(self, out: WritableFile) -> None:
         self._out = out
+        self.size = 0
 
     def write(self, data: bytes) -> int:
         try:
-            return self._out.write(data)
+            written = self._out.write(data)
         except (BaseError, OSError) as exc:
             raise unavailable(exc) from exc
+        self.size += written
+        return written
 
 
 @contextlib.contextmanager
