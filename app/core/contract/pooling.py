@@ -10,13 +10,14 @@ never empty. ``pooling`` holds vLLM's options for the pooler; a pooled job has n
 
 from __future__ import annotations
 
-import sys
-from array import array
+from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 from pydantic import Field
 
 from app.core.contract.base import StrictModel
+from app.core.models import POOLED_DTYPE
 from app.core.settings import get_settings
 
 EmbedInput = str | list[str] | list[int] | list[list[int]]
@@ -97,19 +98,17 @@ def input_count(inputs: Any) -> int:
     return len(inputs)
 
 
-def pack(values: array[float] | list[float]) -> bytes:
-    """Float values as ``Job.pooled`` stores them: little-endian float32 (models.POOLED_DTYPE)."""
-    packed = values if isinstance(values, array) else array("f", values)
-    if sys.byteorder != "little":
-        packed = array("f", packed)
-        packed.byteswap()
-    return packed.tobytes()
+def pack(values: Sequence[float]) -> bytes:
+    """Float values as ``Job.pooled`` stores them: little-endian float32 (POOLED_DTYPE)."""
+    return np.asarray(values, dtype=POOLED_DTYPE).tobytes()
+
+
+def rows(data: bytes, width: int) -> np.ndarray:
+    """``Job.pooled``'s rows of ``width`` values: n x width float32, a view of the bytes."""
+    return np.frombuffer(data, dtype=POOLED_DTYPE).reshape(-1, width)
 
 
 def unpack(data: bytes, width: int) -> list[list[float]]:
     """``Job.pooled``'s rows of ``width`` values, as Python floats."""
-    values = array("f")
-    values.frombytes(data)
-    if sys.byteorder != "little":
-        values.byteswap()
-    return [values[i : i + width].tolist() for i in range(0, len(values), width)]
+    unpacked: list[list[float]] = rows(data, width).tolist()
+    return unpacked

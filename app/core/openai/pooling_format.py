@@ -21,8 +21,8 @@ from pydantic_core import PydanticCustomError
 
 from app.core.contract.jobs import JobCreate
 from app.core.contract.pooling import EmbedInput, check_items, embed_items
+from app.core.contract.pooling import rows as stored_rows
 from app.core.errors import DomainError, Kind, named, pydantic_error
-from app.core.models import POOLED_DTYPE
 from app.core.openai.openai_format import Tiered
 
 EMBEDDINGS = "/v1/embeddings"
@@ -192,8 +192,7 @@ class Pooled:
 def pooled_of(
     job_id: str, created_at: float, model: str, data: bytes, width: int, prompt_tokens: int | None
 ) -> Pooled:
-    rows = np.frombuffer(data, dtype=POOLED_DTYPE).reshape(-1, width)
-    return Pooled(job_id, created_at, model, rows, prompt_tokens or 0)
+    return Pooled(job_id, created_at, model, stored_rows(data, width), prompt_tokens or 0)
 
 
 def _usage(pooled: Pooled) -> dict[str, int]:
