@@ -73,13 +73,16 @@ class _Pooled(Tiered):
         """A pooled call is answered whole."""
         return False
 
-    def _job(self, fields: dict[str, Any], pooling: dict[str, Any] | None = None) -> JobCreate:
-        """The job body, with the jobs API's bounds; errors name the endpoint's field."""
+    def pooling_options(self) -> dict[str, Any]:
+        """The pooling options this body sets, as a job keeps them."""
         options = {
             "truncate_prompt_tokens": self.truncate_prompt_tokens,
             "use_activation": self.use_activation,
-            **(pooling or {}),
         }
+        return {k: v for k, v in options.items() if v is not None}
+
+    def _job(self, fields: dict[str, Any]) -> JobCreate:
+        """The job body, with the jobs API's bounds; errors name the endpoint's field."""
         try:
             return JobCreate.model_validate(
                 {
@@ -88,7 +91,7 @@ class _Pooled(Tiered):
                     "metadata": self.metadata,
                     "timeout_s": self.timeout_s,
                     "user": self.user,
-                    "pooling": {k: v for k, v in options.items() if v is not None} or None,
+                    "pooling": self.pooling_options() or None,
                     **fields,
                 }
             )
@@ -119,13 +122,11 @@ class EmbeddingRequest(_Pooled):
         return embed_items(self.input)
 
     def pooling_options(self) -> dict[str, Any]:
-        """The pooling options this body sets, as a job keeps them."""
-        options = {
-            "dimensions": self.dimensions,
-            "truncate_prompt_tokens": self.truncate_prompt_tokens,
-            "use_activation": self.use_activation,
-        }
-        return {k: v for k, v in options.items() if v is not None}
+        """The pooling options this body sets, ``dimensions`` among them."""
+        options = super().pooling_options()
+        if self.dimensions is not None:
+            options["dimensions"] = self.dimensions
+        return options
 
     @model_validator(mode="before")
     @classmethod
@@ -141,7 +142,7 @@ class EmbeddingRequest(_Pooled):
     def job(self, items: list[Any] | None = None) -> JobCreate:
         """The job of this body (``items``: the inputs of several lines, grouped)."""
         given: Any = self.input if items is None else items
-        return self._job({"input": given}, {"dimensions": self.dimensions})
+        return self._job({"input": given})
 
 
 class RerankRequest(_Pooled):
