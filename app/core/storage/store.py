@@ -25,13 +25,14 @@ from datetime import timedelta
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 import obstore
 from obstore.exceptions import BaseError, NotFoundError
 from obstore.store import LocalStore, from_url
 
 from app.core.errors import DomainError, Kind
-from app.core.settings import get_settings
+from app.core.settings import Settings, get_settings
 
 if TYPE_CHECKING:
     from obstore import WritableFile
@@ -56,6 +57,22 @@ def store() -> ObjectStore:
     """This process's store, as the settings name it."""
     s = get_settings()
     return _open(s.files_url, str(s.storage_dir), s.files_endpoint, s.files_region)
+
+
+def describe(settings: Settings) -> str:
+    """The store the settings name, in one line without credentials, for a person: what
+    `inferq up`'s banner and `inferq status`'s first line say."""
+    local = _local_dir(settings.files_url, str(settings.storage_dir.resolve()))
+    if local is not None:
+        return f"local directory {local}"
+    parts = urlsplit(settings.files_url)
+    named = f"{parts.scheme}://{parts.hostname or ''}{parts.path}"  # no user:password@
+    if settings.files_endpoint:
+        endpoint = urlsplit(settings.files_endpoint)
+        return f"{named} at {endpoint.scheme}://{endpoint.hostname}" + (
+            f":{endpoint.port}" if endpoint.port else ""
+        )
+    return named
 
 
 def _local_dir(url: str, storage_dir: str) -> str | None:
