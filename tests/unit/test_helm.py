@@ -1,15 +1,16 @@
 """The Helm chart deploy/helm/inferq: linted and rendered by a real helm, every object validated.
 
 helm (.ci/install-helm) lints the chart with `--strict` and renders it with its default values
-and with ci/gpu-two-models.yaml. Every rendered object is validated in strict mode: Kubernetes'
-own kinds against Kubernetes' schemas (kubernetes-validate), KEDA's ScaledObject and the
-Prometheus Operator's ServiceMonitor and PodMonitor against models generated from their CRDs
-(cloudcoil), with unknown fields refused; a planted bad object shows each validator refuses.
-Then the chart's promises (docs/kubernetes.md): a misspelt value fails naming the key,
-migrations run as a pre-install/pre-upgrade hook, beat runs once, a worker's grace period is
-its drain time + 60 s, KEDA owns the replicas of the models it scales, and every variable the
-chart sets is a documented setting. Without helm (or the validators) the tests skip, and
-fail instead under INFERQ_TEST_REQUIRE_HELM=1, as .ci/run sets.
+(nothing else set: batch files on the embedded store) and with each file of ci/. Every rendered
+object is validated in strict mode: Kubernetes' own kinds against Kubernetes' schemas
+(kubernetes-validate), KEDA's ScaledObject and the Prometheus Operator's ServiceMonitor and
+PodMonitor against models generated from their CRDs (cloudcoil), with unknown fields refused; a
+planted bad object shows each validator refuses. Then the chart's promises (docs/kubernetes.md):
+a misspelt value fails naming the key, a wrong combination fails with a sentence saying what to
+set, migrations run as a pre-install/pre-upgrade hook, beat runs once, a worker's grace period
+is its drain time + 60 s, KEDA owns the replicas of the models it scales, and every variable the
+chart sets is a documented setting. Without helm (or the validators) the tests skip, and fail
+instead under INFERQ_TEST_REQUIRE_HELM=1, as .ci/run sets.
 """
 
 from __future__ import annotations
@@ -40,10 +41,11 @@ DASHBOARD = REPO / "deploy" / "grafana" / "dashboards" / "inferq.json"
 RELEASE = "inferq"
 # The schemas of the Kubernetes that the pinned helm and kubectl target (1.35).
 KUBERNETES = "1.35.0"
-# The values each render uses: name -> values files. "default": the chart's defaults with a
-# bucket for files (alone they name no place for files, and are refused: test_files_...).
+# The values each render uses: name -> values files. "default": the chart's defaults alone, as a
+# first `helm install` gets them (batch files in the embedded store); "bucket": them in S3.
 RENDERS: dict[str, list[Path]] = {
-    "default": [S3_VALUES],
+    "default": [],
+    "bucket": [S3_VALUES],
     "gpu": [GPU_VALUES],
     "cluster": [CLUSTER_VALUES],
 }
@@ -90,11 +92,22 @@ def run(command: list[str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
 
 
-def template(helm: list[str], *args: str, bucket: bool = True) -> subprocess.CompletedProcess[str]:
-    """``helm template`` of the chart with ``args``, after the bucket for files of
-    ``S3_VALUES`` (the defaults alone are refused) unless ``bucket`` is False."""
-    first = ["-f", str(S3_VALUES)] if bucket else []
-    return run([*helm, "template", RELEASE, str(CHART), "--namespace", "inferq", *first, *args])
+def template(helm: list[str], *args: str) -> subprocess.CompletedProcess[str]:
+    """``helm template`` of the chart with ``args`` over its default values."""
+    return run([*helm, "template", RELEASE, str(CHART), "--namespace", "inferq", *args])
+
+
+def install(helm: list[str], *args: str) -> subprocess.CompletedProcess[str]:
+    """``helm install --dry-run=client``: what a user's first install prints (NOTES.txt too),
+    without a cluster."""
+    return run(
+        [*helm, "install", RELEASE, str(CHART), "--namespace", "inferq", "--dry-run=client", *args]
+    )
+
+
+def objects(done: subprocess.CompletedProcess[str]) -> list[Obj]:
+    assert done.returncode == 0, done.stderr
+    return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
 
 
 def values_args(files: list[Path]) -> list[str]:
@@ -106,9 +119,7 @@ def renders(helm: list[str]) -> dict[str, list[Obj]]:
     """Each render's objects, hooks included, rendered once for the module."""
     out = {}
     for name, files in RENDERS.items():
-        done = template(helm, *values_args(files), bucket=False)
-        assert done.returncode == 0, done.stderr
-        out[name] = [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+        out[name] = objects(template(helm, *values_args(files)))
     return out
 
 
@@ -185,7 +196,16 @@ def test_helm_lint_strict(helm: list[str], render: str) -> None:
 
 def test_renders_the_expected_objects(renders: dict[str, list[Obj]]) -> None:
     kinds = {name: sorted({o["kind"] for o in objs}) for name, objs in renders.items()}
+    # The defaults: batch files on the embedded store's claim, one API replica (no HPA).
     assert kinds["default"] == [
+        "Deployment",
+        "Job",
+        "PersistentVolumeClaim",
+        "PodDisruptionBudget",
+        "Secret",
+        "Service",
+    ]
+    assert kinds["bucket"] == [
         "Deployment",
         "HorizontalPodAutoscaler",
         "Job",
@@ -198,6 +218,7 @@ def test_renders_the_expected_objects(renders: dict[str, list[Obj]]) -> None:
     # API, ops with beat (and the dispatcher's loop), one worker per model; the GPU file adds
     # ops without beat and more dispatchers.
     assert len(of_kind(renders["default"], "Deployment")) == 2 + len(models_of([]))
+    assert len(of_kind(renders["bucket"], "Deployment")) == 2 + len(models_of([]))
     assert len(of_kind(renders["gpu"], "Deployment")) == 4 + len(models_of(RENDERS["gpu"]))
 
 
@@ -506,7 +527,8 @@ def files_env(objs: list[Obj]) -> dict[str, dict[str, Obj]]:
 def test_files_in_a_bucket_reach_the_api_and_the_ops_worker_only(
     renders: dict[str, list[Obj]],
 ) -> None:
-    objs = renders["default"]
+    objs = renders["bucket"]
+    assert of_kind(objs, "PersistentVolumeClaim") == []
     for name in (f"{RELEASE}-api", f"{RELEASE}-ops"):
         spec = dict(pod_specs(objs))[name]
         container = spec["containers"][0]
@@ -534,20 +556,187 @@ def test_files_on_a_claim_are_mounted_by_the_api_and_the_ops_worker(
         assert volume["persistentVolumeClaim"]["claimName"] == "inferq-files"
 
 
-def test_batches_need_a_place_for_files(helm: list[str]) -> None:
-    refused = template(helm, bucket=False)
-    assert refused.returncode != 0
-    assert "/files/url" in refused.stderr and "/files/existingClaim" in refused.stderr
-    off = template(helm, "--set", "batches.enabled=false", bucket=False)
-    assert off.returncode == 0, off.stderr
-    objs = [doc for doc in yaml.safe_load_all(off.stdout) if doc]
+def test_batches_off_need_no_place_for_files(helm: list[str]) -> None:
+    objs = objects(template(helm, "--set", "batches.enabled=false"))
+    assert of_kind(objs, "PersistentVolumeClaim") == []
     for name, spec in pod_specs(objs):
+        assert "files" not in [v["name"] for v in spec["volumes"]], name
         if name in (f"{RELEASE}-api", f"{RELEASE}-ops"):
             env = env_of(spec["containers"][0])
             assert env["INFERQ_BATCHES_ENABLED"]["value"] == "false"
             assert "INFERQ_FILES_URL" not in env and "INFERQ_FILES_DIR" not in env
-    wrong = template(helm, "--set", "files.url=ftp://somewhere", bucket=False)
-    assert wrong.returncode != 0 and "/files/url" in wrong.stderr
+    # No store to share: the API scales as with a bucket.
+    assert len(of_kind(objs, "HorizontalPodAutoscaler")) == 1
+
+
+# --- the embedded file store: the defaults install (issue 63) ----------------------------------
+
+CLAIM = f"{RELEASE}-files"
+# The processes that read and write files' bytes (app/api: uploads and downloads; app/batches'
+# validation and finalize in the ops workers); no other pod may mount the claim.
+FILES_USERS = {f"{RELEASE}-api", f"{RELEASE}-ops", f"{RELEASE}-ops-extra"}
+
+
+def test_the_defaults_lint_and_render_with_no_values_at_all(helm: list[str]) -> None:
+    """What chart-testing and a first `helm install` do: nothing set, not even a namespace."""
+    for command in (
+        [*helm, "lint", str(CHART)],
+        [*helm, "lint", "--strict", str(CHART)],
+        [*helm, "template", "x", str(CHART)],
+    ):
+        done = run(command)
+        assert done.returncode == 0, (command, done.stdout + done.stderr)
+        assert "allOf" not in done.stdout + done.stderr
+
+
+def test_the_defaults_keep_files_on_the_embedded_claim_where_they_are_read_and_written(
+    helm: list[str], renders: dict[str, list[Obj]]
+) -> None:
+    values = yaml.safe_load((CHART / "values.yaml").read_text())["files"]["embedded"]
+    (claim,) = of_kind(renders["default"], "PersistentVolumeClaim")
+    assert claim["metadata"]["name"] == CLAIM
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+    assert claim["spec"]["resources"]["requests"]["storage"] == values["size"]
+    assert "storageClassName" not in claim["spec"]  # empty: the cluster's default class
+    # Batch files are data: `helm uninstall` leaves the claim.
+    assert claim["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    # One API replica: the claim is ReadWriteOnce, mounted on one node.
+    assert named(renders["default"], "Deployment", "api")["spec"]["replicas"] == 1
+    # ops.extraReplicas: the ops workers without beat run batch validation too.
+    objs = objects(template(helm, "--set", "ops.extraReplicas=2", "--set", "dispatcher.replicas=1"))
+    specs = {
+        o["metadata"]["name"]: o["spec"]["template"]
+        for o in objs
+        if o["kind"] in ("Deployment", "Job")
+    }
+    assert FILES_USERS | {f"{RELEASE}-dispatcher", f"{RELEASE}-migrate"} <= set(specs)
+    users = {}
+    for name, pod in specs.items():
+        spec = pod["spec"]
+        container = spec["containers"][0]
+        env = env_of(container)
+        claims = [v for v in spec["volumes"] if "persistentVolumeClaim" in v]
+        if name not in FILES_USERS:
+            assert claims == [] and "INFERQ_FILES_DIR" not in env, name
+            continue
+        (volume,) = claims
+        assert volume == {"name": "files", "persistentVolumeClaim": {"claimName": CLAIM}}, name
+        assert {"name": "files", "mountPath": "/files"} in container["volumeMounts"], name
+        assert env["INFERQ_FILES_DIR"]["value"] == "/files", name
+        assert "INFERQ_FILES_URL" not in env, name
+        users[name] = pod
+    assert set(users) == FILES_USERS
+    # A ReadWriteOnce claim is mounted on one node: every pod that mounts it requires to run
+    # beside the others (a required pod affinity on the node), and only they carry its label.
+    for name, pod in users.items():
+        (term,) = pod["spec"]["affinity"]["podAffinity"][
+            "requiredDuringSchedulingIgnoredDuringExecution"
+        ]
+        assert term["topologyKey"] == "kubernetes.io/hostname", name
+        wanted = term["labelSelector"]["matchLabels"]
+        for other, p in specs.items():
+            carries = wanted.items() <= p["metadata"]["labels"].items()
+            assert carries == (other in FILES_USERS), (name, other)
+
+
+def test_a_model_s_own_affinity_is_kept_beside_the_claim_s(helm: list[str]) -> None:
+    zone = {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [
+                    {"matchExpressions": [{"key": "pool", "operator": "In", "values": ["cpu"]}]}
+                ]
+            }
+        }
+    }
+    objs = objects(template(helm, "--set-json", f"api.affinity={json.dumps(zone)}"))
+    affinity = named(objs, "Deployment", "api")["spec"]["template"]["spec"]["affinity"]
+    assert affinity["nodeAffinity"] == zone["nodeAffinity"]
+    assert len(affinity["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]) == 1
+
+
+def test_a_shared_store_leaves_the_api_autoscaled(renders: dict[str, list[Obj]]) -> None:
+    for render in ("bucket", "gpu", "cluster"):
+        objs = renders[render]
+        assert of_kind(objs, "PersistentVolumeClaim") == [], render
+        assert "replicas" not in named(objs, "Deployment", "api")["spec"], render
+        hpa = named(objs, "HorizontalPodAutoscaler", "api")["spec"]
+        assert (hpa["minReplicas"], hpa["maxReplicas"]) == (2, 10), render
+        for name, spec in pod_specs(objs):
+            assert "podAffinity" not in spec.get("affinity", {}), (render, name)
+
+
+def test_a_shared_store_takes_a_fixed_replica_count(helm: list[str]) -> None:
+    objs = objects(template(helm, "-f", str(S3_VALUES), "--set", "api.autoscaling.enabled=false"))
+    assert named(objs, "Deployment", "api")["spec"]["replicas"] == 2
+    assert of_kind(objs, "HorizontalPodAutoscaler") == []
+    objs = objects(template(helm, "--set", "api.autoscaling.enabled=false"))
+    assert named(objs, "Deployment", "api")["spec"]["replicas"] == 1
+
+
+# Values set wrongly, and what the sentence that refuses them says: what is wrong, what to set.
+WRONG = [
+    (
+        ["--set", "api.replicas=3"],
+        [
+            "api.replicas=3: the embedded file store serves one API replica",
+            "set files.url (s3://bucket/prefix) or files.existingClaim",
+            "or api.replicas=1",
+        ],
+    ),
+    (
+        ["--set", "api.autoscaling.enabled=true"],
+        [
+            "api.autoscaling.enabled=true: the embedded file store serves one API replica",
+            "set files.url (s3://bucket/prefix) or files.existingClaim",
+            "or api.autoscaling.enabled=false",
+        ],
+    ),
+    (
+        ["--set", "files.url=ftp://somewhere"],
+        ['files.url "ftp://somewhere"', "s3://bucket/prefix"],
+    ),
+    (
+        ["--set", "files.url=s3://b/p", "--set", "files.existingClaim=shared"],
+        ["files.url and files.existingClaim are both set: set one"],
+    ),
+    (
+        ["--set", "ingress.enabled=true"],
+        ["ingress.enabled=true needs a host: set ingress.hosts"],
+    ),
+]
+
+
+@pytest.mark.parametrize(("args", "sentences"), WRONG)
+def test_a_value_set_wrongly_fails_with_a_sentence_not_a_schema_trace(
+    helm: list[str], args: list[str], sentences: list[str]
+) -> None:
+    for done in (template(helm, *args), install(helm, *args)):
+        assert done.returncode != 0, done.stdout
+        error = " ".join(done.stderr.split())  # the sentence, whatever helm's line breaks
+        for sentence in sentences:
+            assert sentence in error, done.stderr
+        assert "allOf" not in error and "anyOf" not in error, done.stderr
+        assert "specifications of the schema" not in error, done.stderr
+
+
+def test_the_notes_say_where_files_live_and_how_to_move_them_to_a_bucket(
+    helm: list[str],
+) -> None:
+    def notes(done: subprocess.CompletedProcess[str]) -> str:
+        assert done.returncode == 0, done.stderr
+        return " ".join(done.stdout.split("NOTES:", 1)[1].split())
+
+    embedded = notes(install(helm))
+    assert f"the embedded file store: the claim {CLAIM}" in embedded
+    assert "serves one API replica" in embedded
+    for value in ("files.url=s3://", "files.region=", "files.credentialsSecret="):
+        assert value in embedded, value
+    bucket = notes(install(helm, "-f", str(S3_VALUES)))
+    assert "Batch files live in s3://inferq-files/prod" in bucket
+    assert "embedded" not in bucket
+    off = notes(install(helm, "--set", "batches.enabled=false"))
+    assert "Batches are off" in off and "embedded" not in off
 
 
 # --- a real cluster's GPU nodes and gated weights (issue 56) ----------------------------------
@@ -565,17 +754,15 @@ def test_gpu_workers_tolerate_the_gpu_taint_unless_they_say_otherwise(
         {"name": "cpu", "model": "m", "gpus": {"count": 0}},
     ]
     own.write_text(yaml.safe_dump({"models": models}))
-    done = template(helm, "-f", str(own))
-    assert done.returncode == 0, done.stderr
-    objs = [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+    objs = objects(template(helm, "-f", str(own)))
     for m in models:
         assert "tolerations" not in worker_pod(objs, m), m["name"]
 
 
 def test_the_hugging_face_token_comes_from_a_secret(helm: list[str]) -> None:
-    done = template(helm, "--set", "hfToken.secretName=hf", "--set", "hfToken.secretKey=tok")
-    assert done.returncode == 0, done.stderr
-    objs = [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+    objs = objects(
+        template(helm, "--set", "hfToken.secretName=hf", "--set", "hfToken.secretKey=tok")
+    )
     (model,) = models_of([])
     env = env_of(worker_pod(objs, model)["containers"][0])
     assert env["HF_TOKEN"] == {
@@ -651,7 +838,6 @@ def test_a_first_operator_key_comes_from_a_secret_through_the_environment(
 @pytest.mark.parametrize(
     ("args", "where"),
     [
-        (["--set", "ingress.enabled=true"], "/ingress/hosts"),
         (["--set", "operatorKey.tenant=a b;rm"], "/operatorKey/tenant"),
         (["--set-json", "networkPolicy.egressPorts=[70000]"], "/networkPolicy/egressPorts/0"),
         (["--set", "hfToken.secretKey="], "/hfToken/secretKey"),

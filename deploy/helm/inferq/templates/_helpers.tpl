@@ -192,7 +192,8 @@ affinity:
 Writable directories under a read-only root: /tmp, /data (INFERQ_DATA_DIR in the image: beat's
 schedule file, the API's multiprocess metrics) and the home directory (caches; a worker's vLLM,
 torch and Triton keep theirs there). Add (dict "root" $ "files" true) for /files, the batch
-files the API and the ops worker share.
+files the API and the ops workers share: the claim of files.existingClaim, or the embedded
+store's (inferq.filesClaim).
 */}}
 {{- define "inferq.volumes" -}}
 - name: tmp
@@ -201,10 +202,10 @@ files the API and the ops worker share.
   emptyDir: {}
 - name: home
   emptyDir: {}
-{{- if and .files .root.Values.files.existingClaim }}
+{{- with (and .files (include "inferq.filesClaim" .root)) }}
 - name: files
   persistentVolumeClaim:
-    claimName: {{ .root.Values.files.existingClaim }}
+    claimName: {{ . }}
 {{- end }}
 {{- end }}
 
@@ -212,16 +213,121 @@ files the API and the ops worker share.
 - {name: tmp, mountPath: /tmp}
 - {name: data, mountPath: /data}
 - {name: home, mountPath: /home/inferq}
-{{- if and .files .root.Values.files.existingClaim }}
+{{- if and .files (include "inferq.filesClaim" .root) }}
 - {name: files, mountPath: /files}
 {{- end }}
 {{- end }}
 
 {{/*
-Where the API and the ops worker keep the bytes of files (docs/files.md), into (dict "root" $
-"set" $set): the object store of files.url, else the claim of files.existingClaim at /files;
-and whether batches are on. Credentials are not settings: files.credentialsSecret comes in as
-the environment (inferq.filesEnvFrom), or the service account's role does.
+The store of the bytes of files, the API's and the ops workers' (docs/files.md): "url" (the
+object store of files.url), "claim" (files.existingClaim, ReadWriteMany), "embedded" (neither,
+with batches on: the claim the chart makes, files-claim.yaml), or "" (neither, batches off:
+none is needed).
+*/}}
+{{- define "inferq.filesStore" -}}
+{{- $files := .Values.files }}
+{{- if $files.url }}url
+{{- else if $files.existingClaim }}claim
+{{- else if .Values.batches.enabled }}embedded
+{{- end }}
+{{- end }}
+
+{{/* The claim mounted at /files, or "" (a bucket, or no store). */}}
+{{- define "inferq.filesClaim" -}}
+{{- $store := include "inferq.filesStore" . }}
+{{- if eq $store "claim" }}{{ .Values.files.existingClaim }}
+{{- else if eq $store "embedded" }}{{ include "inferq.fullname" . }}-files
+{{- end }}
+{{- end }}
+
+{{/*
+The pod label that gathers the embedded store's users on its node: every pod that mounts the
+ReadWriteOnce claim carries it and requires a node running a pod of the release that carries it
+(inferq.filesScheduling). The first of them to start matches its own term, so it may go anywhere
+(Kubernetes' rule for a pod that matches its own affinity); the others follow it. Empty unless
+the store is the embedded one.
+*/}}
+{{- define "inferq.filesLabels" -}}
+{{- if eq (include "inferq.filesStore" .) "embedded" }}
+inferq.io/files: embedded
+{{- end }}
+{{- end }}
+
+{{/*
+Scheduling of a pod that mounts /files, (dict "root" $ "part" .Values.api): the part's own
+nodeSelector, tolerations and affinity, plus, with the embedded store, a required pod affinity
+to the node of the store's other users (the part's own podAffinity terms are kept).
+*/}}
+{{- define "inferq.filesScheduling" -}}
+{{- $affinity := deepCopy (.part.affinity | default dict) }}
+{{- with (include "inferq.filesLabels" .root | fromYaml) }}
+{{- $labels := merge (dict "app.kubernetes.io/instance" $.root.Release.Name) . }}
+{{- $term := dict "labelSelector" (dict "matchLabels" $labels) "topologyKey" "kubernetes.io/hostname" }}
+{{- $pod := get $affinity "podAffinity" | default dict }}
+{{- $required := get $pod "requiredDuringSchedulingIgnoredDuringExecution" | default list }}
+{{- $_ := set $pod "requiredDuringSchedulingIgnoredDuringExecution" (append $required $term) }}
+{{- $_ := set $affinity "podAffinity" $pod }}
+{{- end }}
+{{- include "inferq.scheduling" (dict "nodeSelector" .part.nodeSelector "tolerations" .part.tolerations "affinity" $affinity) }}
+{{- end }}
+
+{{/*
+Whether the API has a HorizontalPodAutoscaler ("true" or ""), and its replicas without one.
+null values follow the store of files: the embedded one serves one replica (no autoscaling,
+1 replica); a shared one (files.url, files.existingClaim) or none (batches off) scales (2).
+*/}}
+{{- define "inferq.apiAutoscaled" -}}
+{{- $enabled := .Values.api.autoscaling.enabled }}
+{{- if kindIs "invalid" $enabled }}
+{{- $enabled = ne (include "inferq.filesStore" .) "embedded" }}
+{{- end }}
+{{- if $enabled }}true{{ end }}
+{{- end }}
+
+{{- define "inferq.apiReplicas" -}}
+{{- $replicas := .Values.api.replicas }}
+{{- if kindIs "invalid" $replicas }}
+{{- $replicas = ternary 1 2 (eq (include "inferq.filesStore" .) "embedded") }}
+{{- end }}
+{{- $replicas | int }}
+{{- end }}
+
+{{/*
+Rules across values, each refused with a sentence that says what to set (a schema's allOf or
+anyOf would answer with a trace of its branches). Rendered first by api.yaml. `helm lint` does
+not stop at `fail` (helm's lint mode logs it): `helm template` and `helm install` do.
+*/}}
+{{- define "inferq.checkValues" -}}
+{{- $files := .Values.files }}
+{{- $api := .Values.api }}
+{{- with $files.url }}
+{{- if not (regexMatch "^(s3|s3a|gs|az|abfs|file)://" .) }}
+{{- fail (printf "files.url %q is not a store inferq knows: set s3://bucket/prefix (AWS S3; with files.endpoint, an S3-compatible store), gs://bucket/prefix or az://container/prefix (docs/files.md)" .) }}
+{{- end }}
+{{- if $files.existingClaim }}
+{{- fail "files.url and files.existingClaim are both set: set one, a bucket (files.url) or a ReadWriteMany claim (files.existingClaim)" }}
+{{- end }}
+{{- end }}
+{{- if eq (include "inferq.filesStore" .) "embedded" }}
+{{- $shared := "set files.url (s3://bucket/prefix) or files.existingClaim (a ReadWriteMany claim) for a store every replica reaches (docs/kubernetes.md, \"Batch files\")" }}
+{{- if include "inferq.apiAutoscaled" . }}
+{{- fail (printf "api.autoscaling.enabled=true: the embedded file store serves one API replica (a ReadWriteOnce claim, files.url and files.existingClaim being empty); %s, or api.autoscaling.enabled=false" $shared) }}
+{{- end }}
+{{- if gt (include "inferq.apiReplicas" . | int) 1 }}
+{{- fail (printf "api.replicas=%d: the embedded file store serves one API replica (a ReadWriteOnce claim, files.url and files.existingClaim being empty); %s, or api.replicas=1" ($api.replicas | int) $shared) }}
+{{- end }}
+{{- end }}
+{{- if and .Values.ingress.enabled (not .Values.ingress.hosts) }}
+{{- fail "ingress.enabled=true needs a host: set ingress.hosts (--set ingress.hosts[0]=inferq.example.com), each routed to the API" }}
+{{- end }}
+{{- end }}
+
+{{/*
+Where the API and the ops workers keep the bytes of files (docs/files.md), into (dict "root" $
+"set" $set): the object store of files.url, else the claim at /files (files.existingClaim or
+the embedded store's); and whether batches are on. Credentials are not settings:
+files.credentialsSecret comes in as the environment (inferq.filesEnvFrom), or the service
+account's role does.
 */}}
 {{- define "inferq.filesSet" -}}
 {{- $files := .root.Values.files }}
@@ -229,7 +335,7 @@ the environment (inferq.filesEnvFrom), or the service account's role does.
 {{- $_ := set .set "INFERQ_FILES_URL" $files.url }}
 {{- with $files.endpoint }}{{ $_ := set $.set "INFERQ_FILES_ENDPOINT" . }}{{ end }}
 {{- with $files.region }}{{ $_ := set $.set "INFERQ_FILES_REGION" . }}{{ end }}
-{{- else if $files.existingClaim }}
+{{- else if include "inferq.filesClaim" .root }}
 {{- $_ := set .set "INFERQ_FILES_DIR" "/files" }}
 {{- end }}
 {{- $_ := set .set "INFERQ_BATCHES_ENABLED" (toString .root.Values.batches.enabled) }}
