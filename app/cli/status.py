@@ -13,17 +13,15 @@ import sys
 import threading
 import time
 from datetime import datetime
-from pathlib import Path
 from typing import Any
 
 import redis
 from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
-from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError, SQLAlchemyError
+from sqlalchemy.exc import SQLAlchemyError
 
-from app.cli.stack import running_stacks
+from app.cli import where
 from app.core.db import session_scope
 from app.core.messaging import clients
 from app.core.messaging.names import routes
@@ -31,6 +29,7 @@ from app.core.observe import missing, snapshot
 from app.core.processes import presence
 from app.core.scheduling import catalog
 from app.core.settings import get_settings
+from app.core.storage import store
 
 THROUGHPUT_WINDOW_S = 60.0
 
@@ -39,56 +38,9 @@ class Unavailable(Exception):
     """Redis or the database could not be read; the message is one line for a person."""
 
 
-def no_database() -> str | None:
-    """Why there is nothing to read, when the settings name a SQLite file that does not exist
-    (opening it would create an empty one: a read-only command must not); else None."""
-    settings = get_settings()
-    try:
-        url = make_url(settings.sqlalchemy_url)
-    except (ArgumentError, ValueError):
-        return None  # the read says what is wrong with it, as for any bad URL
-    if url.get_backend_name() != "sqlite" or url.database in (None, "", ":memory:"):
-        return None
-    if url.query.get("uri") == "true" or url.database.startswith("file:"):
-        return None  # SQLite's URI form: the driver reads the file's path and mode from it
-    path = Path(url.database).resolve()
-    if path.exists():
-        return None
-    relative = "" if settings.data_dir.is_absolute() else ", relative to this directory"
-    where = (
-        "INFERQ_DATABASE_URL"
-        if settings.database_url
-        else f"INFERQ_DATA_DIR {str(settings.data_dir)!r}{relative}"
-    )
-    said = f"no inferq database at {path} ({where}). Nothing was created."
-    stacks = running_stacks()
-    if not stacks:
-        return (
-            f"{said} Run it where `inferq up` runs, or set INFERQ_DATA_DIR or "
-            "INFERQ_DATABASE_URL (and INFERQ_REDIS_URL) to the stack's."
-        )
-    pid, data_dir, env = stacks[0]
-    settings_of = " ".join(
-        f"{k}={_no_password(v)}"
-        for k, v in sorted({**env, "INFERQ_DATA_DIR": str(data_dir)}.items())
-        if k in {"INFERQ_DATA_DIR", "INFERQ_DATABASE_URL", "INFERQ_REDIS_URL"}
-    )
-    return f"{said} `inferq up` runs with {data_dir} (pid {pid}): {settings_of} inferq status"
-
-
-def _no_password(value: str) -> str:
-    """A setting of another process, printed: a URL's password hidden."""
-    if "@" not in value:
-        return value
-    try:
-        return make_url(value).render_as_string(hide_password=True)
-    except (ArgumentError, ValueError):
-        return "<a URL with credentials>"
-
-
 def collect() -> snapshot.Snapshot:
     now = time.time()
-    if (why := no_database()) is not None:
+    if (why := where.no_database("status")) is not None:
         raise Unavailable(why)
     try:
         client = clients.redis_client()
@@ -99,7 +51,7 @@ def collect() -> snapshot.Snapshot:
         dispatchers = presence.dispatchers(client)
         affinity = snapshot.affinity_counts(client)
     except redis.RedisError as exc:
-        raise Unavailable(f"cannot read Redis (INFERQ_REDIS_URL): {exc}") from None
+        raise Unavailable(_no_redis(exc)) from None
     try:
         with session_scope() as session:
             lanes = snapshot.lane_jobs(session, now, models)
@@ -107,14 +59,25 @@ def collect() -> snapshot.Snapshot:
             tenants = snapshot.tenant_jobs(session, now, THROUGHPUT_WINDOW_S)
             warnings = [m.message() for m in missing.find(session, client, get_settings())]
     except redis.RedisError as exc:
-        raise Unavailable(f"cannot read Redis (INFERQ_REDIS_URL): {exc}") from None
+        raise Unavailable(_no_redis(exc)) from None
     except SQLAlchemyError as exc:
-        # The driver's own message is the useful line; SQLAlchemy's adds the SQL and a link.
-        reason = str(getattr(exc, "orig", None) or exc).splitlines()[0]
-        raise Unavailable(f"cannot read the database (INFERQ_DATABASE_URL): {reason}") from None
+        raise Unavailable(where.no_reading(exc)) from None
     return snapshot.Snapshot(
         now, messages, lanes, workers, throughput, ops, tenants, dispatchers, warnings, affinity
     )
+
+
+def _no_redis(exc: redis.RedisError) -> str:
+    url = where.hide_password(get_settings().redis_url)
+    return f"cannot read Redis at {url} (INFERQ_REDIS_URL): {exc}"
+
+
+def heading(taken_at: float) -> str:
+    """The first line: when, and which Redis, database and file store were read."""
+    stamp = datetime.fromtimestamp(taken_at).strftime("%Y-%m-%d %H:%M:%S")
+    settings = get_settings()
+    read = where.reading().summary(settings, store.describe(settings))
+    return f"inferq status at {stamp}: {read}"
 
 
 def _age(seconds: float) -> str:
@@ -272,9 +235,8 @@ def _throughput_table(snap: snapshot.Snapshot) -> Table:
 
 
 def render(snap: snapshot.Snapshot) -> RenderableType:
-    stamp = datetime.fromtimestamp(snap.taken_at).strftime("%Y-%m-%d %H:%M:%S")
     return Group(
-        Text(f"inferq status at {stamp}", style="bold"),
+        Text(heading(snap.taken_at), style="bold"),
         *(Text(f"warning: {line}", style="bold yellow") for line in snap.warnings),
         _lanes_table(snap),
         _tenants_table(snap),
@@ -305,7 +267,7 @@ def run(watch: bool = False, interval: float = 2.0) -> int:
             sys.stderr.write(f"inferq status: {exc}\n")
             return 1
         if not watch:
-            console.print(first)
+            console.print(first, soft_wrap=True)
             return 0
         if console.is_terminal:
             with Live(first, console=console, auto_refresh=False) as live:
@@ -314,11 +276,11 @@ def run(watch: bool = False, interval: float = 2.0) -> int:
                     live.update(_frame(), refresh=True)
         else:
             # Live draws only its last frame where it cannot move the cursor: print each one.
-            console.print(first)
+            console.print(first, soft_wrap=True)
             while True:
                 time.sleep(interval)
                 console.print()
-                console.print(_frame())
+                console.print(_frame(), soft_wrap=True)
     except KeyboardInterrupt:
         # Ctrl-C is how --watch ends; a one-off status cut short reports it the shell's way.
         return 0 if watch else 130

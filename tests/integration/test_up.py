@@ -16,7 +16,8 @@ import httpx
 import psutil
 import redis
 
-from app.cli.stack import RECORD_FILE, left_running, port_holder, redis_server_argv
+from app.cli.stack import left_running, port_holder, redis_server_argv
+from app.cli.where import RECORD_FILE
 from tests.support import REPO, free_port, wait_until
 
 
@@ -85,8 +86,14 @@ def start_up(env: dict[str, str]) -> tuple[subprocess.Popen[str], list[str], thr
 
 
 def test_up_runs_the_whole_stack_and_stops_every_child(tmp_path: Path) -> None:
-    api_port, redis_port = free_port(), free_port()
-    env = up_env(tmp_path, api_port, redis_port)
+    api_port, redis_port, metrics_port = free_port(), free_port(), free_port()
+    # With the embedding model's worker beside the demo's (the simulated engine stands in for
+    # both) and a fixed /metrics port: the embedding worker takes the next one.
+    env = {
+        **up_env(tmp_path, api_port, redis_port),
+        "INFERQ_UP_EMBEDDING_MODEL": "minilm",
+        "INFERQ_WORKER_METRICS_PORT": str(metrics_port),
+    }
     proc, lines, reader = start_up(env)
     children: list[psutil.Process] = []
     try:
@@ -102,18 +109,24 @@ def test_up_runs_the_whole_stack_and_stops_every_child(tmp_path: Path) -> None:
         assert url == f"http://127.0.0.1:{api_port}"
         children = psutil.Process(proc.pid).children(recursive=True)
         assert len(children) >= 3  # redis-server, api, worker
-        # The metrics line names the addresses the worker and the ops worker announced, and the
-        # API's service discovery lists the same two.
-        worker_metrics, ops_metrics = re.search(
-            r"worker (http://\S+/metrics), ops (http://\S+/metrics)", output
+        # The metrics line names the addresses the workers and the ops worker announced, and
+        # the API's service discovery lists the same three.
+        worker_metrics, embedder_metrics, ops_metrics = re.search(
+            r"worker (http://\S+/metrics), embedder (http://\S+/metrics), ops (http://\S+/metrics)",
+            output,
         ).groups()
-        for page in (worker_metrics, ops_metrics):
+        assert worker_metrics == f"http://127.0.0.1:{metrics_port}/metrics"
+        assert embedder_metrics == f"http://127.0.0.1:{metrics_port + 1}/metrics"
+        for page in (worker_metrics, embedder_metrics, ops_metrics):
             assert httpx.get(page, timeout=5).status_code == 200
         groups = httpx.get(f"{url}/metrics/targets", timeout=5).json()
         assert {(g["labels"]["role"], f"http://{g['targets'][0]}/metrics") for g in groups} == {
             ("inference", worker_metrics),
+            ("inference", embedder_metrics),
             ("ops", ops_metrics),
         }
+        data = (tmp_path / "data").resolve()
+        assert f"files     local directory {data / 'files'}" in output
 
         with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}) as c:
             ids = [
@@ -141,6 +154,24 @@ def test_up_runs_the_whole_stack_and_stops_every_child(tmp_path: Path) -> None:
                     f"job {job_id}",
                 )
                 assert job["result"]["text"] and job["result"]["usage"]["total_tokens"] > 0
+
+        # `inferq status` in a second shell, without the stack's environment: it reads the
+        # settings `inferq up` keeps beside its data, so the private Redis, not the default one.
+        bare = {k: v for k, v in env.items() if not k.startswith("INFERQ_")}
+        shown = subprocess.run(
+            [sys.executable, "-m", "app.cli", "status"],
+            cwd=REPO,
+            env={**bare, "INFERQ_DATA_DIR": str(tmp_path / "data")},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert shown.returncode == 0, shown.stderr
+        first = shown.stdout.splitlines()[0]
+        assert f"Redis redis://127.0.0.1:{redis_port}/0, database sqlite:///{data}/" in first
+        assert f"as the `inferq up` running here (pid {proc.pid})" in first, first
+        assert "no worker is announced" not in shown.stdout
+        assert "inferq-demo" in shown.stdout and "minilm" in shown.stdout
 
         # The client commands against the same stack.
         client_env = {**env, "INFERQ_API_URL": url, "INFERQ_API_KEY": key}
@@ -189,7 +220,7 @@ def test_up_runs_the_whole_stack_and_stops_every_child(tmp_path: Path) -> None:
         reader.join(5)
         # The last line says that everything stopped, and how long the stop took.
         assert re.fullmatch(
-            r"inferq stopped: redis, api, ops, worker \(\d+\.\d s\)", lines[-1].strip()
+            r"inferq stopped: redis, api, ops, worker, embedder \(\d+\.\d s\)", lines[-1].strip()
         ), lines[-3:]
         assert not (tmp_path / "data" / RECORD_FILE).exists()  # its own record goes with it
         wait_until(
