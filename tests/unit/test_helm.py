@@ -34,9 +34,9 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "deploy" / "helm" / "inferq"
-GPU_VALUES = CHART / "ci" / "gpu-two-models.yaml"
-S3_VALUES = CHART / "ci" / "object-storage.yaml"
-CLUSTER_VALUES = CHART / "ci" / "cluster.yaml"
+GPU_VALUES = CHART / "ci" / "gpu-two-models-values.yaml"
+S3_VALUES = CHART / "ci" / "object-storage-values.yaml"
+CLUSTER_VALUES = CHART / "ci" / "cluster-values.yaml"
 DASHBOARD = REPO / "deploy" / "grafana" / "dashboards" / "inferq.json"
 RELEASE = "inferq"
 # The schemas of the Kubernetes that the pinned helm and kubectl target (1.35).
