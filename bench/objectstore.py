@@ -114,8 +114,10 @@ class Seaweed:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"weed mini exited:\n{self.log_tail()}")
             try:
-                obstore.head(self.store(), "probe")
-            except FileNotFoundError:
+                # A listing, not a HEAD: a HEAD's bare 404 comes as soon as S3 answers, before
+                # weed mini has made the bucket (about a second later), and a test that lists
+                # or reads first would find no such bucket.
+                next(iter(obstore.list(self.store(), prefix="probe", chunk_size=1)), None)
                 return  # the bucket answers: up
             except Exception:
                 time.sleep(0.3)

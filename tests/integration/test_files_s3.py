@@ -1,11 +1,13 @@
 """Files in a real S3-compatible store (SeaweedFS on loopback, bench/objectstore.py): two API
 processes and the ops worker share nothing but its URL (each its own data directory, one
 PostgreSQL); uploads stream in and are checked on the way, downloads stream out with Range,
-a refused or broken upload leaves nothing, wrong credentials are a missing part, and expired
+a refused or broken upload leaves nothing, wrong credentials are a missing part, a store that
+fails says how (access denied, no such bucket, connection refused) and where, and expired
 files go (docs/files.md)."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 from collections.abc import Iterator
@@ -19,7 +21,11 @@ from obstore.exceptions import PermissionDeniedError
 from openai import OpenAI
 from sqlalchemy import text
 
-from bench.objectstore import Seaweed
+from app.core.errors import DomainError
+from app.core.settings import get_settings
+from app.core.status_codes import status_of
+from app.core.storage import store
+from bench.objectstore import BUCKET, Seaweed
 from tests.conftest import PostgresDatabases, database_url_for, fresh_redis_url
 from tests.support import Proc, Stack, free_port, wait_until
 
@@ -218,17 +224,53 @@ def test_wrong_credentials_are_a_missing_part(two: Two, weed: Seaweed) -> None:
     ready = httpx.get(f"{url}/readyz").json()
     assert ready["status"] == "degraded"
     assert [m["part"] for m in ready["missing"]] == ["files"]
+    where = f"s3://{BUCKET}/inferq at {weed.endpoint}"
     assert "file store is unavailable" in ready["missing"][0]["message"]
+    assert f"({where}: access denied: " in ready["missing"][0]["message"]
     answer = httpx.post(
         f"{url}/v1/files", data={"purpose": "batch"}, files={"file": ("x.jsonl", b"{}\n")}
     )
-    assert answer.status_code == 503 and "retry-after" in answer.headers
+    # Still 503 (the request was fine; the deployment lacks a working part), but no
+    # Retry-After: the same request fails the same way until a person fixes the credentials.
+    assert answer.status_code == 503 and "retry-after" not in answer.headers
+    error = answer.json()["error"]
+    assert error["code"] == "file_store_unavailable"
+    assert error["message"].startswith(f"the file store {where} is unavailable: access denied")
+    assert "AWS_SECRET_ACCESS_KEY" in error["message"]
     status = two.stack.cli("status", env={"AWS_SECRET_ACCESS_KEY": "wrong-secret"})
     assert "file store is unavailable" in status.stdout + status.stderr
-    assert "wrong-secret" not in status.stdout + status.stderr + bad.tail(400)
+    assert "access denied" in status.stdout + status.stderr
+    assert "wrong-secret" not in status.stdout + status.stderr + bad.tail(400) + answer.text
     bad.stop()
     # The right secret: ready.
     assert httpx.get(f"{two.stack.url}/readyz").json()["status"] == "ready"
+
+
+def test_a_missing_bucket_is_named_not_taken_for_a_missing_file(
+    weed: Seaweed, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In this process, against the real store: a HEAD cannot tell a missing bucket from a
+    missing object (both a bare 404), so the probe lists, and a read's NoSuchBucket is the
+    store's failure (503), not "the file's bytes are gone" (404)."""
+    for name, value in weed.settings().items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("INFERQ_FILES_URL", "s3://no-such-bucket/inferq")
+    get_settings.cache_clear()
+    try:
+        where = f"s3://no-such-bucket/inferq at {weed.endpoint}"
+        assert store.check() == f"{where}: no such bucket"
+        with pytest.raises(DomainError) as failed:
+            asyncio.run(store.open_stream("file_absent", 0, 10))
+        assert status_of(failed.value) == 503 and failed.value.retry_after_s is None
+        assert failed.value.message == f"the file store {where} is unavailable: no such bucket"
+        # The bucket that is there: healthy, and a missing object is only that.
+        monkeypatch.setenv("INFERQ_FILES_URL", f"s3://{BUCKET}/inferq")
+        get_settings.cache_clear()
+        assert store.check() is None
+        with pytest.raises(FileNotFoundError):
+            asyncio.run(store.open_stream("file_absent", 0, 10))
+    finally:
+        get_settings.cache_clear()
 
 
 # --- the store stopped (these run last: they stop and start the module's server) -------------
@@ -260,10 +302,14 @@ def test_the_store_stopped_mid_upload(two: Two, weed: Seaweed) -> None:
         timeout=120,
     )
     assert answer.status_code == 503, answer.text
-    assert answer.json()["error"]["code"] == "file_store_unavailable"
+    error = answer.json()["error"]
+    assert error["code"] == "file_store_unavailable"
+    where = f"s3://{BUCKET}/inferq at {weed.endpoint}"
+    assert error["message"] == f"the file store {where} is unavailable: connection refused"
     assert "retry-after" in answer.headers
     ready = httpx.get(f"{two.stack.url}/readyz").json()
     assert ready["status"] == "degraded" and [m["part"] for m in ready["missing"]] == ["files"]
+    assert f"({where}: connection refused)" in ready["missing"][0]["message"]
     weed.start()
     assert (two.stack.scalar("SELECT count(*) FROM files"), weed.objects()) == before
     # Its abort could not reach a stopped store, so its parts stayed there: the ops worker

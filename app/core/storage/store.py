@@ -1,24 +1,31 @@
 """Where the bytes of files live (batch inputs and outputs): one object store, named by a URL.
 
-The ``files`` table holds what a file is (owner, purpose, size, expiry); this module holds its
-bytes, one object per file id, in the store ``INFERQ_FILES_URL`` names (docs/files.md):
-``file:///dir`` (the default: ``INFERQ_FILES_DIR``, else ``data_dir/files``, for one host),
-``s3://bucket/prefix`` (AWS S3 and S3-compatible stores, with ``INFERQ_FILES_ENDPOINT`` and
-``INFERQ_FILES_REGION``), ``gs://bucket/prefix``, ``az://container/prefix``, and
-``memory:///``. obstore (Apache Arrow's ``object_store``) speaks to all of them with one API;
-credentials come from each cloud's own environment (``AWS_ACCESS_KEY_ID``, IRSA's web identity
-token, GKE's workload identity, ...), never from inferq's settings, so nothing here can print
-them.
+The ``files`` table holds what a file is (owner, purpose, size, expiry, and which store holds
+it: :func:`describe`); this module holds its bytes, one object per file id, in the store
+``INFERQ_FILES_URL`` names (docs/files.md): ``file:///dir`` (the default: ``INFERQ_FILES_DIR``,
+else ``data_dir/files``, for one host), ``s3://bucket/prefix`` (AWS S3 and S3-compatible
+stores, with ``INFERQ_FILES_ENDPOINT`` and ``INFERQ_FILES_REGION``), ``gs://bucket/prefix``,
+``az://container/prefix``, and ``memory:///``. obstore (Apache Arrow's ``object_store``) speaks
+to all of them with one API; credentials come from each cloud's own environment
+(``AWS_ACCESS_KEY_ID``, IRSA's web identity token, GKE's workload identity, ...), never from
+inferq's settings, so nothing here can print them.
 
 Every write is all or nothing: a writer that ends with an error aborts its multipart upload
 (S3 drops the parts; the local store deletes its staging file), and an object appears only
 when its writer completes. Everything streams in parts: a 200 MB file never sits in memory.
+
+A store that fails is a 503 that says what failed and where (:func:`unavailable`): connection
+refused, timed out, access denied, no such bucket, no credentials found, with the store's
+name and host and never the library's own text, which can hold a signed URL or the store's
+answer.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import os
+import re
 import time
 from collections.abc import AsyncIterator, Iterator
 from datetime import timedelta
@@ -28,7 +35,12 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import obstore
-from obstore.exceptions import BaseError, NotFoundError
+from obstore.exceptions import (
+    BaseError,
+    NotFoundError,
+    PermissionDeniedError,
+    UnauthenticatedError,
+)
 from obstore.store import LocalStore, from_url
 
 from app.core.errors import DomainError, Kind
@@ -41,38 +53,194 @@ if TYPE_CHECKING:
 PART = 8 << 20  # bytes per part of an upload (S3's smallest part is 5 MiB)
 READ_BLOCK = 1 << 20  # bytes per read from the store, and per chunk sent to a client
 RETRY_AFTER_S = 5
+# A whole transfer: a download streamed to a slow client keeps its GET open.
+TRANSFER_TIMEOUT_S = 3600.0
+# A request with no body to stream (HEAD, DELETE, the health probe): a store that accepts the
+# connection and never answers is "timed out" within seconds, not after the transfers' hour.
+CALL_TIMEOUT_S = 10.0
+
+# Where an s3:// store's credentials are read from, in the order obstore (object_store) tries
+# them; the first two pairs are environment variables, never inferq settings.
+AWS_CREDENTIAL_SOURCES = (
+    "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY",
+    "AWS_WEB_IDENTITY_TOKEN_FILE and AWS_ROLE_ARN (IRSA)",
+    "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI or _FULL_URI (ECS, EKS Pod Identity)",
+    "on AWS, the instance profile (the instance metadata service)",
+)
 
 
-def unavailable(exc: BaseException) -> DomainError:
-    """The store did not answer or refused us: the caller may try again (503)."""
-    return DomainError(
-        Kind.UNAVAILABLE,
-        "file_store_unavailable",
-        f"the file store is unavailable: {type(exc).__name__}",
-        retry_after_s=RETRY_AFTER_S,
-    )
+class NoCredentials(Exception):
+    """An s3:// store at an S3-compatible endpoint with no credentials in the environment:
+    found before any request is sent (object_store would ask AWS's instance metadata service,
+    which such a store cannot use)."""
 
 
-def store() -> ObjectStore:
-    """This process's store, as the settings name it."""
-    s = get_settings()
-    return _open(s.files_url, str(s.storage_dir), s.files_endpoint, s.files_region)
+# --- what the store is, and what went wrong ----------------------------------------------------
 
 
 def describe(settings: Settings) -> str:
-    """The store the settings name, in one line without credentials, for a person: what
-    `inferq up`'s banner and `inferq status`'s first line say."""
-    local = _local_dir(settings.files_url, str(settings.storage_dir.resolve()))
+    """The configured store in one line, without credentials: ``s3://bucket/prefix at
+    http://127.0.0.1:8333``, ``s3://bucket/prefix (AWS S3)``, ``gs://bucket/prefix``, ``local
+    directory /abs/dir``, ``memory:///``. The files table records it for each file (which store
+    holds its bytes), so its form stays as it is."""
+    url = settings.files_url
+    local = _local_dir(url, str(settings.storage_dir))
     if local is not None:
-        return f"local directory {local}"
-    parts = urlsplit(settings.files_url)
-    named = f"{parts.scheme}://{parts.hostname or ''}{parts.path}"  # no user:password@
-    if settings.files_endpoint:
-        endpoint = urlsplit(settings.files_endpoint)
-        return f"{named} at {endpoint.scheme}://{endpoint.hostname}" + (
-            f":{endpoint.port}" if endpoint.port else ""
+        return f"local directory {Path(local).resolve()}"
+    parts = urlsplit(url)
+    scheme = "s3" if parts.scheme == "s3a" else parts.scheme
+    if scheme == "memory":
+        return "memory:///"
+    # A password in the URL (user:secret@host) or a signed query (an Azure SAS token) never
+    # leaves here; a user part alone (abfss://container@account...) names a place.
+    user, at, host = parts.netloc.rpartition("@")
+    netloc = host if at and ":" in user else parts.netloc
+    path = parts.path.strip("/")
+    name = f"{scheme}://{netloc}/{path}" if path else f"{scheme}://{netloc}"
+    if scheme != "s3":
+        return name
+    endpoint = _endpoint(settings)
+    return f"{name} at {endpoint}" if endpoint else f"{name} (AWS S3)"
+
+
+def _endpoint(settings: Settings) -> str:
+    """An s3:// store's endpoint as a host to name: scheme, host, port (no credentials)."""
+    raw = settings.files_endpoint or os.environ.get("AWS_ENDPOINT_URL") or ""
+    raw = raw or os.environ.get("AWS_ENDPOINT") or ""
+    if not raw:
+        return ""
+    parts = urlsplit(raw)
+    host = parts.netloc.rpartition("@")[2]
+    return f"{parts.scheme}://{host}{parts.path.rstrip('/')}" if parts.scheme else host
+
+
+def _missing_credentials(settings: Settings) -> bool:
+    """An s3:// store at an endpoint that is not AWS, and no credentials in the environment:
+    object_store would end its search at AWS's instance metadata service, which only AWS's
+    own S3 honours, and report that service's answer (a 403, a timeout) as if the store had
+    failed."""
+    if not settings.files_url.startswith(("s3://", "s3a://")):
+        return False
+    host = urlsplit(_endpoint(settings)).hostname or ""
+    if (
+        not host
+        or host == "amazonaws.com"
+        or host.endswith((".amazonaws.com", ".amazonaws.com.cn"))
+    ):
+        return False  # AWS: the instance profile is a source too
+
+    def given(*names: str) -> bool:
+        return all(os.environ.get(name) for name in names)
+
+    return not (
+        given("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+        or given("AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_ROLE_ARN")
+        or given("AWS_CONTAINER_CREDENTIALS_RELATIVE_URI")
+        or given("AWS_CONTAINER_CREDENTIALS_FULL_URI")
+        or os.environ.get("AWS_SKIP_SIGNATURE", "").lower() in ("true", "1")
+    )
+
+
+_METADATA = re.compile(r"(https?://[^/\s]+)/latest/(api/token|meta-data)")
+_STATUS = re.compile(r"status code: (\d{3}[^:]*)")
+
+
+def _no_credentials(asked: str) -> str:
+    *first, last = AWS_CREDENTIAL_SOURCES
+    return (
+        f"no credentials found ({asked}); they are read from {', '.join(first)}, or {last} "
+        '(docs/files.md, "Credentials")'
+    )
+
+
+def reason(exc: BaseException) -> tuple[str, bool]:
+    """What went wrong, in a few words, and whether a person must act (True: access denied,
+    no such bucket, no credentials) or trying again may do (False: refused, timed out).
+    Built from the kind of failure only: the library's text can hold a signed URL or the
+    store's answer, so none of it is repeated beyond a status line."""
+    if isinstance(exc, NoCredentials):
+        # Found before any request (_missing_credentials).
+        return _no_credentials("none in the environment; nothing was sent"), True
+    text = str(exc)
+    metadata = _METADATA.search(text)
+    if metadata is not None:
+        # object_store asks the instance metadata service last, and reports its failure as
+        # the store's.
+        return _no_credentials(
+            f"none in the environment, and the instance metadata service at "
+            f"{metadata.group(1)} gave none: {_transport(text) or 'it failed'}"
+        ), True
+    if "NoSuchBucket" in text:
+        return "no such bucket", True
+    if isinstance(exc, PermissionDeniedError | UnauthenticatedError) or re.search(
+        r"status code: 40[13]\b", text
+    ):
+        return (
+            "access denied: the store refused the credentials (AWS_ACCESS_KEY_ID and "
+            "AWS_SECRET_ACCESS_KEY, or the role's) or they lack a permission on the bucket",
+            True,
         )
-    return named
+    transport = _transport(text)
+    if transport is not None:
+        return transport, False
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror.lower(), isinstance(exc, PermissionError)
+    return type(exc).__name__, False
+
+
+def _transport(text: str) -> str | None:
+    if "ConnectionRefused" in text or "Connection refused" in text:
+        return "connection refused"
+    if "kind: Timeout" in text or "TimedOut" in text:
+        return "timed out"
+    if "dns error" in text or "failed to lookup address" in text:
+        return "host not found"
+    status = _STATUS.search(text)
+    if status is not None:
+        return f"it answered {status.group(1).strip()}"
+    return None
+
+
+def unavailable(exc: BaseException) -> DomainError:
+    """The store failed: a 503 that names the store and the kind of failure. One that may
+    pass (refused, timed out) says when to try again; one a person must fix (access denied,
+    no such bucket, no credentials) does not invite retries (docs/files.md)."""
+    why, lasting = reason(exc)
+    return DomainError(
+        Kind.UNAVAILABLE,
+        "file_store_unavailable",
+        f"the file store {describe(get_settings())} is unavailable: {why}",
+        retry_after_s=None if lasting else RETRY_AFTER_S,
+    )
+
+
+# What a store's failure can be raised as: obstore's errors, OSError (obstore raises some as
+# FileNotFoundError, PermissionError, TimeoutError), and credentials found missing here.
+FAILURES = (BaseError, OSError, NoCredentials)
+
+
+# --- the store ---------------------------------------------------------------------------------
+
+
+def store() -> ObjectStore:
+    """This process's store, as the settings name it, for transfers (uploads, downloads)."""
+    return _configured(TRANSFER_TIMEOUT_S)
+
+
+def _calls() -> ObjectStore:
+    """The same store, for requests with no body to stream (HEAD, DELETE, the probe)."""
+    return _configured(CALL_TIMEOUT_S)
+
+
+def _configured(timeout_s: float) -> ObjectStore:
+    s = get_settings()
+    if _missing_credentials(s):
+        raise NoCredentials(describe(s))
+    # The store reads its credentials from the environment when it is made: the AWS_
+    # variables are part of what it is, so a process whose environment changes (a test)
+    # gets a store that follows.
+    aws = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_")))
+    return _open(s.files_url, str(s.storage_dir), s.files_endpoint, s.files_region, timeout_s, aws)
 
 
 def _local_dir(url: str, storage_dir: str) -> str | None:
@@ -82,16 +250,22 @@ def _local_dir(url: str, storage_dir: str) -> str | None:
     return url.removeprefix("file://") if url.startswith("file://") else None
 
 
-@lru_cache(maxsize=4)
-def _open(url: str, directory: str, endpoint: str, region: str) -> ObjectStore:
+@lru_cache(maxsize=8)
+def _open(
+    url: str,
+    directory: str,
+    endpoint: str,
+    region: str,
+    timeout_s: float,
+    _aws: tuple[tuple[str, str], ...],
+) -> ObjectStore:
     local = _local_dir(url, directory)
     if local is not None:
         return LocalStore(local, mkdir=True)
     config: dict[str, Any] = {}
     client: dict[str, Any] = {
         "connect_timeout": timedelta(seconds=5),
-        # A whole request: a download streamed to a slow client keeps its GET open.
-        "timeout": timedelta(hours=1),
+        "timeout": timedelta(seconds=timeout_s),
     }
     if url.startswith(("s3://", "s3a://")):
         if endpoint:
@@ -106,6 +280,17 @@ def _open(url: str, directory: str, endpoint: str, region: str) -> ObjectStore:
     return from_url(  # type: ignore[call-overload, no-any-return]
         url, config=config or None, client_options=client, retry_config=retry
     )
+
+
+def _bucket_missing(exc: BaseException) -> bool:
+    """A "not found" that is about the bucket, not the object (S3's NoSuchBucket)."""
+    return "NoSuchBucket" in str(exc)
+
+
+def _missing(exc: BaseException, file_id: str) -> Exception:
+    """What a "not found" from the store means: the object is gone (FileNotFoundError), or
+    the whole bucket is (the store's failure, a 503)."""
+    return unavailable(exc) if _bucket_missing(exc) else FileNotFoundError(file_id)
 
 
 def key(file_id: str) -> str:
@@ -129,7 +314,7 @@ class _Writer:
     def write(self, data: bytes) -> int:
         try:
             written = self._out.write(data)
-        except (BaseError, OSError) as exc:
+        except FAILURES as exc:
             raise unavailable(exc) from exc
         self.size += written
         return written
@@ -141,7 +326,7 @@ def writer(file_id: str) -> Iterator[_Writer]:
     (an error aborts the upload: no object, no parts)."""
     try:
         out = obstore.open_writer(store(), key(file_id), buffer_size=PART)
-    except (BaseError, OSError) as exc:
+    except FAILURES as exc:
         raise unavailable(exc) from exc
     try:
         yield _Writer(out)
@@ -154,7 +339,7 @@ def writer(file_id: str) -> Iterator[_Writer]:
         raise
     try:
         out.close()
-    except (BaseError, OSError) as exc:
+    except FAILURES as exc:
         raise unavailable(exc) from exc
 
 
@@ -163,7 +348,7 @@ async def put(file_id: str, parts: AsyncIterator[bytes]) -> None:
     ``parts`` aborts the upload and is raised again as it was; a store that fails is a 503."""
     try:
         await obstore.put_async(store(), key(file_id), parts, chunk_size=PART, max_concurrency=4)
-    except (BaseError, OSError) as exc:
+    except FAILURES as exc:
         raise unavailable(exc) from exc
 
 
@@ -183,7 +368,7 @@ class _Raw(io.RawIOBase):
     def readinto(self, buffer: Any) -> int:
         try:
             data = self._source.read(len(buffer))
-        except (BaseError, OSError) as exc:
+        except FAILURES as exc:
             raise unavailable(exc) from exc
         buffer[: len(data)] = memoryview(data)
         return len(data)
@@ -198,17 +383,20 @@ def open_file(file_id: str) -> io.BufferedReader:
     if there is none."""
     try:
         source = obstore.open_reader(store(), key(file_id), buffer_size=READ_BLOCK)
-    except (NotFoundError, FileNotFoundError):  # the local store raises the latter
-        raise FileNotFoundError(file_id) from None
-    except (BaseError, OSError) as exc:
+    except (NotFoundError, FileNotFoundError) as exc:  # the local store raises the latter
+        raise _missing(exc, file_id) from None
+    except FAILURES as exc:
         raise unavailable(exc) from exc
     return io.BufferedReader(_Raw(source), buffer_size=READ_BLOCK)
 
 
 def size(file_id: str) -> int:
+    """The object's size; FileNotFoundError if there is none."""
     try:
-        return int(obstore.head(store(), key(file_id))["size"])
-    except (BaseError, OSError) as exc:
+        return int(obstore.head(_calls(), key(file_id))["size"])
+    except (NotFoundError, FileNotFoundError) as exc:  # the local store raises the latter
+        raise _missing(exc, file_id) from None
+    except FAILURES as exc:
         raise unavailable(exc) from exc
 
 
@@ -218,9 +406,9 @@ async def open_stream(file_id: str, start: int, end: int) -> AsyncIterator[memor
     (503) is known before a caller answers anything."""
     try:
         result = await obstore.get_async(store(), key(file_id), options={"range": (start, end)})
-    except (NotFoundError, FileNotFoundError):  # the local store raises the latter
-        raise FileNotFoundError(file_id) from None
-    except (BaseError, OSError) as exc:
+    except (NotFoundError, FileNotFoundError) as exc:  # the local store raises the latter
+        raise _missing(exc, file_id) from None
+    except FAILURES as exc:
         raise unavailable(exc) from exc
     return _blocks(result)
 
@@ -229,7 +417,7 @@ async def _blocks(result: Any) -> AsyncIterator[memoryview]:
     try:
         async for chunk in result.stream(min_chunk_size=READ_BLOCK):
             yield memoryview(chunk)
-    except (BaseError, OSError) as exc:
+    except FAILURES as exc:
         raise unavailable(exc) from exc
 
 
@@ -239,10 +427,11 @@ async def _blocks(result: Any) -> AsyncIterator[memoryview]:
 def delete(file_id: str) -> None:
     """Remove the object (none is fine)."""
     try:
-        obstore.delete(store(), key(file_id))
-    except (NotFoundError, FileNotFoundError):  # the local store raises the latter
-        pass
-    except (BaseError, OSError) as exc:
+        obstore.delete(_calls(), key(file_id))
+    except (NotFoundError, FileNotFoundError) as exc:  # the local store raises the latter
+        if _bucket_missing(exc):
+            raise unavailable(exc) from exc
+    except FAILURES as exc:
         raise unavailable(exc) from exc
 
 
@@ -299,16 +488,19 @@ def abort_abandoned(older_than_s: float) -> int:
     return gone
 
 
-PROBE = "inferq-probe"  # a key no file has (file ids start "file_")
+PROBE = "inferq-probe"  # a prefix no file has (file ids start "file_")
 
 
 def check() -> str | None:
-    """Why the store cannot be used, or None: a HEAD of a key that does not exist must
-    answer "not found" (a refused credential answers 403, a store that is down not at all)."""
+    """Why the store cannot be used (its name and the kind of failure), or None. It lists a
+    prefix no file has: an empty answer is healthy; a refused credential answers 403, a
+    missing bucket NoSuchBucket, a store that is down not at all. (A HEAD of a missing key
+    cannot tell a missing bucket from a missing object: both are a bare 404.)"""
     try:
-        obstore.head(store(), PROBE)
-    except (NotFoundError, FileNotFoundError):  # the local store raises the latter
-        return None
-    except (BaseError, OSError) as exc:
-        return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        next(iter(obstore.list(_calls(), prefix=PROBE, chunk_size=1)), None)
+    except (NotFoundError, FileNotFoundError) as exc:
+        if _bucket_missing(exc):
+            return f"{describe(get_settings())}: {reason(exc)[0]}"
+    except FAILURES as exc:
+        return f"{describe(get_settings())}: {reason(exc)[0]}"
     return None
