@@ -15,6 +15,7 @@ from app.core.contract.base import StrictModel, secs
 from app.core.contract.jobs import JobCreate, JobOut
 from app.core.models import File, WebhookAttempt, WebhookEndpoint, WebhookEvent
 from app.core.settings import get_settings
+from app.core.storage import files
 from app.core.webhooks import endpoints
 
 
@@ -149,9 +150,15 @@ class FileOut(BaseModel):
     status: Literal["processed"] = "processed"
     expires_at: int | None = None
     status_details: str | None = None
+    # inferq's own (docs/files.md, "Switching stores"): the store that holds the bytes (None:
+    # stored before it was recorded), and whether that is the current store; a file whose
+    # bytes are elsewhere answers 409 file_in_other_store for its content.
+    store: str | None = None
+    store_current: bool = True
 
     @classmethod
-    def from_row(cls, row: File) -> FileOut:
+    def from_row(cls, row: File, current: str | None = None) -> FileOut:
+        """``current``: the current store's name (store.describe), when the caller has it."""
         return cls(
             id=row.id,
             bytes=row.bytes,
@@ -159,6 +166,8 @@ class FileOut(BaseModel):
             filename=row.filename,
             purpose=row.purpose,
             expires_at=None if row.expires_at is None else int(row.expires_at),
+            store=row.store,
+            store_current=files.elsewhere(row, current) is None,
         )
 
 

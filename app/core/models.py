@@ -473,6 +473,10 @@ class File(Base):
     created_at: Mapped[float] = mapped_column(Double)
     # When the ops worker deletes it (row and bytes); None: never (files before expiry existed).
     expires_at: Mapped[float | None] = mapped_column(Double, nullable=True)
+    # Which store holds its bytes (app/core/storage/store.describe, no credentials), so a file
+    # stored before INFERQ_FILES_URL was switched is told apart; None: stored before this was
+    # recorded (migration 0012), taken to be the current store.
+    store: Mapped[str | None] = mapped_column(Text, nullable=True)
 
     __table_args__ = (
         Index("ix_files_tenant_id", "tenant", "id"),

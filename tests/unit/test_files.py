@@ -2,9 +2,9 @@
 across chunk boundaries), the one byte range a download serves, expires_after, the store's
 all-or-nothing writes on the local directory, what an answer says when an s3:// store cannot
 be used (a refused connection, a store that never answers, no credentials: each on a loopback
-socket of the test's own, nothing sent beyond it), and the store's one-line name
-(docs/files.md). Access denied and a missing bucket need a real store:
-tests/integration/test_files_s3.py."""
+socket of the test's own, nothing sent beyond it), the store's one-line name, and files whose
+bytes stay in the store used before INFERQ_FILES_URL was switched (docs/files.md). Access
+denied and a missing bucket need a real store: tests/integration/test_files_s3.py."""
 
 from __future__ import annotations
 
@@ -363,3 +363,51 @@ def test_no_credentials_on_aws_says_what_the_metadata_service_answered(
         service.shutdown()
         service.server_close()
     assert "PUT /latest/api/token" in _MetadataService.seen
+
+
+# --- a switched store ---------------------------------------------------------------------------
+
+
+def test_files_in_the_store_used_before_a_switch_are_marked_and_kept(
+    core: Settings, tmp_path: Path
+) -> None:
+    before, after = tmp_path / "before", tmp_path / "after"
+    first = f"local directory {before}"
+    with environment(files_url=f"file://{before}"):
+        old = _upload().json()
+        assert (old["store"], old["store_current"]) == (first, True)
+    with session_scope() as session:  # a row stored before the store was recorded
+        session.execute(text("UPDATE files SET store = NULL WHERE id = :f"), {"f": old["id"]})
+        session.commit()
+    with environment(files_url=f"file://{before}"):
+        untold = _upload().json()["id"]
+    with environment(files_url=f"file://{after}"):
+        listed = {f["id"]: f for f in call("GET", "/v1/files").json()["data"]}
+        assert listed[old["id"]]["store_current"] is True  # unknown: taken to be here
+        assert (listed[untold]["store"], listed[untold]["store_current"]) == (first, False)
+        assert call("GET", f"/v1/files/{untold}").json()["store_current"] is False
+        # Its content is not "gone": it is in the other store, which the answer names.
+        answer = call("GET", f"/v1/files/{untold}/content")
+        assert answer.status_code == 409, answer.text
+        error = answer.json()["error"]
+        assert error["code"] == "file_in_other_store"
+        assert f"in the file store {first}, not in the current one" in error["message"]
+        assert f"local directory {after}" in error["message"]
+        # Deleting it here would leave its object there with no row: refused, both kept.
+        refused = call("DELETE", f"/v1/files/{untold}")
+        assert refused.status_code == 409
+        assert refused.json()["error"]["code"] == "file_in_other_store"
+        # Expired, it waits for a process of its own store too.
+        with session_scope() as session:
+            session.execute(text("UPDATE files SET expires_at = 1 WHERE id = :f"), {"f": untold})
+            session.commit()
+        assert files.delete_expired() == 0
+        new = _upload().json()
+        assert (new["store"], new["store_current"]) == (f"local directory {after}", True)
+        assert call("GET", f"/v1/files/{new['id']}/content").content == b"{}\n"
+    assert (before / untold).exists() and _files() == 3
+    # Back on its store, it is read and deleted as any other.
+    with environment(files_url=f"file://{before}"):
+        assert call("GET", f"/v1/files/{untold}/content").content == b"{}\n"
+        assert files.delete_expired() == 1
+        assert not (before / untold).exists()

@@ -96,7 +96,8 @@ def list_files(
 ) -> Page[FileOut]:
     """Files, newest first; pass the last id as ``after`` for the next page."""
     rows, has_more = files.list_page(session, tenant, purpose=purpose, limit=limit, after=after)
-    return Page[FileOut].of([FileOut.from_row(r) for r in rows], has_more)
+    current = store.describe(get_settings())
+    return Page[FileOut].of([FileOut.from_row(r, current) for r in rows], has_more)
 
 
 @router.get("/files/{file_id}", response_model=FileOut)
@@ -110,7 +111,8 @@ async def file_content(
     tenant: Tenant,
     byte_range: Annotated[str | None, Header(alias="range")] = None,
 ) -> Response:
-    """The file's bytes, streamed from the store; one ``Range`` of bytes gives a 206."""
+    """The file's bytes, streamed from the store; one ``Range`` of bytes gives a 206; 409
+    ``file_in_other_store`` when they are in a store other than the current one."""
     row = await run_in_threadpool(files.find, tenant, file_id)
     return await downloads.response(row.id, row.bytes, row.filename, byte_range)
 

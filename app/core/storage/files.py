@@ -8,11 +8,17 @@ length), so a file that breaks one is refused before it is stored, not when a ba
 Every file has an ``expires_at`` (OpenAI's ``expires_after``, else
 ``INFERQ_FILES_EXPIRES_S``); the ops worker deletes expired files, row and object
 (:func:`delete_expired`). Users upload ``purpose=batch``; batches write ``batch_output`` files.
+
+Each row records the store that holds its bytes (``store``: :func:`store.describe`). After
+``INFERQ_FILES_URL`` is switched, a file stored before is still listed, marked, and its
+content, its deletion and its expiry wait for its own store (:func:`elsewhere`, 409
+``file_in_other_store``; docs/files.md, "Switching stores"), rather than answering that its
+bytes are gone or deleting a row whose object this process cannot reach.
 """
 
 from __future__ import annotations
 
-from sqlalchemy import select
+from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
 from app.core import queries
@@ -178,6 +184,7 @@ def _row(
         bytes=size,
         created_at=created,
         expires_at=created + expires_s,
+        store=store.describe(get_settings()),
     )
     session.add(row)
     return row
@@ -187,11 +194,39 @@ def get(session: Session, tenant: str | None, file_id: str) -> File:
     return queries.owned(session, File, tenant, file_id, "file")
 
 
+def elsewhere(row: File, current: str | None = None) -> str | None:
+    """The store that holds the file's bytes when it is not this process's (``current``,
+    else the settings'): INFERQ_FILES_URL was switched since the file was stored. None when
+    its bytes are here, or when the row predates the record (migration 0012)."""
+    if row.store is None:
+        return None
+    here = current if current is not None else store.describe(get_settings())
+    return None if row.store == here else row.store
+
+
+def _here(row: File, doing: str) -> None:
+    """Refuse ``doing`` to a file whose bytes are in another store: its object cannot be
+    reached from here, and the row must not claim otherwise (404 "bytes are gone") nor go
+    while its object stays behind."""
+    other = elsewhere(row)
+    if other is not None:
+        raise DomainError(
+            Kind.CONFLICT,
+            "file_in_other_store",
+            f"cannot {doing} file {row.id}: its bytes are in the file store {other}, not in "
+            f"the current one ({store.describe(get_settings())}); INFERQ_FILES_URL was changed "
+            'since it was stored (docs/files.md, "Switching stores")',
+            param="file_id",
+        )
+
+
 def find(tenant: str | None, file_id: str) -> File:
-    """The row, in a session of its own (for an async caller's thread)."""
+    """The row of a file whose content is asked for, in a session of its own (for an async
+    caller's thread); 409 ``file_in_other_store`` when its bytes are in another store."""
     with session_scope() as session:
         row = get(session, tenant, file_id)
         session.expunge(row)
+    _here(row, "read")
     return row
 
 
@@ -207,8 +242,10 @@ def list_page(
 
 def delete(session: Session, tenant: str, file_id: str) -> File:
     """Remove the row, then the object (a batch that already read its input is unaffected).
-    A store that is down leaves the row, and says so (503)."""
+    A store that is down leaves the row, and says so (503); so does a file whose bytes are in
+    another store (409)."""
     row = get(session, tenant, file_id)
+    _here(row, "delete")
     store.delete(file_id)
     session.delete(row)
     session.commit()
@@ -217,13 +254,17 @@ def delete(session: Session, tenant: str, file_id: str) -> File:
 
 def delete_expired(limit: int = 500) -> int:
     """Delete up to ``limit`` files whose ``expires_at`` has passed, object first, then row
-    (a crash between leaves a row whose object is gone, deleted again next time)."""
+    (a crash between leaves a row whose object is gone, deleted again next time). Files whose
+    bytes are in another store wait for a process of that store: deleting their rows here
+    would leave their objects there with nothing to find them by."""
     stamp = now()
+    here = store.describe(get_settings())
     with session_scope() as session:
         ids = list(
             session.scalars(
                 select(File.id)
                 .where(File.expires_at.is_not(None), File.expires_at <= stamp)
+                .where(or_(File.store.is_(None), File.store == here))
                 .order_by(File.expires_at)
                 .limit(limit)
             )
