@@ -8,6 +8,7 @@ are checked against the compose services and the metrics table of docs/observabi
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -98,6 +99,7 @@ def test_services_and_their_guarantees() -> None:
         "flower",
         "prometheus",
         "grafana",
+        "seaweedfs",
     }
     redis_cmd = services["redis"]["command"]
     assert redis_cmd[redis_cmd.index("--appendonly") + 1] == "yes"
@@ -144,6 +146,23 @@ def test_services_and_their_guarantees() -> None:
     # Uploaded batch files are written by the API and read by the ops worker.
     files_volume = {v for v in services["api"]["volumes"] if v.endswith(":/files")}
     assert files_volume and files_volume <= set(services["ops"]["volumes"])
+    # An S3-compatible store is a profile (docs/files.md, "A first S3-compatible store"):
+    # `weed mini` making the bucket the docs' INFERQ_FILES_URL names, with the keys the inferq
+    # services read from the same variables, and them left unset when .env has none.
+    weed = services["seaweedfs"]
+    assert weed["profiles"] == ["s3"]
+    assert weed["command"][0] == "mini" and "-bucket=inferq-files" in weed["command"]
+    assert weed["ports"] == ["127.0.0.1:8333:8333"]
+    assert any(v.endswith(":/data") for v in weed["volumes"])
+    env = load()["x-inferq-env"]
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        assert weed["environment"][key].startswith(f"${{{key}:-")
+        assert env[key] is None  # from .env or the shell, else unset (never empty)
+    assert env["INFERQ_FILES_URL"] == "${INFERQ_FILES_URL:-}"
+    assert env["INFERQ_FILES_ENDPOINT"] == "${INFERQ_FILES_ENDPOINT:-}"
+    files_doc = (REPO / "docs" / "files.md").read_text()
+    assert "INFERQ_FILES_URL=s3://inferq-files/inferq" in files_doc
+    assert "INFERQ_FILES_ENDPOINT=http://seaweedfs:8333" in files_doc
     # Flower can revoke tasks and shut workers down: `inferq flower` with basic auth.
     flower = services["flower"]
     assert flower["command"][:2] == ["inferq", "flower"]
@@ -166,7 +185,10 @@ def test_published_ports_are_loopback_only() -> None:
 def test_environment_names_are_real_settings() -> None:
     compose = load()
     fields = {f"INFERQ_{name.upper()}" for name in Settings.model_fields}
-    assert set(compose["x-inferq-env"]) <= fields
+    # Beside the settings, only an s3:// store's keys, which are never settings
+    # (docs/files.md, "Credentials").
+    keys = {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
+    assert set(compose["x-inferq-env"]) <= fields | keys
     for name, service in compose["services"].items():
         env = service.get("environment", {})
         assert {k for k in env if k.startswith("INFERQ_")} <= fields, name
@@ -288,12 +310,14 @@ def test_compose_cli_accepts_the_file() -> None:
         cmd = ["docker", "compose"]
     else:
         pytest.skip("no Compose CLI here (.ci/run installs Debian's docker-compose)")
-    for profile in ([], ["--profile", "gpu", "--profile", "two-models"]):
+    for profile in ([], ["--profile", "gpu", "--profile", "two-models"], ["--profile", "s3"]):
         done = subprocess.run(
             [*cmd, "-f", str(COMPOSE), *profile, "config"],
             capture_output=True,
             text=True,
             check=False,
+            # As on a host whose shell and .env name no AWS keys.
+            env={k: v for k, v in os.environ.items() if not k.startswith("AWS_")},
         )
         assert done.returncode == 0, done.stderr
         config = yaml.safe_load(done.stdout)
@@ -301,7 +325,15 @@ def test_compose_cli_accepts_the_file() -> None:
             # What `up` starts with no profile, as the CLI resolved the file: no GPU needed.
             started = {n for n, s in config["services"].items() if not s.get("profiles")}
             assert "worker" in started and "worker-gpu" not in started
+            assert "seaweedfs" not in started
             assert default_services_reserving_devices(config) == []
+        elif "s3" in profile:
+            assert config["services"]["seaweedfs"]["environment"] == {
+                "AWS_ACCESS_KEY_ID": "inferq",
+                "AWS_SECRET_ACCESS_KEY": "change-me",
+            }
+            # Unset in the API's container, not empty (compose 1.29 prints it null).
+            assert config["services"]["api"]["environment"].get("AWS_ACCESS_KEY_ID") is None
         else:
             assert {"worker-gpu", "worker-gpu-b"} <= set(config["services"])
 
