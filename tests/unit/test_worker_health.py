@@ -1,15 +1,20 @@
 """A worker's liveness (/healthz on its metrics port, a Kubernetes liveness probe): served over
 real HTTP on loopback, following a real heartbeat of an in-process worker on the simulated
-engine."""
+engine; and its presence record, withdrawn while it is not alive (real Redis)."""
 
 from __future__ import annotations
 
+import threading
+
 import httpx
 
+from app.core.messaging import clients
 from app.core.settings import Settings
+from tests.support import wait_until
 from tests.unit.inprocess import Worker
 from workers import metrics
 from workers.inference.heartbeat import Heartbeat
+from workers.presence import Presence
 
 
 def test_healthz_follows_the_heartbeat_and_metrics_stay_served(core: Settings) -> None:
@@ -30,3 +35,22 @@ def test_healthz_follows_the_heartbeat_and_metrics_stay_served(core: Settings) -
         stopped = httpx.get(healthz, timeout=5)
         assert (stopped.status_code, stopped.text) == (503, "the heartbeat thread has stopped\n")
         assert "inferq_engine_generated_tokens_total" in httpx.get(url, timeout=5).text
+
+
+def test_a_process_that_is_not_alive_is_withdrawn_until_it_is_again(core: Settings) -> None:
+    """A worker whose heartbeat stopped (``alive`` says so: the heartbeat's health) is seen as
+    gone within a refresh, not after its record expires; announced again once it is back."""
+    alive = threading.Event()
+    alive.set()
+    presence = Presence("inference", "gated", 0.2, lambda: {"model": "m"}, alive=alive.is_set)
+    redis = clients.redis_client()
+    presence.start()
+    try:
+        assert redis.get(presence.key) is not None
+        alive.clear()
+        wait_until(lambda: redis.get(presence.key) is None, 2, "the record to be withdrawn")
+        alive.set()
+        wait_until(lambda: redis.get(presence.key) is not None, 2, "the record to be back")
+    finally:
+        presence.stop()
+    assert redis.get(presence.key) is None

@@ -1,28 +1,39 @@
-"""The worker's heartbeat: renew leases, catch missed cancels, announce the worker in Redis.
+"""The worker's heartbeat: renew leases and catch missed cancels; and the worker's presence.
 
 Every ``heartbeat_s`` the leases of all jobs this worker holds are extended in one transaction.
 A lease that could not be renewed belongs to someone else now (the reaper re-queued the job), so
 the job is aborted here to stop wasting the engine. The same pass reads cancel requests, a
-backstop for a cancel broadcast this worker missed. The same beat rewrites the worker's presence
-record in Redis (workers/presence.py: engine, model, lanes, load, metrics address), which
-``inferq up``, ``inferq status`` and the API's Prometheus service discovery read.
+backstop for a cancel broadcast this worker missed.
+
+The worker's presence record in Redis (workers/presence.py: engine, model, lanes, load,
+metrics address), which ``inferq up``, ``inferq status``, the dispatcher and the catalog read,
+is written by a thread of its own, every second, from what the engine and the intake publish
+in memory: it used to be written by this thread after each renewal, so a renewal waiting for
+the database (SQLite's write lock, held for seconds by a batch's validation) held the record
+back with it, and under load it showed the load of a heartbeat ago (docs/architecture.md,
+"A busy worker's presence").
 
 Its beat is also the worker's liveness (``/healthz`` on the worker's metrics port, a
-Kubernetes liveness probe, docs/kubernetes.md): a worker whose heartbeat stopped keeps no lease
-and shows in no presence record, so it must not count as alive either.
+Kubernetes liveness probe, docs/kubernetes.md): a worker whose heartbeat stopped keeps no lease,
+so it must not count as alive, and its presence record is withdrawn while it does not
+(``alive``). So that waiting for the database is never taken for a stopped heartbeat, a renewal
+waits for a lock at most ``heartbeat_s`` (then fails, and the next pass tries again) on a
+connection of the heartbeat's own, which it never waits for behind the task threads' claims.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
-from sqlalchemy import tuple_, update
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy import Connection, tuple_, update
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
-from app.core.db import session_scope
+from app.core.db import SQLITE_BUSY_TIMEOUT_MS, get_engine
 from app.core.models import Job, JobStatus, now
 from app.core.settings import Settings
 from workers import metrics
@@ -38,21 +49,28 @@ class Heartbeat:
         self.settings = settings
         self.info = info
         self.presence = Presence(
-            "inference", executor.worker_id, settings.heartbeat_s, self._describe
+            "inference",
+            executor.worker_id,
+            settings.heartbeat_s,
+            self._describe,
+            alive=lambda: self.health()[0],
         )
         self._stop = threading.Event()
-        self._poked = threading.Event()  # announce now (the intake's capacity moved)
         self._thread = threading.Thread(target=self._loop, name="heartbeat", daemon=True)
         self._beat: float | None = None  # monotonic time of the last beat
+        self._connection: Connection | None = None  # the renewals' own (see _transaction)
 
     def start(self) -> None:
-        self.presence.announce()
         self._beat = time.monotonic()
+        with contextlib.suppress(SQLAlchemyError):  # else at the first renewal
+            self._connect()  # now, while the pool has connections to spare
+        self.presence.start()
         self._thread.start()
 
     def health(self) -> tuple[bool, str]:
-        """Alive while the heartbeat thread runs and has beaten within three intervals (one
-        slow renewal under a loaded database is not death; three are a lease in danger)."""
+        """Alive while the heartbeat thread runs and has beaten within three intervals (a
+        renewal waits for the database one interval at most, so a busy database is not
+        death; three are a lease in danger)."""
         if self._beat is None:
             return False, "starting: the engine is not up yet"
         if not self._thread.is_alive():
@@ -63,32 +81,26 @@ class Heartbeat:
         return True, f"heartbeat {age:.1f} s ago"
 
     def poke(self) -> None:
-        """Announce the presence record now, not at the next beat (any thread)."""
-        self._poked.set()
+        """Announce the presence record now, not at its next refresh (any thread)."""
+        self.presence.poke()
 
     def stop(self) -> None:
         self._stop.set()
-        self._poked.set()
         self._thread.join(timeout=5)
-        self.presence.withdraw()
+        self.presence.stop()
+        if not self._thread.is_alive():  # else its renewal still uses the connection
+            self._disconnect()
 
     def _loop(self) -> None:
         due = time.monotonic() + self.settings.heartbeat_s
-        while True:
-            self._poked.wait(max(0.0, due - time.monotonic()))
-            if self._stop.is_set():
-                return
-            if self._poked.is_set():
-                self._poked.clear()
-                self.presence.announce()
-            if time.monotonic() < due:
-                continue
-            due += self.settings.heartbeat_s
+        while not self._stop.wait(max(0.0, due - time.monotonic())):
+            # A renewal that took its whole interval (it waited for the database) is tried
+            # again at once, not twice to catch up.
+            due = max(due + self.settings.heartbeat_s, time.monotonic())
             try:
                 self.renew()
             except SQLAlchemyError as exc:
-                log.warning("lease renewal failed (database): %s", exc)
-            self.presence.announce()
+                log.warning("lease renewal failed (database), trying again: %s", exc)
             self._beat = time.monotonic()
 
     def renew(self) -> None:
@@ -98,23 +110,18 @@ class Heartbeat:
         stamp = now()
         # One statement for every lease: per-job updates made a heartbeat of a worker holding
         # thousands of jobs a load of its own. A row renews only while it is still running
-        # under our token; the same statement reads cancel requests.
-        with session_scope() as session:
-            # Core execution: the ORM's bulk-update machinery cost ~0.1 s of CPU per renewal of
-            # a few hundred leases.
-            rows = (
-                session.connection()
-                .execute(
-                    update(Job)
-                    .where(
-                        tuple_(Job.id, Job.lease_token).in_(list(held.items())),
-                        Job.status == JobStatus.RUNNING,
-                    )
-                    .values(lease_expires_at=stamp + self.settings.lease_ttl_s)
-                    .returning(Job.id, Job.cancel_requested_at)
+        # under our token; the same statement reads cancel requests. Core execution: the ORM's
+        # bulk-update machinery cost ~0.1 s of CPU per renewal of a few hundred leases.
+        with self._transaction() as connection:
+            rows = connection.execute(
+                update(Job)
+                .where(
+                    tuple_(Job.id, Job.lease_token).in_(list(held.items())),
+                    Job.status == JobStatus.RUNNING,
                 )
-                .all()
-            )
+                .values(lease_expires_at=stamp + self.settings.lease_ttl_s)
+                .returning(Job.id, Job.cancel_requested_at)
+            ).all()
         renewed = {row.id for row in rows}
         for job_id in held.keys() - renewed:
             log.warning("lease on %s lost; aborting it here", job_id)
@@ -123,7 +130,48 @@ class Heartbeat:
             if row.cancel_requested_at is not None:
                 self.executor.request_abort(row.id, "cancelled")
 
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[Connection]:
+        """A transaction on the heartbeat's own connection that waits for a lock at most
+        ``heartbeat_s``: SQLite's busy timeout for its BEGIN IMMEDIATE (30 s for everyone else,
+        app/core/db.py), PostgreSQL's ``lock_timeout`` for the rows. The connection is kept
+        between renewals: a busy worker's task threads can hold every pooled connection while
+        they wait for the same lock, and a checkout would wait behind them."""
+        connection = self._connect()
+        wait_ms = max(1, int(self.settings.heartbeat_s * 1000))
+        sqlite = connection.dialect.name == "sqlite"
+        try:
+            if sqlite:
+                _busy_timeout(connection, wait_ms)
+            with connection.begin():
+                if connection.dialect.name == "postgresql":
+                    connection.exec_driver_sql(f"SET LOCAL lock_timeout = {wait_ms}")
+                yield connection
+        except DBAPIError as exc:
+            if exc.connection_invalidated:  # the database went away: a new one next time
+                self._disconnect()
+            raise
+        finally:
+            # The connection goes back to the pool one day (stop, or a heartbeat that was only
+            # asked to renew): with everyone's busy timeout.
+            if sqlite and self._connection is not None:
+                with contextlib.suppress(Exception):
+                    _busy_timeout(connection, SQLITE_BUSY_TIMEOUT_MS)
+
+    def _connect(self) -> Connection:
+        if self._connection is None:
+            self._connection = get_engine().connect()
+        return self._connection
+
+    def _disconnect(self) -> None:
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            with contextlib.suppress(SQLAlchemyError):
+                connection.close()
+
     def _describe(self) -> dict[str, Any]:
+        # Values the engine's loop and the intake publish as they go (the engine's stats are
+        # kept by its own step hook, vLLM's stat logger): reading them waits for neither.
         stats = self.executor.runner.stats()
         return {
             **self.info,
@@ -142,3 +190,11 @@ class Heartbeat:
             "step_ms": metrics.steps.median_ms(),
             "intake": self.executor.intake.snapshot(),
         }
+
+
+def _busy_timeout(connection: Connection, ms: int) -> None:
+    """SQLite's busy timeout on ``connection``'s own sqlite3 connection, outside a transaction
+    (through SQLAlchemy the statement would begin one, which waits with the old timeout)."""
+    driver = connection.connection.driver_connection
+    assert driver is not None
+    driver.execute(f"PRAGMA busy_timeout = {ms}")

@@ -1,0 +1,174 @@
+"""A busy worker's presence record and liveness while its lease renewal waits for the database.
+
+The parts a worker process builds (workers/inference/main.py: runner, executor with its
+recorder and intake, heartbeat) run in this process on a simulated engine, against a real
+SQLite file or PostgreSQL database and a real Redis, with a load of jobs in the engine. Under
+load a renewal can wait for seconds: SQLite has one writer, and a batch's validation holds it
+for the whole file (12.8 s for 50,000 lines on a 2-core machine, measured while a worker ran
+200 jobs); on PostgreSQL a transaction holding the running jobs' rows does the same. The test
+holds that lock itself, as such a writer does, past three heartbeats.
+
+The record was written after each renewal, by the same thread: it aged with the wait (past its
+expiry with a heartbeat of 1 s: the dispatcher took the busy worker for a gone one), and
+``/healthz`` said the worker was dead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import create_engine, func, select, text
+from sqlalchemy.engine import make_url
+
+from app.core import db
+from app.core.contract.jobs import JobCreate
+from app.core.lifecycle import jobs, transitions
+from app.core.lifecycle.changes import changes
+from app.core.messaging import clients
+from app.core.models import Job
+from app.core.settings import Settings, get_settings
+from tests.conftest import PostgresDatabases, database_url_for, fresh_redis_url
+from tests.support import wait_until
+from workers.engines.simulated import CostModel, SimulatedEngine
+from workers.inference.heartbeat import Heartbeat
+from workers.inference.main import build_executor
+from workers.inference.runner import Runner
+
+HEARTBEAT_S = 0.5
+JOBS = 200
+LOCKED_S = 5 * HEARTBEAT_S  # past three heartbeats, the most /healthz allows
+SAMPLE_S = 0.05
+# Long enough to stay in the engine through the lock: 200 sequences take ~35 ms a step.
+MAX_TOKENS = 2000
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def database(
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+    postgres: PostgresDatabases,
+    monkeypatch: pytest.MonkeyPatch,
+) -> Iterator[str]:
+    url = database_url_for(request.param, tmp_path, postgres)
+    monkeypatch.setenv("INFERQ_DATABASE_URL", url)
+    monkeypatch.setenv("INFERQ_REDIS_URL", fresh_redis_url())
+    monkeypatch.setenv("INFERQ_HEARTBEAT_S", str(HEARTBEAT_S))
+    get_settings.cache_clear()
+    clients.reset()
+    db.dispose()
+    db.migrate()
+    yield url
+    db.dispose()
+    get_settings.cache_clear()
+    clients.reset()
+
+
+@contextlib.contextmanager
+def holding_writes(url: str) -> Iterator[None]:
+    """Another writer's transaction: SQLite's write lock (BEGIN IMMEDIATE, as every writer of
+    inferq's takes it), or on PostgreSQL the running jobs' rows (FOR UPDATE)."""
+    if url.startswith("sqlite"):
+        holder = sqlite3.connect(str(make_url(url).database), isolation_level=None)
+        holder.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        finally:
+            holder.execute("ROLLBACK")
+            holder.close()
+        return
+    engine = create_engine(url)
+    try:
+        with engine.connect() as connection, connection.begin():
+            connection.execute(text("SELECT id FROM jobs WHERE status = 'running' FOR UPDATE"))
+            yield
+    finally:
+        engine.dispose()
+
+
+def leases(url: str) -> tuple[int, float]:
+    """(running jobs, their latest lease expiry), read beside the other writer's lock (inferq's
+    own sessions begin SQLite's transactions as writers, and would wait for it)."""
+    engine = create_engine(url)
+    try:
+        with engine.connect() as connection:
+            running, latest = connection.execute(
+                select(func.count(), func.max(Job.lease_expires_at)).where(Job.status == "running")
+            ).one()
+    finally:
+        engine.dispose()
+    return int(running), float(latest or 0.0)
+
+
+def test_a_busy_worker_stays_present_and_alive_while_its_renewal_waits_for_the_database(
+    database: str,
+) -> None:
+    settings: Settings = get_settings()
+    runner = Runner(SimulatedEngine(CostModel.from_settings(settings, base_ms=1.0)))
+    runner.start()
+    executor = build_executor(runner, "busy-worker", settings)
+    executor.start()
+    beat = Heartbeat(executor, settings, {"model": settings.model_name})
+    body = JobCreate(prompt="go on", params={"max_tokens": MAX_TOKENS})
+    new = [jobs.new_job("t", body, settings.model_name) for _ in range(JOBS)]
+    with changes("api") as tx:
+        transitions.create(tx, new)
+    ids = [job.id for job in new]
+    running = threading.Thread(target=executor.execute, args=(ids, "bulk"))
+    redis = clients.redis_client()
+    samples: list[dict[str, Any]] = []
+    try:
+        beat.start()
+        running.start()
+        wait_until(lambda: runner.in_flight() == JOBS, 30, "the jobs to be in the engine")
+        wait_until(lambda: leases(database)[0] == JOBS, 10, "the claims to commit")
+        # What the record says follows within a refresh.
+        wait_until(
+            lambda: json.loads(redis.get(beat.presence.key) or "{}").get("in_flight") == JOBS,
+            2 * HEARTBEAT_S,
+            "the record to count the jobs in flight",
+            every=SAMPLE_S,
+        )
+        with holding_writes(database):
+            _, before = leases(database)
+            locked_at = time.monotonic()
+            while time.monotonic() - locked_at < LOCKED_S:
+                raw = redis.get(beat.presence.key)
+                record = json.loads(raw) if raw else None
+                samples.append(
+                    {
+                        "age": None if record is None else time.time() - record["seen_at"],
+                        "in_flight": None if record is None else record["in_flight"],
+                        "healthy": beat.health(),
+                    }
+                )
+                time.sleep(SAMPLE_S)
+            _, during = leases(database)
+        released = time.time()
+        # Renewals wait for a lock one heartbeat at a time, so they resume at once.
+        wait_until(
+            lambda: leases(database)[1] >= released + settings.lease_ttl_s,
+            10 * HEARTBEAT_S,
+            "a renewal after the lock",
+        )
+    finally:
+        for job_id in ids:
+            executor.request_abort(job_id, "cancelled")
+        running.join(30)
+        beat.stop()
+        runner.shutdown()
+    assert during == before, "a renewal committed while another writer held the lock"
+    missing = sum(1 for s in samples if s["age"] is None)
+    assert missing == 0, f"the busy worker's record was gone in {missing} of {len(samples)} looks"
+    oldest = max(s["age"] for s in samples)
+    assert oldest <= 2 * HEARTBEAT_S, f"the record was {oldest:.2f} s old (heartbeat 0.5 s)"
+    assert {s["in_flight"] for s in samples} == {JOBS}
+    dead = [s["healthy"][1] for s in samples if not s["healthy"][0]]
+    assert not dead, f"/healthz took the busy worker for a dead one: {dead[:3]}"
