@@ -140,6 +140,20 @@ def test_embeddings_equal_sentence_transformers(client: OpenAI, models: dict[str
     assert len(floats.data[0].embedding) == 384
 
 
+def test_dimensions_of_the_models_own_size_are_taken(client: OpenAI) -> None:
+    """OpenAI's clients send ``dimensions``: MiniLM's own 384 gives its vectors as they are
+    (vLLM refuses any ``dimensions`` on a model that is not matryoshka; the worker leaves it
+    out), and a smaller size is refused as before (test below)."""
+    plain = client.embeddings.create(model=EMBED, input=TEXTS, encoding_format="float")
+    own = client.embeddings.create(
+        model=EMBED, input=TEXTS, encoding_format="float", dimensions=384
+    )
+    assert [len(d.embedding) for d in own.data] == [384] * len(TEXTS)
+    assert min(cosines([d.embedding for d in own.data], [d.embedding for d in plain.data])) >= (
+        0.9999
+    )
+
+
 def test_token_ids_embed_as_their_text_does(client: OpenAI, models: dict[str, Path]) -> None:
     tokenizers = need("tokenizers")
     tokenizer = tokenizers.Tokenizer.from_file(str(models[EMBED] / "tokenizer.json"))

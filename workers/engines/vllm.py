@@ -279,10 +279,15 @@ class VLLMEngine:
 
         options = dict(req.options)
         truncate = options.pop("truncate_prompt_tokens", None)
+        dimensions = options.get("dimensions") if req.task == "embed" else None
+        if dimensions == self.embed_dim and not self.matryoshka:
+            # The model's own size cuts nothing; vLLM refuses any ``dimensions`` on a model
+            # that is not matryoshka, OpenAI's clients send it (the API takes it: tokens.py).
+            dimensions = None
         try:
             params = PoolingParams(
                 task="embed" if req.task == "embed" else "classify",
-                dimensions=options.get("dimensions") if req.task == "embed" else None,
+                dimensions=dimensions,
                 use_activation=options.get("use_activation"),
             )
             if req.task == "embed":

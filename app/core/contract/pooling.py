@@ -33,7 +33,7 @@ class PoolingOptions(StrictModel):
         None,
         ge=1,
         description="Embeddings: cut each vector to this many dimensions (a matryoshka model "
-        "only), then normalise it.",
+        "only), then normalise it; the model's own size, on any model, cuts nothing.",
     )
     truncate_prompt_tokens: int | None = Field(
         None,

@@ -15,7 +15,8 @@ torch, no vLLM), and counts:
   context is refused by the engine (the job fails with ``context_length_exceeded``);
 - a pooled job's inputs each as the engine does (a text with its special tokens, token ids as
   they are, a query and a document as one pair): each must fit the context whole (a pooler
-  generates nothing) unless the job asks to truncate, and token ids must be in the vocabulary.
+  generates nothing) unless the job asks to truncate, and token ids must be in the vocabulary;
+  ``dimensions`` other than the model's own size (its card's) only on a matryoshka model.
 
 With no card yet (no worker has started) or no tokenizer to publish, nothing is checked here
 and the engine stays the judge. The counts also feed the tokens-per-minute limit
@@ -137,12 +138,16 @@ class Counter:
         to truncate), token ids outside the vocabulary, and a request over
         ``INFERQ_POOL_MAX_REQUEST_TOKENS``."""
         dimensions = options.get("dimensions")
-        if dimensions is not None and not self.card.matryoshka:
+        # The model's own size cuts nothing, so any embedding model takes it (OpenAI's clients
+        # send it); the engine then asks for the model's vectors as they are.
+        own = dimensions is not None and dimensions == self.card.dimensions
+        if dimensions is not None and not self.card.matryoshka and not own:
             raise DomainError(
                 Kind.MALFORMED,
                 "dimensions_not_supported",
                 f"dimensions: this model's vectors have {self.card.dimensions} dimensions and it "
-                "is not a matryoshka model, whose vectors may be cut",
+                "is not a matryoshka model, whose vectors may be cut: give "
+                f"{self.card.dimensions} or leave it out",
                 param="dimensions",
             )
         if dimensions is not None and self.card.dimensions and dimensions > self.card.dimensions:
