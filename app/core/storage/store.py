@@ -60,7 +60,7 @@ TRANSFER_TIMEOUT_S = 3600.0
 CALL_TIMEOUT_S = 10.0
 
 # Where an s3:// store's credentials are read from, in the order obstore (object_store) tries
-# them; the first two pairs are environment variables, never inferq settings.
+# them: environment variables (never inferq settings), then the instance profile.
 AWS_CREDENTIAL_SOURCES = (
     "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY",
     "AWS_WEB_IDENTITY_TOKEN_FILE and AWS_ROLE_ARN (IRSA)",
