@@ -81,6 +81,8 @@ def create(session: Session, tenant: str, body: BatchCreate) -> Batch:
             f"file {source.id} has purpose {source.purpose!r}; a batch reads purpose 'batch'",
             param="input_file_id",
         )
+    # Its lines could not be read: refused now, not a batch that fails in validation.
+    files.here(source, "start a batch on", param="input_file_id")
     rules.check_webhook_url(body.webhook_url)
     stamp = now()
     with changes("api", session=session) as tx:

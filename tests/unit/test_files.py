@@ -397,6 +397,13 @@ def test_files_in_the_store_used_before_a_switch_are_marked_and_kept(
         refused = call("DELETE", f"/v1/files/{untold}")
         assert refused.status_code == 409
         assert refused.json()["error"]["code"] == "file_in_other_store"
+        # A batch over it could not read its lines: refused, and no batch is made.
+        body = {"input_file_id": untold, "endpoint": "/v1/chat/completions"}
+        refused = call("POST", "/v1/batches", json={**body, "completion_window": "24h"})
+        assert refused.status_code == 409, refused.text
+        assert refused.json()["error"]["param"] == "input_file_id"
+        assert "cannot start a batch on file" in refused.json()["error"]["message"]
+        assert call("GET", "/v1/batches").json()["data"] == []
         # Expired, it waits for a process of its own store too.
         with session_scope() as session:
             session.execute(text("UPDATE files SET expires_at = 1 WHERE id = :f"), {"f": untold})

@@ -204,7 +204,7 @@ def elsewhere(row: File, current: str | None = None) -> str | None:
     return None if row.store == here else row.store
 
 
-def _here(row: File, doing: str) -> None:
+def here(row: File, doing: str, param: str = "file_id") -> None:
     """Refuse ``doing`` to a file whose bytes are in another store: its object cannot be
     reached from here, and the row must not claim otherwise (404 "bytes are gone") nor go
     while its object stays behind."""
@@ -216,7 +216,7 @@ def _here(row: File, doing: str) -> None:
             f"cannot {doing} file {row.id}: its bytes are in the file store {other}, not in "
             f"the current one ({store.describe(get_settings())}); INFERQ_FILES_URL was changed "
             'since it was stored (docs/files.md, "Switching stores")',
-            param="file_id",
+            param=param,
         )
 
 
@@ -226,7 +226,7 @@ def find(tenant: str | None, file_id: str) -> File:
     with session_scope() as session:
         row = get(session, tenant, file_id)
         session.expunge(row)
-    _here(row, "read")
+    here(row, "read")
     return row
 
 
@@ -245,7 +245,7 @@ def delete(session: Session, tenant: str, file_id: str) -> File:
     A store that is down leaves the row, and says so (503); so does a file whose bytes are in
     another store (409)."""
     row = get(session, tenant, file_id)
-    _here(row, "delete")
+    here(row, "delete")
     store.delete(file_id)
     session.delete(row)
     session.commit()
