@@ -64,8 +64,8 @@ class Heartbeat:
         self._beat = time.monotonic()
         with contextlib.suppress(SQLAlchemyError):  # else at the first renewal
             self._connect()  # now, while the pool has connections to spare
+        self._thread.start()  # first: the record is written while the heartbeat is alive
         self.presence.start()
-        self._thread.start()
 
     def health(self) -> tuple[bool, str]:
         """Alive while the heartbeat thread runs and has beaten within three intervals (a
