@@ -175,7 +175,7 @@ def test_two_workers_share_one_queue_and_record_each_result_once(
         # Each worker's one engine ran jobs from many task threads in the same step.
         for proc in stack.procs:
             if proc.name.startswith("worker"):
-                # The presence record is rewritten every heartbeat: wait for one written after
+                # The presence record is rewritten every second: wait for one written after
                 # the engine ran.
                 record = wait_until(
                     lambda p=proc: (
