@@ -225,9 +225,10 @@ def no_reading(exc: SQLAlchemyError) -> str:
 
 def unreachable(exc: BaseException) -> str | None:
     """One line for a command whose API, database or Redis could not be reached or read: the
-    URL it tried and the setting that chose it; None for any other error."""
-    settings = get_settings()
+    URL it tried and the setting that chose it; None for any other error (the settings are
+    read only for these: another error may be a refusal of the settings themselves)."""
     if isinstance(exc, httpx.TransportError):
+        settings = get_settings()
         reason = str(exc) or type(exc).__name__
         if isinstance(exc, httpx.TimeoutException):
             reason = f"no answer in time ({reason})"
@@ -235,6 +236,6 @@ def unreachable(exc: BaseException) -> str | None:
     if isinstance(exc, SQLAlchemyError):
         return no_reading(exc)
     if isinstance(exc, redis.RedisError):
-        url = hide_password(settings.redis_url)
+        url = hide_password(get_settings().redis_url)
         return f"cannot reach Redis at {url} (INFERQ_REDIS_URL): {exc}"
     return None
