@@ -13,12 +13,12 @@ import httpx
 
 from app.api.main import create_app
 from app.core.messaging import broker, clients, names
+from app.core.processes.presence import Presence
 from app.core.scheduling import tokens
 from app.core.settings import LANES, Settings
 from workers.engines.simulated import CostModel, SimulatedEngine
 from workers.inference.main import build_executor
 from workers.inference.runner import Runner
-from workers.presence import Presence
 
 T = TypeVar("T")
 BASE_URL = "http://inferq.test"

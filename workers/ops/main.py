@@ -12,9 +12,9 @@ dispatcher's loop on a thread: the safe deployment is the default one, and ``inf
 stays for running more dispatchers. The one that runs beat also exports the backlog signal an
 autoscaler scales inference workers on (workers/ops/autoscale.py).
 
-Like an inference worker, it serves /metrics and announces itself in Redis (workers/presence.py,
-role ``ops``) with that address, from Celery's ``worker_init`` until ``worker_shutdown``, so
-``inferq up`` and the API's Prometheus service discovery find it.
+Like an inference worker, it serves /metrics and announces itself in Redis
+(app/core/processes/presence.py, role ``ops``) with that address, from Celery's ``worker_init``
+until ``worker_shutdown``, so ``inferq up`` and the API's Prometheus service discovery find it.
 """
 
 from __future__ import annotations
@@ -28,13 +28,14 @@ from prometheus_client import REGISTRY
 
 from app.core.messaging import clients
 from app.core.messaging.names import MAINTENANCE_QUEUE, WEBHOOK_QUEUE
+from app.core.processes.presence import Presence
 from app.core.settings import Settings, get_settings
 from app.core.webhooks.rules import load_secret
 from app.dispatcher.loop import Dispatcher
 from workers import celery_app, metrics
 from workers.ops import tasks
 from workers.ops.autoscale import BacklogSignal
-from workers.presence import Presence, process_id
+from workers.presence import process_id
 
 log = logging.getLogger("inferq.ops")
 

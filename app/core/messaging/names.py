@@ -57,8 +57,8 @@ RESPONSE_EVENTS_PREFIX = "inferq:response-events:"
 DRAIN_METRIC = "inferq_backlog_drain_seconds"
 # A console sign-in, by the SHA-256 of its cookie (app/api/console/sessions.py).
 CONSOLE_SESSION_PREFIX = "inferq:console:session:"
-# Presence records (workers/presence.py), one prefix per role: readers of inference workers
-# (`inferq up`, `inferq status`, the dispatcher) never see an ops worker as one of them.
+# Presence records (app/core/processes/presence.py), one prefix per role: readers of inference
+# workers (`inferq up`, `inferq status`, the dispatcher) never see an ops worker as one of them.
 WORKERS_KEY_PREFIX = "inferq:worker:"
 OPS_KEY_PREFIX = "inferq:ops:"
 DISPATCHER_KEY_PREFIX = "inferq:dispatcher:"

@@ -1,8 +1,8 @@
 """What the deployment lacks: a part whose work waits with no live process to do it.
 
 A job, a webhook or a batch never waits silently (docs/architecture.md, "No silent waits").
-Each rule is the work that waits, and the presence records (workers/presence.py, the
-dispatcher's own) of the processes that would do it::
+Each rule is the work that waits, and the presence records (app/core/processes/presence.py, the
+dispatcher's too) of the processes that would do it::
 
     dispatcher   jobs wait to be sent (queued, never sent)        and no dispatcher is alive
     ops          webhook events are due, or batches are open       and no ops worker is alive

@@ -2,7 +2,8 @@
 with no worker running (scaled to zero).
 
 A worker holds one engine of one model and announces it in its presence record
-(workers/presence.py) once the engine is up, so the live models are read from those records.
+(app/core/processes/presence.py) once the engine is up, so the live models are read from those
+records.
 The accepted ones are the settings' (``INFERQ_MODEL``/``INFERQ_SERVED_MODEL_NAME`` and
 ``INFERQ_ACCEPTED_MODELS``); a LoRA adapter (``INFERQ_ADAPTERS``) runs on the workers of its
 base model. A model is::
