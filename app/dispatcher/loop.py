@@ -15,12 +15,22 @@ while the lists move, less often (up to ``IDLE_WAIT_S``) while none does.
 
 Several dispatchers may run (one per host, for availability): a job is picked by one of them
 only (refill.py), and each tenant's share is kept in Redis, where they all read it.
+
+Each dispatcher keeps a presence record (``inferq:dispatcher:<host>-<pid>``: its policy, the
+queues it is filling, what it has sent), which `inferq up`, `inferq status`, the console and
+the missing-dispatcher signal (app/core/observe/missing.py, `/readyz`) read. It is kept the way
+every process keeps one (app/core/processes/presence.py): rewritten every second by a thread of
+its own from the values the loop publishes as it goes, expiring after 5 s. The loop wrote it
+itself at the top of each step, so a step that waited for the database (SQLite's write lock, up
+to its 30 s busy timeout) let it expire and a running dispatcher read as none
+(docs/architecture.md, "A busy worker's presence"). The record is withdrawn while the loop is
+not alive (:meth:`Dispatcher.health`): its thread has ended or left the loop, or it has not gone
+round for ``STALL_S``, three of the longest waits a pass makes for the database; a dispatcher
+waiting for a lock is alive, one whose loop is gone or hangs is not.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 import os
 import signal
@@ -34,19 +44,19 @@ import redis
 from sqlalchemy import select
 from sqlalchemy.exc import InterfaceError, OperationalError
 
-from app.core.db import session_scope
+from app.core.db import SQLITE_BUSY_TIMEOUT_MS, session_scope
 from app.core.messaging import broker, clients
 from app.core.messaging.names import (
     AFFINITY_OVERFLOW_KEY,
     AFFINITY_SENT_KEY,
-    DISPATCHER_KEY_PREFIX,
     WAKE_KEY,
     own_queue,
     owner_of,
     shared_of,
 )
-from app.core.models import LANE_PRIORITY, UNSENT, Job, now
+from app.core.models import LANE_PRIORITY, UNSENT, Job
 from app.core.processes import presence
+from app.core.processes.presence import Presence
 from app.core.settings import LANES, Settings, get_settings
 from app.dispatcher.plan import LiveWorker, Recall, decide, lanes_above
 from app.dispatcher.refill import Affine, Route, must_make_way, recall, refill
@@ -62,6 +72,14 @@ RETRY_S = 1.0  # pause after Redis or the database failed
 MAKE_WAY_S = 1.0  # least time between two lists taken back for tenants that start waiting
 REBALANCE_S = 0.5  # least time between two own queues of a route evened out (_rebalance)
 REBALANCE_MIN = 4  # messages an own queue holds before half of them may be taken back
+# The presence record's interval: rewritten every second, expiring after 5 s (the least expiry
+# of a record, app/core/processes/presence.py), as it always has.
+PRESENCE_S = 1.0
+# The loop is taken for hung, and its record withdrawn, when it has not gone round for this
+# long: three of the longest waits one of its transactions makes for SQLite's write lock (its
+# busy timeout, after which the pass fails and the loop goes round), so a busy database is
+# never taken for a hung loop.
+STALL_S = 3 * SQLITE_BUSY_TIMEOUT_MS / 1000
 
 
 class Dispatcher:
@@ -76,7 +94,18 @@ class Dispatcher:
         self._scanned = 0.0
         self._workers: tuple[float, list[LiveWorker]] = (0.0, [])
         self.worker_id = f"{socket.gethostname()}-{os.getpid()}"
-        self._announced = 0.0
+        # What the presence thread reads: published by the loop (``_went_round``), replaced
+        # whole, never changed in place.
+        self._published: dict[str, Any] = {}
+        self._round = 0.0  # monotonic time the loop last went round (or made a refill)
+        self._looping: threading.Thread | None = None  # the thread in ``run``, while it is
+        self.presence = Presence(
+            "dispatcher",
+            self.worker_id,
+            PRESENCE_S,
+            lambda: self._published,
+            alive=lambda: self.health()[0],
+        )
         self._depths: dict[Route, int] = {}  # each list's length at the last look
         # The messages in each live worker's own queue of each route at the last look, and in
         # the route's shared queue (prefix affinity: app/dispatcher/affinity.py).
@@ -92,22 +121,58 @@ class Dispatcher:
         self._wait = self._interval
 
     def run(self, stop: threading.Event) -> None:
-        while not stop.is_set():
-            try:
-                self.step()
-            except (OperationalError, InterfaceError) as exc:
-                log.warning("database unavailable; retrying: %s", exc.orig or exc)
-                stop.wait(RETRY_S)
-            except redis.RedisError as exc:
-                log.warning("Redis unavailable; retrying: %s", exc)
-                stop.wait(RETRY_S)
-        self.withdraw()
+        """Step until ``stop``, keeping the presence record meanwhile; it is withdrawn when
+        this returns or raises (a clean stop, or a loop that failed)."""
+        self._went_round()
+        self._looping = threading.current_thread()
+        self.presence.start()
+        try:
+            while not stop.is_set():
+                try:
+                    self.step()
+                except (OperationalError, InterfaceError) as exc:
+                    log.warning("database unavailable; retrying: %s", exc.orig or exc)
+                    stop.wait(RETRY_S)
+                except redis.RedisError as exc:
+                    log.warning("Redis unavailable; retrying: %s", exc)
+                    stop.wait(RETRY_S)
+                self._went_round()
+        finally:
+            self._looping = None
+            self.presence.stop()
+
+    def health(self) -> tuple[bool, str]:
+        """Alive while a thread is in :meth:`run` and its loop has gone round within
+        ``STALL_S``: a pass that waits for the database (SQLite's busy timeout, 30 s) is a
+        dispatcher waiting, not a gone one; a loop that ended, or hangs past three such waits,
+        is gone."""
+        looping = self._looping
+        if looping is None or not looping.is_alive():
+            return False, "the dispatcher's loop is not running"
+        age = time.monotonic() - self._round
+        if age > STALL_S:
+            return False, f"the dispatcher's loop has not gone round for {age:.0f} s"
+        return True, "ok"
+
+    def _went_round(self) -> None:
+        """Publish what the presence record says (the presence thread reads it every second)
+        and that the loop moves."""
+        self._round = time.monotonic()
+        self._published = {
+            "policy": self.settings.dispatch_policy,
+            "queues": sorted(route.queue for route in self.backlog),
+            "sent": self.sent,
+            "expired": self.expired,
+            "recalled": self.recalled,
+            "affinity_sent": self.affinity_sent,
+            "affinity_overflow": self.affinity_overflow,
+            "rebalanced": self.rebalanced,
+        }
 
     def step(self) -> None:
         """Wait for a wake-up (briefly while queues are being filled), then look at every
         queue with jobs waiting and the lanes below them, and act on each one's plan, in lane
         order."""
-        self.announce()
         woken = self._woken(self._wait if self.backlog else IDLE_S)
         self.backlog |= woken
         if time.monotonic() - self._scanned >= SCAN_S:
@@ -275,6 +340,7 @@ class Dispatcher:
         self.waited[route] = done.waiting
         if not done.waiting:
             self.backlog.discard(route)
+        self._went_round()  # a refill is a transaction: the next may wait for the lock anew
 
     def _count_affinity(self, sent: dict[str, int], overflow: dict[str, int]) -> None:
         """Add a refill's jobs sent by affinity and by overflow to each worker's counts in
@@ -339,36 +405,6 @@ class Dispatcher:
         ]
         self._workers = (time.monotonic(), workers)
         return workers
-
-    # --- presence: `inferq status` and `inferq up` see the dispatchers that run ----------------
-
-    @property
-    def key(self) -> str:
-        return DISPATCHER_KEY_PREFIX + self.worker_id
-
-    def announce(self) -> None:
-        if time.monotonic() - self._announced < 1.0:
-            return
-        self._announced = time.monotonic()
-        record: dict[str, Any] = {
-            "role": "dispatcher",
-            "worker_id": self.worker_id,
-            "pid": os.getpid(),
-            "seen_at": now(),
-            "policy": self.settings.dispatch_policy,
-            "queues": sorted(route.queue for route in self.backlog),
-            "sent": self.sent,
-            "expired": self.expired,
-            "recalled": self.recalled,
-            "affinity_sent": self.affinity_sent,
-            "affinity_overflow": self.affinity_overflow,
-            "rebalanced": self.rebalanced,
-        }
-        self.client.set(self.key, json.dumps(record), ex=5)
-
-    def withdraw(self) -> None:
-        with contextlib.suppress(redis.RedisError):
-            self.client.delete(self.key)
 
 
 def main() -> None:

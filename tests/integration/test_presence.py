@@ -11,11 +11,17 @@ holds that lock itself, as such a writer does, past three heartbeats.
 The record was written after each renewal, by the same thread: it aged with the wait (past its
 expiry with a heartbeat of 1 s: the dispatcher took the busy worker for a gone one), and
 ``/healthz`` said the worker was dead.
+
+A dispatcher's record had the same fault: its loop wrote it at the top of each step, so a step
+waiting for the database let the record (5 s) expire, and `/readyz` and ``missing`` said no
+dispatcher ran while one did. A real dispatcher runs here on a thread while another writer
+holds the lock past that expiry.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import sqlite3
 import threading
@@ -33,8 +39,10 @@ from app.core.contract.jobs import JobCreate
 from app.core.lifecycle import jobs, transitions
 from app.core.lifecycle.changes import changes
 from app.core.messaging import clients
+from app.core.messaging.names import DISPATCHER_KEY_PREFIX
 from app.core.models import Job
 from app.core.settings import Settings, get_settings
+from app.dispatcher.loop import Dispatcher
 from tests.conftest import PostgresDatabases, database_url_for, fresh_redis_url
 from tests.support import wait_until
 from workers.engines.simulated import CostModel, SimulatedEngine
@@ -88,6 +96,24 @@ def holding_writes(url: str) -> Iterator[None]:
     try:
         with engine.connect() as connection, connection.begin():
             connection.execute(text("SELECT id FROM jobs WHERE status = 'running' FOR UPDATE"))
+            yield
+    finally:
+        engine.dispose()
+
+
+@contextlib.contextmanager
+def holding_jobs(url: str) -> Iterator[None]:
+    """A writer that every transaction on the jobs table waits for, reads included: SQLite's
+    write lock (inferq's sessions begin as writers), or on PostgreSQL the table's ACCESS
+    EXCLUSIVE lock (a migration's ALTER TABLE takes it)."""
+    if url.startswith("sqlite"):
+        with holding_writes(url):
+            yield
+        return
+    engine = create_engine(url)
+    try:
+        with engine.connect() as connection, connection.begin():
+            connection.execute(text("LOCK TABLE jobs IN ACCESS EXCLUSIVE MODE"))
             yield
     finally:
         engine.dispose()
@@ -172,3 +198,59 @@ def test_a_busy_worker_stays_present_and_alive_while_its_renewal_waits_for_the_d
     assert {s["in_flight"] for s in samples} == {JOBS}
     dead = [s["healthy"][1] for s in samples if not s["healthy"][0]]
     assert not dead, f"/healthz took the busy worker for a dead one: {dead[:3]}"
+
+
+DISPATCHER_EXPIRY_S = 5  # the dispatcher's record: rewritten every second, expiring after 5 s
+DISPATCHER_LOCKED_S = DISPATCHER_EXPIRY_S + 2
+
+
+def test_a_dispatcher_waiting_for_the_database_stays_present(
+    database: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its loop waits for the lock (the database is asked every second which queues have
+    waiting jobs) past the record's expiry; the record stays present and fresh throughout, and
+    is withdrawn when the loop stops."""
+    settings: Settings = get_settings()
+    redis = clients.redis_client()
+    dispatcher = Dispatcher(settings, redis)
+    key = DISPATCHER_KEY_PREFIX + dispatcher.worker_id
+    steps: list[float] = []  # when each step of the loop ended
+    step = dispatcher.step
+
+    def counted() -> None:
+        try:
+            step()
+        finally:
+            steps.append(time.monotonic())
+
+    monkeypatch.setattr(dispatcher, "step", counted)
+    stop = threading.Event()
+    loop = threading.Thread(target=dispatcher.run, args=(stop,), daemon=True)
+    samples: list[float | None] = []
+    try:
+        loop.start()
+        wait_until(lambda: redis.get(key) is not None, 5, "the dispatcher's record")
+        wait_until(lambda: len(steps) >= 2, 5, "the loop to go round")
+        with holding_jobs(database):
+            locked_at = time.monotonic()
+            while time.monotonic() - locked_at < DISPATCHER_LOCKED_S:
+                raw = redis.get(key)
+                samples.append(None if raw is None else time.time() - json.loads(raw)["seen_at"])
+                time.sleep(SAMPLE_S)
+            released = len(steps)
+        wait_until(lambda: len(steps) >= released + 2, 10, "the loop to go round again")
+        record = json.loads(redis.get(key) or "{}")
+    finally:
+        stop.set()
+        loop.join(40)
+    assert not loop.is_alive()
+    # The loop did wait, past the record's expiry (else this test proves nothing).
+    waited = max(later - earlier for earlier, later in itertools.pairwise(steps))
+    assert waited > DISPATCHER_EXPIRY_S, f"the loop waited {waited:.1f} s at most"
+    missing = sum(1 for age in samples if age is None)
+    assert missing == 0, f"the dispatcher's record was gone in {missing} of {len(samples)} looks"
+    oldest = max(age for age in samples if age is not None)
+    assert oldest <= 2.0, f"the dispatcher's record was {oldest:.2f} s old (rewritten every 1 s)"
+    assert record["role"] == "dispatcher" and record["worker_id"] == dispatcher.worker_id
+    assert {"policy", "queues", "sent", "expired", "recalled"} <= set(record)
+    assert redis.get(key) is None, "a dispatcher that stopped left its record behind"

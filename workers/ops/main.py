@@ -96,6 +96,10 @@ class OpsWorker:
         if self._dispatching is not None:
             self._dispatching.join(timeout=10)
             self._dispatching = None
+        if self.dispatcher is not None:
+            # Its loop withdraws the record as it returns; this withdraws it too where the
+            # loop is still waiting (for the database) when the join gives up.
+            self.dispatcher.presence.stop()
         if self.signal is not None:
             self.signal.stop()
             REGISTRY.unregister(self.signal)
@@ -106,7 +110,8 @@ class OpsWorker:
 
     def _dispatch(self) -> None:
         # A loop that died here would leave jobs waiting with nobody told: it starts again
-        # (the missing-dispatcher signal shows while it is down, docs/architecture.md).
+        # (its presence record is withdrawn as it fails and written again as it starts, so the
+        # missing-dispatcher signal shows while it is down, docs/architecture.md).
         assert self.dispatcher is not None
         while not self._stop.is_set():
             try:
