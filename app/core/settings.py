@@ -302,8 +302,9 @@ class Settings(BaseSettings):
     lease_ttl_s: float = Field(60.0, description="A claim's lease; renewed by heartbeats.")
     heartbeat_s: float = Field(
         15.0,
-        description="How often a worker renews its leases; workers and ops workers re-announce "
-        "themselves in Redis as often.",
+        description="How often a worker renews its leases. Workers' and ops workers' presence "
+        "records in Redis are rewritten every second (every heartbeat where that is shorter) and "
+        "expire after three heartbeats (at least 5 s).",
     )
     reaper_interval_s: float = Field(
         15.0, gt=0, description="How often the ops worker's reaper sweeps (workers/ops/reaper.py)."
