@@ -257,7 +257,9 @@ def test_a_dispatcher_that_dies_mid_send_loses_nothing(stack: Stack) -> None:
     # one message too many (a second message claims nothing: docs/reliability.md, "Reliability
     # contract").
     stack.start_dispatcher()
-    seen = [job_id for _ in range(10) for job_id in take(stack, queue)]
+    # A process to start first (two Python starts: `inferq dispatch` execs the loop's own), which
+    # took more than 10 s beside the other two xdist workers' stacks on two cores.
+    seen = [job_id for _ in range(10) for job_id in take(stack, queue, timeout=60)]
     assert Counter(seen) == dict.fromkeys(ids, 2)
     wait_until(lambda: stack.scalar(unsent) == 0, 10, "every job stamped sent")
 
