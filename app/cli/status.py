@@ -51,7 +51,7 @@ def collect() -> snapshot.Snapshot:
         dispatchers = presence.dispatchers(client)
         affinity = snapshot.affinity_counts(client)
     except redis.RedisError as exc:
-        raise Unavailable(_no_redis(exc)) from None
+        raise Unavailable(where.no_redis(exc)) from None
     try:
         with session_scope() as session:
             lanes = snapshot.lane_jobs(session, now, models)
@@ -59,17 +59,12 @@ def collect() -> snapshot.Snapshot:
             tenants = snapshot.tenant_jobs(session, now, THROUGHPUT_WINDOW_S)
             warnings = [m.message() for m in missing.find(session, client, get_settings())]
     except redis.RedisError as exc:
-        raise Unavailable(_no_redis(exc)) from None
+        raise Unavailable(where.no_redis(exc)) from None
     except SQLAlchemyError as exc:
         raise Unavailable(where.no_reading(exc)) from None
     return snapshot.Snapshot(
         now, messages, lanes, workers, throughput, ops, tenants, dispatchers, warnings, affinity
     )
-
-
-def _no_redis(exc: redis.RedisError) -> str:
-    url = where.hide_password(get_settings().redis_url)
-    return f"cannot read Redis at {url} (INFERQ_REDIS_URL): {exc}"
 
 
 def heading(taken_at: float) -> str:

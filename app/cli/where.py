@@ -84,7 +84,6 @@ class Reading:
     path: Path | None = None
     pid: int | None = None
     running: bool = False  # whether that `inferq up` still runs
-    adopted: set[str] = field(default_factory=set)
     overridden: set[str] = field(default_factory=set)
 
     def summary(self, settings: Settings, files: str) -> str:
@@ -132,7 +131,7 @@ def adopt() -> Reading:
         running = abs(psutil.Process(pid).create_time() - started) < 1.0
     except psutil.Error:
         running = False
-    _reading = Reading(path.resolve(), pid, running, adopted, set(kept) - adopted)
+    _reading = Reading(path.resolve(), pid, running, set(kept) - adopted)
     return _reading
 
 
@@ -223,6 +222,12 @@ def no_reading(exc: SQLAlchemyError) -> str:
     return f"cannot read the database at {url} ({database_setting(settings)}): {reason}"
 
 
+def no_redis(exc: redis.RedisError) -> str:
+    """Redis could not be read: its URL (password hidden), the setting, and why."""
+    url = hide_password(get_settings().redis_url)
+    return f"cannot read Redis at {url} (INFERQ_REDIS_URL): {exc}"
+
+
 def unreachable(exc: BaseException) -> str | None:
     """One line for a command whose API, database or Redis could not be reached or read: the
     URL it tried and the setting that chose it; None for any other error (the settings are
@@ -236,6 +241,5 @@ def unreachable(exc: BaseException) -> str | None:
     if isinstance(exc, SQLAlchemyError):
         return no_reading(exc)
     if isinstance(exc, redis.RedisError):
-        url = hide_password(get_settings().redis_url)
-        return f"cannot reach Redis at {url} (INFERQ_REDIS_URL): {exc}"
+        return no_redis(exc)
     return None

@@ -56,7 +56,6 @@ class Presence:
     ) -> None:
         self.role = role
         self.worker_id = worker_id
-        self.interval_s = interval_s
         self.describe = describe
         self.alive = alive
         self.ttl_s = max(5, int(interval_s * 3))
