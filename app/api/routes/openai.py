@@ -7,6 +7,7 @@ the models are app/core/scheduling/catalog.py's.
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -18,17 +19,45 @@ from app.api.schemas import ErrorBody
 from app.core.openai.openai_format import ChatCompletionRequest, CompletionRequest
 from app.core.openai.pooling_format import EmbeddingRequest, RerankRequest, ScoreRequest
 from app.core.scheduling import catalog
+from app.core.settings import get_settings
 
 router = APIRouter(prefix="/v1", tags=["openai"], responses={"default": {"model": ErrorBody}})
 
 
 def _model(model: catalog.Model) -> dict[str, Any]:
-    """OpenAI's model object, with what a caller of a job platform also needs to know."""
+    """OpenAI's model object with vLLM's keys (its ``ModelCard``: ``root``, ``parent``,
+    ``max_model_len``, ``permission``), and what a caller of a job platform also needs to know."""
+    settings = get_settings()
+    adapter = settings.adapters.get(model.name)
+    if adapter is not None:
+        root = adapter.path  # vLLM's root of an adapter: its directory
+    elif model.name == settings.model_name and settings.model:
+        root = settings.model  # of the served model: what it was loaded from
+    else:
+        root = model.name
     return {
         "id": model.name,
         "object": "model",
         "created": 0,
         "owned_by": "inferq",
+        "root": root,
+        # vLLM's one default permission (every model may be sampled and viewed).
+        "permission": [
+            {
+                "id": f"modelperm-{uuid.uuid4().hex}",
+                "object": "model_permission",
+                "created": 0,
+                "allow_create_engine": False,
+                "allow_sampling": True,
+                "allow_logprobs": True,
+                "allow_search_indices": False,
+                "allow_view": True,
+                "allow_fine_tuning": False,
+                "organization": "*",
+                "group": None,
+                "is_blocking": False,
+            }
+        ],
         "ready": model.ready,  # a live worker serves it; if not, jobs wait (calls get 503)
         "workers": model.workers,
         "max_model_len": model.max_model_len,  # None until a worker of it has run
