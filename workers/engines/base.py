@@ -22,7 +22,9 @@ from typing import Any, Protocol
 @dataclass(frozen=True)
 class GenRequest:
     request_id: str
-    prompt: str | None = None
+    # A completion's prompt: its text, or its token ids (handed to the engine as tokens, vLLM's
+    # ``TokensPrompt``: never re-tokenized).
+    prompt: str | Sequence[int] | None = None
     messages: Sequence[dict[str, Any]] | None = None
     max_tokens: int = 16
     temperature: float = 1.0
@@ -42,6 +44,14 @@ class GenRequest:
     # its directory; a name without a path is one this worker does not have.
     adapter: str | None = None
     adapter_path: str | None = None
+    # ``echo``: each choice's output starts with what the request's prompt was (echo_text); the
+    # engine says it on its first chunk (``GenChunk.prompt_text``) and the runner puts it in
+    # front of every choice.
+    echo: bool = False
+    # Several prompts in one request (a completion's list of prompts): the runner runs one
+    # engine request per prompt (``prompt`` set to it, ``prompts`` empty) and numbers the
+    # choices prompt by prompt, ``n`` each (workers/inference/runner.py). Engines never see it.
+    prompts: Sequence[str | Sequence[int]] = ()
 
     @property
     def tool_choice(self) -> str | dict[str, str]:
@@ -90,6 +100,16 @@ class GenChunk:
     logprobs: list[dict[str, Any]] | None = None
     # The ids of the tokens of ``text`` (an engine that has them): tool parsers read them.
     token_ids: Sequence[int] = ()
+    # On a choice's last chunk: the stop string (or stop token id) that ended it, None when it
+    # ended otherwise (vLLM's ``stop_reason``).
+    stop_reason: str | int | None = None
+    # On the request's first chunk only (whichever choice it is for):
+    # - with ``req.echo``: what every choice's output starts with (echo_text);
+    prompt_text: str | None = None
+    # - with ``options["prompt_logprobs"]`` (k): one prompt_token_logprob per prompt token, in
+    #   order, the first with no logprob (nothing precedes it), each with its k best
+    #   alternatives (vLLM's ``RequestOutput.prompt_logprobs``).
+    prompt_logprobs: list[dict[str, Any]] | None = None
 
 
 @dataclass
@@ -133,6 +153,43 @@ def token_logprob(
         "logprob": logprob,
         "top_logprobs": [{"token": t, "logprob": lp} for t, lp in top],
     }
+
+
+def prompt_token_logprob(
+    token_id: int,
+    token: str,
+    logprob: float | None,
+    rank: int | None,
+    top: Sequence[tuple[int, str, float, int]] = (),
+) -> dict[str, Any]:
+    """One prompt token's log-probability given the tokens before it (None for the first), its
+    rank among the vocabulary, and its ``top`` alternatives (id, text, logprob, rank), best
+    first: what ``GenChunk.prompt_logprobs`` holds and a choice stores as ``prompt_logprobs``
+    (rendered as OpenAI's echo logprobs and as vLLM's ``prompt_logprobs``:
+    app/core/openai/openai_format.py). -inf is -9999.0, as vLLM's server writes it."""
+    return {
+        "token_id": token_id,
+        "token": token,
+        "logprob": None if logprob is None else max(logprob, -9999.0),
+        "rank": rank,
+        "top_logprobs": [
+            {"token_id": i, "token": t, "logprob": max(lp, -9999.0), "rank": r}
+            for i, t, lp, r in top
+        ],
+    }
+
+
+def echo_text(req: GenRequest, decode: Callable[[Sequence[int]], str]) -> str:
+    """What an ``echo`` request's choices start with, as vLLM's server shows it: a completion's
+    prompt (token ids decoded by the engine's tokenizer, ``decode``); of a chat, the last
+    message's content if it is the assistant's (the reply continues it), else nothing."""
+    if req.messages is not None:
+        last = req.messages[-1] if req.messages else {}
+        content = last.get("content") if last.get("role") == "assistant" else None
+        return content if isinstance(content, str) else ""
+    if req.prompt is None or isinstance(req.prompt, str):
+        return req.prompt or ""
+    return decode(list(req.prompt))
 
 
 class EngineRequestError(Exception):
@@ -320,19 +377,28 @@ def hf_tokenizer_json(tokenizer: Any) -> str | None:
 
 
 def prompt_text(req: GenRequest, tokenizer: Any = None) -> str:
+    """The request's prompt as text: a chat rendered, a completion's text. A prompt of token
+    ids has none: the engine hands the ids over as they are (it checks for them first)."""
     if req.messages is not None:
         return render_chat(req.messages, tokenizer, req.tools["tools"] if req.tools else None)
+    if req.prompt is not None and not isinstance(req.prompt, str):
+        raise TypeError("a prompt of token ids is not rendered as text")
     return req.prompt or ""
 
 
 def apply_stop(
     text: str, stop: Sequence[str], *, include: bool = False, since: int = 0
-) -> tuple[str, bool]:
-    """Cut ``text`` at the earliest stop string that ends after ``since`` (the text already
-    checked), after it with ``include`` (vLLM's ``include_stop_str_in_output``); returns
-    (text, stopped)."""
-    found = [(i, len(s)) for s in stop if (i := text.find(s, max(0, since - len(s) + 1))) >= 0]
-    if not found:
-        return text, False
-    cut, length = min(found)
-    return text[: cut + length if include else cut], True
+) -> tuple[str, str | None]:
+    """Cut ``text`` at the stop string that ends first after ``since`` (the text already
+    checked; a tie goes to the one listed first, as vLLM's ``check_stop_strings``), after it
+    with ``include`` (vLLM's ``include_stop_str_in_output``); returns (text, the stop string
+    that matched or None: vLLM's ``stop_reason``)."""
+    best: tuple[int, int, str] | None = None  # (end, start, the stop string)
+    for s in stop:
+        at = text.find(s, max(0, since - len(s) + 1))
+        if at >= 0 and (best is None or at + len(s) < best[0]):
+            best = (at + len(s), at, s)
+    if best is None:
+        return text, None
+    end, start, matched = best
+    return text[: end if include else start], matched
