@@ -1,16 +1,34 @@
 """The SIMULATED engine: determinism, priority admission, batching, stop strings, sampling
-options, aborts."""
+options, aborts; n, structured outputs, token-id prompts, echo and prompt logprobs."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import math
 import time
 
+import jsonschema
 import pytest
 
+from app.core.scheduling.tokens import (
+    SIM_VOCABULARY,
+    WORDS,
+    Counter,
+    ModelCard,
+    count_words,
+    encode,
+)
+from app.core.scheduling.tokens import decode as tokens_decode
 from app.core.settings import Settings
-from workers.engines.base import EngineRequestError, GenRequest, TokenWindow
-from workers.engines.simulated import CostModel, SimulatedEngine
+from workers.engines.base import EngineRequestError, GenChunk, GenRequest, TokenWindow
+from workers.engines.simulated import (
+    VOCABULARY,
+    CostModel,
+    SimulatedEngine,
+    decode,
+    prompt_tokens_of,
+)
 
 
 async def _collect(engine: SimulatedEngine, req: GenRequest) -> tuple[str, str | None, int]:
@@ -265,3 +283,254 @@ def test_no_prefix_cache_by_default() -> None:
         return stats.prefix_cache_queries, stats.prefix_cache_hits
 
     assert asyncio.run(main()) == (0, 0)
+
+
+async def _choices(engine: SimulatedEngine, req: GenRequest) -> tuple[list[GenChunk], dict]:
+    """Every chunk of ``req``, and each choice's (text, finish_reason, stop_reason, tokens)."""
+    chunks = [chunk async for chunk in engine.generate(req)]
+    choices: dict[int, list] = {}
+    for chunk in chunks:
+        text, _, _, tokens = choices.get(chunk.index, ("", None, None, 0))
+        choices[chunk.index] = [
+            text + chunk.text,
+            chunk.finish_reason,
+            chunk.stop_reason,
+            tokens + chunk.num_tokens,
+        ]
+    return chunks, choices
+
+
+def _run(*reqs: GenRequest) -> list[tuple[list[GenChunk], dict]]:
+    async def main() -> list[tuple[list[GenChunk], dict]]:
+        engine = SimulatedEngine(_fast())
+        await engine.start()
+        try:
+            return [await _choices(engine, req) for req in reqs]
+        finally:
+            await engine.shutdown()
+
+    return asyncio.run(main())
+
+
+def test_n_streams_that_many_choices_each_its_own_text() -> None:
+    (chunks, choices), (_, again), (_, one) = _run(
+        GenRequest("a", prompt="hello", max_tokens=6, seed=4, options={"n": 3}),
+        GenRequest("b", prompt="hello", max_tokens=6, seed=4, options={"n": 3}),
+        GenRequest("c", prompt="hello", max_tokens=6, seed=4),
+    )
+    assert sorted(choices) == [0, 1, 2] and choices == again
+    assert len({c[0] for c in choices.values()}) == 3
+    assert all(c[1] == "length" and c[3] == 6 for c in choices.values())
+    assert choices[0] == one[0]  # choice 0 is what n=1 writes
+    # The choices stream side by side (each of the cost model's sequences), not one after another.
+    assert [c.index for c in chunks[:3]] == [0, 1, 2]
+
+
+def test_n_choices_all_end_when_the_request_is_aborted() -> None:
+    async def main() -> dict:
+        engine = SimulatedEngine(cost(base_ms=5.0))
+        await engine.start()
+        req = GenRequest("a", prompt="q", max_tokens=10_000, options={"n": 2})
+        task = asyncio.create_task(_choices(engine, req))
+        await asyncio.sleep(0.05)
+        await engine.abort("a")
+        _, choices = await task
+        await engine.shutdown()
+        assert not engine._by_id
+        return choices
+
+    choices = asyncio.run(main())
+    assert {i: c[1] for i, c in choices.items()} == {0: "abort", 1: "abort"}
+
+
+def test_json_object_is_valid_json_that_fits_max_tokens() -> None:
+    reqs = [
+        GenRequest(
+            f"{seed}.{most}",
+            prompt="give me JSON",
+            max_tokens=most,
+            seed=seed,
+            options={"structured_outputs": {"json_object": True}, "n": 2},
+        )
+        for seed in range(6)
+        for most in (3, 8, 16, 64)
+    ]
+    for req, (_, choices) in zip(reqs, _run(*reqs), strict=True):
+        for text, reason, stop_reason, tokens in choices.values():
+            assert isinstance(json.loads(text), dict), text
+            # Ended by the end-of-sequence token after the object, within max_tokens.
+            assert (reason, stop_reason) == ("stop", None) and tokens <= req.max_tokens
+    # Too few tokens for {} and the end of sequence: a prefix, cut at max_tokens, as vLLM would.
+    json_object = {"structured_outputs": {"json_object": True}}
+    (_, one), (_, two), (_, compact) = _run(
+        GenRequest("x", prompt="q", max_tokens=1, options=json_object),
+        GenRequest("y", prompt="q", max_tokens=2, options=json_object),
+        GenRequest(
+            "z",
+            prompt="q",
+            max_tokens=30,
+            seed=1,
+            options={"structured_outputs": {"json_object": True, "disable_any_whitespace": True}},
+        ),
+    )
+    assert one[0][:2] == ["{", "length"] and two[0][:2] == ["{}", "length"]
+    assert " " not in compact[0][0] and isinstance(json.loads(compact[0][0]), dict)
+
+
+def test_a_json_schema_is_followed_and_other_constraints_are_refused() -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "age": {"type": "integer", "minimum": 18, "exclusiveMaximum": 30},
+            "score": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+            "tags": {
+                "type": "array",
+                "items": {"enum": ["a", "b", "c"]},
+                "minItems": 1,
+                "maxItems": 2,
+            },
+            "pet": {"anyOf": [{"type": "null"}, {"type": "string"}]},
+            "ok": {"type": "boolean"},
+        },
+        "required": ["name", "age", "score", "tags"],
+    }
+    reqs = [
+        GenRequest(
+            str(seed),
+            prompt="q",
+            max_tokens=200,
+            seed=seed,
+            options={"structured_outputs": {"json": schema}},
+        )
+        for seed in range(5)
+    ]
+    for _, choices in _run(*reqs):
+        jsonschema.validate(json.loads(choices[0][0]), schema)
+        assert choices[0][1] == "stop"
+    (_, chosen), (_, short) = _run(
+        GenRequest(
+            "c", prompt="q", seed=1, options={"structured_outputs": {"choice": ["yes", "no way"]}}
+        ),
+        GenRequest("s", prompt="q", max_tokens=3, options={"structured_outputs": {"json": schema}}),
+    )
+    assert chosen[0][:2] in (["yes", "stop"], ["no way", "stop"])
+    assert short[0][1] == "length" and short[0][3] == 3
+
+    async def refused(options: dict) -> EngineRequestError:
+        engine = SimulatedEngine(_fast())
+        await engine.start()
+        try:
+            with pytest.raises(EngineRequestError) as error:
+                await _choices(engine, GenRequest("r", prompt="q", options=options))
+            return error.value
+        finally:
+            await engine.shutdown()
+
+    regex = asyncio.run(refused({"structured_outputs": {"regex": "a+"}}))
+    pattern = asyncio.run(
+        refused({"structured_outputs": {"json": {"type": "string", "pattern": "^a$"}}})
+    )
+    assert regex.code == pattern.code == "invalid_request"
+    assert "regex" in str(regex) and "pattern" in str(pattern)
+
+
+def test_a_prompt_of_token_ids_is_the_text_of_its_words() -> None:
+    ids = [0, 1, 2, 7, len(VOCABULARY) + 3]  # ids wrap round the vocabulary
+    text = decode(ids)
+    assert text.split() == [VOCABULARY[i % len(VOCABULARY)] for i in ids]
+    assert count_words(text) == len(ids)
+    (by_ids, ids_choices), (by_text, text_choices) = _run(
+        GenRequest("i", prompt=ids, max_tokens=8, seed=5, echo=True),
+        GenRequest("t", prompt=text, max_tokens=8, seed=5, echo=True),
+    )
+    assert ids_choices == text_choices
+    assert by_ids[0].prompt_tokens == by_text[0].prompt_tokens == len(ids)
+    # echo: the first chunk says the prompt (ids decoded), later ones nothing.
+    assert by_ids[0].prompt_text == by_text[0].prompt_text == text
+    assert all(c.prompt_text is None for c in by_ids[1:])
+
+    async def refused(prompt: list[int]) -> EngineRequestError:
+        engine = SimulatedEngine(_fast())
+        await engine.start()
+        try:
+            with pytest.raises(EngineRequestError) as error:
+                await _choices(engine, GenRequest("r", prompt=prompt))
+            return error.value
+        finally:
+            await engine.shutdown()
+
+    negative = asyncio.run(refused([3, -1]))
+    assert negative.code == "invalid_token_ids" and "-1 is out of vocabulary" in str(negative)
+    assert asyncio.run(refused([])).code == "invalid_request"
+
+
+def test_echo_of_a_chat_is_the_assistants_last_message() -> None:
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Well,"}]
+    (chunks, _), (plain, _) = _run(
+        GenRequest("c", messages=messages, echo=True, options={"n": 2}),
+        GenRequest("p", messages=messages[:1], echo=True),
+    )
+    assert chunks[0].prompt_text == "Well," and plain[0].prompt_text == ""
+    assert all(c.prompt_text is None for c in chunks[1:])
+
+
+def test_prompt_logprobs_give_every_prompt_token_its_rank_and_the_best_alternatives() -> None:
+    prompt = "The queue holds\nevery job, until"
+    (chunks, _), (again, _), (ids_chunks, _) = _run(
+        GenRequest("a", prompt=prompt, max_tokens=2, options={"prompt_logprobs": 3, "n": 2}),
+        GenRequest("b", prompt=prompt, max_tokens=2, seed=9, options={"prompt_logprobs": 3}),
+        GenRequest("i", prompt=[0, 1, 2], max_tokens=2, options={"prompt_logprobs": 0}),
+    )
+    scored = chunks[0].prompt_logprobs
+    assert scored is not None and all(c.prompt_logprobs is None for c in chunks[1:])
+    assert scored == again[0].prompt_logprobs  # the prompt's, whatever the seed
+    assert len(scored) == chunks[0].prompt_tokens == count_words(prompt)
+    assert "".join(t["token"] for t in scored) == prompt  # each token with its whitespace
+    assert scored[0] == {
+        "token_id": scored[0]["token_id"],
+        "token": "The",
+        "logprob": None,
+        "rank": None,
+        "top_logprobs": [],
+    }
+    for entry in scored[1:]:
+        top = entry["top_logprobs"]
+        assert [t["rank"] for t in top] == [1, 2, 3]
+        values = [t["logprob"] for t in top]
+        assert values == sorted(values, reverse=True) and all(v < 0 for v in values)
+        assert sum(math.exp(v) for v in values) < 1
+        ids = [t["token_id"] for t in top]
+        assert len(set(ids)) == 3
+        own = entry["rank"] <= 3
+        assert (entry["token_id"] in ids) == own
+        if own:
+            assert top[entry["rank"] - 1]["logprob"] == entry["logprob"]
+        else:
+            assert entry["logprob"] < values[-1]
+    by_ids = ids_chunks[0].prompt_logprobs
+    assert by_ids is not None
+    assert [t["token"] for t in by_ids] == ["the", " queue", " holds"]
+    assert [t["token_id"] for t in by_ids] == [0, 1, 2]
+    assert all(t["top_logprobs"] == [] for t in by_ids)
+
+
+def test_the_stop_string_that_ended_a_choice_is_its_stop_reason() -> None:
+    ((_, full),) = _run(GenRequest("a", prompt="q", max_tokens=30, seed=3))
+    words = full[0][0].split()
+    stops = (" " + words[6], " " + words[4])
+    # The one that ends first in the text wins, as in vLLM.
+    first = min(stops, key=lambda stop: full[0][0].find(stop) + len(stop))
+    ((_, stopped),) = _run(GenRequest("b", prompt="q", max_tokens=30, seed=3, stop=stops))
+    assert stopped[0][:3] == [full[0][0][: full[0][0].find(first)], "stop", first]
+    assert full[0][2] is None
+
+
+def test_the_vocabulary_and_ids_are_those_the_api_tokenizes_with() -> None:
+    """/tokenize and /detokenize (app/core/scheduling/tokens.py) give the engine's ids."""
+    assert VOCABULARY == SIM_VOCABULARY
+    counter = Counter(ModelCard("m", 100, WORDS), None)
+    text = "the queue, holds zebra\n every job"
+    ids, _ = encode(counter, text)
+    assert [t[0] for t in prompt_tokens_of(text)] == ids
+    assert tokens_decode(counter, ids) == decode(ids)

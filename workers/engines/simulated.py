@@ -53,9 +53,35 @@ vectors' similarity, scaled.
 
 Output text is deterministic from (prompt, seed). It does not sample, so the options that shape
 the distribution (temperature, top_p, top_k, min_p, the penalties, logit_bias) change nothing;
-it has no end-of-sequence token (every sequence runs to max_tokens unless a stop string ends it),
-so ``ignore_eos`` holds by construction; ``min_tokens`` and ``include_stop_str_in_output`` act
-as in vLLM. ``stop_token_ids`` needs a real vocabulary: a request that sets it fails.
+it has no end-of-sequence token in free text (every sequence runs to max_tokens unless a stop
+string ends it), so ``ignore_eos`` holds by construction; ``min_tokens`` and
+``include_stop_str_in_output`` act as in vLLM, and a stop string that ends a sequence is its
+``stop_reason``. ``stop_token_ids`` fails its request (the words it writes have no ids a caller
+would know).
+
+Its vocabulary is ``VOCABULARY`` (the words it writes): token id ``i`` is the word
+``VOCABULARY[i % len(VOCABULARY)]``, so any id that is not negative is a token (the API's word
+counter, ``WORDS``, takes any too) and a negative one fails as ``invalid_token_ids``, as vLLM
+says it. A prompt of token ids is the text of those words joined by spaces, ``len(ids)`` tokens:
+it produces what that text would (the text counts the same under ``count_words``). A text
+prompt's tokens are its words and marks as ``count_words`` counts them, each with the
+whitespace before it (a word outside the vocabulary has a stable id past it).
+
+``n`` runs ``n`` sequences (each a sequence of the cost model, with its own prefill, as vLLM's
+child requests), choice ``j``'s text seeded by (prompt, seed, j); choice 0 is the text of
+``n=1``. ``structured_outputs`` ``json_object`` writes a JSON object of vocabulary words as big
+as (seeded) fits ``max_tokens`` with the end-of-sequence token after it (finish ``stop``, no
+``stop_reason``); with ``max_tokens`` too small even for ``{}``, a prefix and ``length``, as
+vLLM would. ``json`` writes a value of the schema (types, properties and required, items and
+the array bounds, enum, const, anyOf/oneOf, numeric and length bounds; a schema with another
+keyword fails its request), cut with ``length`` where it does not fit; ``choice`` writes one of
+the choices. Each JSON string, number, mark is one token. ``disable_any_whitespace`` (and a
+``whitespace_pattern``) writes no whitespace. ``regex`` and ``grammar`` fail their request.
+
+``prompt_logprobs`` (k) gives each prompt token but the first a logprob and rank from a hash of
+it and the token before it (geometric over the ranks: the probabilities sum below one), and the
+k best alternatives by rank (the token itself among them where its rank is within k);
+``echo`` gives the prompt's text (token ids decoded as above).
 """
 
 from __future__ import annotations
@@ -64,7 +90,9 @@ import asyncio
 import hashlib
 import heapq
 import itertools
+import json
 import math
+import re
 import time
 from array import array
 from collections import OrderedDict
@@ -88,8 +116,10 @@ from workers.engines.base import (
     ToolStream,
     apply_stop,
     check_adapter,
+    echo_text,
     ignore_step,
     prompt_text,
+    prompt_token_logprob,
     refuse_options,
     wrong_task,
 )
@@ -102,6 +132,12 @@ _WORDS = tuple(
         "priority order and leases make sure nothing is lost when a process dies"
     ).split()
 )
+# The vocabulary: token id i is VOCABULARY[i % len(VOCABULARY)] (see the module docstring).
+VOCABULARY = tuple(dict.fromkeys(_WORDS))
+_IDS = {word: i for i, word in enumerate(VOCABULARY)}
+# A prompt's tokens as count_words counts them (app/core/scheduling/tokens.py), each with the
+# whitespace before it.
+_TOKEN_RE = re.compile(r"\s*(?:\w+|[^\w\s])")
 
 
 @dataclass(frozen=True)
@@ -168,6 +204,10 @@ class _Seq:
     pooled: bool = False  # an input of a pooling request: it ends when its prefill does
     prefix: str = ""  # its prompt's prefix (the prefix cache's key), '' for none
     prefix_tokens: int = 0
+    index: int = 0  # which choice of its request (``n``)
+    # A structured output's tokens, written in order, the last the end of sequence (""); None:
+    # free text from the generator.
+    pieces: list[str] | None = None
 
     @property
     def kv_held(self) -> int:
@@ -192,11 +232,237 @@ HONOURED = frozenset(
         "include_stop_str_in_output",
         "skip_special_tokens",
         "spaces_between_special_tokens",
+        "n",
+        "structured_outputs",
+        "prompt_logprobs",
     }
 )
 
 
-def _prefix(req: GenRequest) -> str:
+def decode(ids: Sequence[int]) -> str:
+    """Token ids as text: their words, joined by spaces."""
+    return " ".join(VOCABULARY[i % len(VOCABULARY)] for i in ids)
+
+
+def token_id(word: str) -> int:
+    """A word's id: its place in the vocabulary, else a stable one past it."""
+    found = _IDS.get(word)
+    if found is not None:
+        return found
+    digest = hashlib.blake2b(word.encode(), digest_size=4).digest()
+    return len(VOCABULARY) + int.from_bytes(digest, "big")
+
+
+def prompt_tokens_of(prompt: str | Sequence[int]) -> list[tuple[int, str]]:
+    """A prompt's tokens, (id, text) each: the text of each with the whitespace before it, so
+    that they join into the prompt (a text's trailing whitespace aside). An empty text is one
+    token, as ``count_words`` counts it."""
+    if isinstance(prompt, str):
+        pieces = _TOKEN_RE.findall(prompt) or [""]
+        return [(token_id(piece.lstrip()), piece) for piece in pieces]
+    size = len(VOCABULARY)
+    return [
+        (i, VOCABULARY[i % size] if p == 0 else " " + VOCABULARY[i % size])
+        for p, i in enumerate(prompt)
+    ]
+
+
+def prompt_logprobs(
+    tokens: Sequence[tuple[int, str]], k: int, salt: str = ""
+) -> list[dict[str, Any]]:
+    """A prompt's logprobs (``options["prompt_logprobs"]``, k; -1: the whole vocabulary):
+    deterministic from each token, the one before it and ``salt`` (see the module docstring)."""
+    size = len(VOCABULARY)
+    k = size if k < 0 else min(k, size)
+    first_id, first_text = tokens[0]
+    out = [prompt_token_logprob(first_id, first_text, None, None)]
+    for p in range(1, len(tokens)):
+        tid, text = tokens[p]
+        key = f"{tokens[p - 1][0]}\x00{tid}\x00{p}\x00{salt}".encode()
+        h = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big")
+        head = 0.05 + (h & 0xFFFF) / 0xFFFF  # what rank 1 falls short of certainty by
+        decay = 0.3 + ((h >> 16) & 0xFF) / 255 * 1.2
+        scale = math.log1p(-math.exp(-decay))
+
+        def logprob(
+            rank: int, head: float = head, decay: float = decay, scale: float = scale
+        ) -> float:
+            return -head + scale - decay * (rank - 1)
+
+        rank = 1 + (h >> 24) % 8
+        start = h >> 32
+        others = (c for m in range(size) if (c := (start + m) % size) != tid)
+        top = []
+        for r in range(1, k + 1):
+            if r == rank:
+                top.append((tid, text, logprob(r), r))
+            else:
+                other = next(others)
+                top.append((other, " " + VOCABULARY[other], logprob(r), r))
+        out.append(prompt_token_logprob(tid, text, logprob(rank), rank, top))
+    return out
+
+
+class _Draw:
+    """Deterministic choices for a structured output (the LCG of _Seq, from its state)."""
+
+    def __init__(self, state: int) -> None:
+        self.state = state
+
+    def __call__(self, n: int) -> int:
+        self.state = (self.state * _LCG_A + _LCG_C) & _MASK64
+        return (self.state >> 33) % max(1, n)
+
+    def words(self, count: int) -> str:
+        return " ".join(_WORDS[self(len(_WORDS))] for _ in range(count))
+
+
+# The JSON schema keywords the simulated engine writes values for (others fail the request).
+_SCHEMA_KEYWORDS = frozenset(
+    {
+        "type",
+        "properties",
+        "required",
+        "items",
+        "enum",
+        "const",
+        "anyOf",
+        "oneOf",
+        "minimum",
+        "maximum",
+        "exclusiveMinimum",
+        "exclusiveMaximum",
+        "minItems",
+        "maxItems",
+        "minLength",
+        "maxLength",
+        "additionalProperties",
+        "title",
+        "description",
+        "default",
+        "examples",
+        "$schema",
+        "$id",
+        "$comment",
+    }
+)
+_JSON_TOKEN_RE = re.compile(r'\s*(?:"(?:[^"\\]|\\.)*"|[{}\[\],:]|[^\s{}\[\],:"]+)')
+
+
+def _check_schema(schema: Any, path: str = "json") -> None:
+    if not isinstance(schema, dict):
+        return
+    unknown = sorted(set(schema) - _SCHEMA_KEYWORDS)
+    if unknown:
+        raise EngineRequestError(
+            "invalid_request",
+            f"structured_outputs.{path}: {', '.join(unknown)}: not supported by the simulated "
+            "engine (vLLM supports it)",
+        )
+    for name, sub in (schema.get("properties") or {}).items():
+        _check_schema(sub, f"{path}.properties.{name}")
+    for key in ("items", "additionalProperties"):
+        _check_schema(schema.get(key), f"{path}.{key}")
+    for key in ("anyOf", "oneOf"):
+        for i, sub in enumerate(schema.get(key) or ()):
+            _check_schema(sub, f"{path}.{key}.{i}")
+
+
+def _object(draw: _Draw, members: int) -> dict[str, Any]:
+    """Any JSON object (json_object): ``members`` members of vocabulary words."""
+    keys = list(dict.fromkeys(VOCABULARY[draw(len(VOCABULARY))] for _ in range(members)))
+    return {key: _member(draw) for key in keys}
+
+
+def _member(draw: _Draw) -> Any:
+    kind = draw(3)
+    return draw.words(1 + draw(2)) if kind == 0 else draw(1000) if kind == 1 else bool(draw(2))
+
+
+def _value(schema: Any, draw: _Draw, depth: int = 0) -> Any:
+    """A value of ``schema`` (_SCHEMA_KEYWORDS)."""
+    if not isinstance(schema, dict) or not schema:  # true, {}: any value
+        return _object(draw, 1 + draw(3)) if depth == 0 else draw.words(1)
+    if "const" in schema:
+        return schema["const"]
+    if "enum" in schema:
+        return schema["enum"][draw(len(schema["enum"]))]
+    for key in ("anyOf", "oneOf"):
+        if schema.get(key):
+            return _value(schema[key][0], draw, depth)
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        kind = next((t for t in kind if t != "null"), "null")
+    if kind is None:
+        kind = "object" if "properties" in schema else "array" if "items" in schema else "string"
+    if kind == "object":
+        required = set(schema.get("required") or ())
+        return {
+            name: _value(sub, draw, depth + 1)
+            for name, sub in (schema.get("properties") or {}).items()
+            if name in required or draw(2)
+        }
+    if kind == "array":
+        least = int(schema.get("minItems", 0))
+        most = int(schema.get("maxItems", least + 3))
+        count = least + draw(most - least + 1)
+        return [_value(schema.get("items"), draw, depth + 1) for _ in range(count)]
+    if kind in ("integer", "number"):
+        integer = kind == "integer"
+        bounds: dict[str, float] = schema
+        low = bounds.get("minimum", bounds.get("exclusiveMinimum", 0.0))
+        high = bounds.get("maximum", bounds.get("exclusiveMaximum", low + 100))
+        if integer:
+            low = math.floor(low) + 1 if "exclusiveMinimum" in schema else math.ceil(low)
+            high = math.ceil(high) - 1 if "exclusiveMaximum" in schema else math.floor(high)
+            return low + draw(high - low + 1)
+        # A point strictly inside the bounds (a hundredth of the span from each end at least).
+        return low + (high - low) * (1 + draw(98)) / 100
+    if kind == "boolean":
+        return bool(draw(2))
+    if kind == "null":
+        return None
+    text = draw.words(1 + draw(3))
+    least = int(schema.get("minLength", 0))
+    while len(text) < least:
+        text += " " + draw.words(1)
+    return text[: schema.get("maxLength", len(text))]
+
+
+def _json_pieces(value: Any, compact: bool) -> list[str]:
+    text = json.dumps(value, separators=(",", ":") if compact else None)
+    return _JSON_TOKEN_RE.findall(text)
+
+
+def structured_pieces(spec: Mapping[str, Any], state: int, max_tokens: int) -> list[str]:
+    """The tokens of a structured output (``options["structured_outputs"]``), the last the end
+    of sequence (""): see the module docstring."""
+    draw = _Draw(state)
+    compact = bool(spec.get("disable_any_whitespace") or spec.get("whitespace_pattern"))
+    if spec.get("choice") is not None:
+        choice = spec["choice"][draw(len(spec["choice"]))]
+        return [*(re.findall(r"\s*\S+", choice) or [choice]), ""]
+    if spec.get("json_object"):
+        members = 1 + draw(6)
+        while True:  # the biggest object of at most ``members`` that fits, with its end
+            pieces = _json_pieces(_object(_Draw(state), members), compact)
+            if len(pieces) < max_tokens or members == 0:
+                return [*pieces, ""]
+            members -= 1
+    if spec.get("json") is not None:
+        schema = spec["json"]
+        if isinstance(schema, str):
+            schema = json.loads(schema)
+        return [*_json_pieces(_value(schema, draw), compact), ""]
+    given = sorted(k for k in ("regex", "grammar", "structural_tag") if spec.get(k) is not None)
+    raise EngineRequestError(
+        "invalid_request",
+        f"structured_outputs.{', '.join(given) or 'the constraint'}: not supported by the "
+        "simulated engine (vLLM supports it)",
+    )
+
+
+def _prefix(req: GenRequest, prompt: str) -> str:
     """The part of a request's prompt that others share (the prefix cache's key): a chat's
     leading system or developer messages, or a long completion prompt's first characters."""
     if req.messages is not None:
@@ -207,7 +473,6 @@ def _prefix(req: GenRequest) -> str:
             content = message.get("content")
             lead.append(content if isinstance(content, str) else str(content))
         return "\n".join(lead)
-    prompt = req.prompt or ""
     return prompt[:PREFIX_CHARS] if len(prompt) > PREFIX_CHARS else ""
 
 
@@ -238,7 +503,7 @@ class SimulatedEngine:
         self.max_model_len = max_model_len
         self._waiting: list[tuple[int, int, _Seq]] = []
         self._running: list[_Seq] = []
-        self._by_id: dict[str, _Seq] = {}
+        self._by_id: dict[str, list[_Seq]] = {}  # a request's sequences (n)
         self._order = itertools.count()
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
@@ -265,32 +530,65 @@ class SimulatedEngine:
             raise wrong_task(self.name, self.model_name, self.task, "generate")
         refuse_options(req, HONOURED, self.name)
         check_adapter(req, self.model_name)
-        text = prompt_text(req)
-        # An adapter changes the model's output, so it changes the simulated text too.
-        seed = f"{req.seed or 0}\x00{req.adapter or ''}\x00{text}"
-        digest = hashlib.sha256(seed.encode()).digest()
-        tokens = count_words(text)
+        ids: list[int] | None = None
+        if req.messages is None and req.prompt is not None and not isinstance(req.prompt, str):
+            ids = list(req.prompt)
+            if not ids:
+                raise EngineRequestError("invalid_request", "The decoder prompt cannot be empty")
+            if min(ids) < 0:  # vLLM's words
+                raise EngineRequestError(
+                    "invalid_token_ids", f"Token id {min(ids)} is out of vocabulary"
+                )
+            text, tokens = decode(ids), len(ids)
+        else:
+            text = prompt_text(req)
+            tokens = count_words(text)
         if tokens >= self.max_model_len:  # vLLM's rule: room for one output token
             raise EngineRequestError(
                 "context_length_exceeded",
                 f"the prompt has {tokens} tokens; this model's context is {self.max_model_len}",
             )
-        seq = _Seq(req, tokens, tokens, int.from_bytes(digest[:8], "big"))
-        if self.cost.prefix_cache:
-            seq.prefix = _prefix(req)
-            seq.prefix_tokens = min(count_words(seq.prefix), tokens - 1) if seq.prefix else 0
-        self._by_id[req.request_id] = seq
-        heapq.heappush(self._waiting, (req.priority, next(self._order), seq))
+        structured = req.options.get("structured_outputs")
+        # An adapter changes the model's output, so it changes the simulated text too.
+        seed = f"{req.seed or 0}\x00{req.adapter or ''}\x00{text}"
+        out: asyncio.Queue[GenChunk] = asyncio.Queue()  # every choice's chunks
+        seqs = []
+        for index in range(int(req.options.get("n", 1))):
+            digest = hashlib.sha256((f"{seed}\x00{index}" if index else seed).encode()).digest()
+            seq = _Seq(req, tokens, tokens, int.from_bytes(digest[:8], "big"), out, index=index)
+            if structured is not None:
+                if structured.get("json") is not None:
+                    _check_schema(structured["json"])
+                seq.pieces = structured_pieces(structured, seq.state, req.max_tokens)
+            if self.cost.prefix_cache:
+                seq.prefix = _prefix(req, text)
+                seq.prefix_tokens = min(count_words(seq.prefix), tokens - 1) if seq.prefix else 0
+            seqs.append(seq)
+        # What the request's first chunk says of its prompt.
+        echoed = echo_text(req, decode) if req.echo else None
+        k = req.options.get("prompt_logprobs")
+        scored = None
+        if k is not None:
+            scored = prompt_logprobs(
+                prompt_tokens_of(text if ids is None else ids), int(k), req.adapter or ""
+            )
+        self._by_id[req.request_id] = seqs
+        for seq in seqs:
+            heapq.heappush(self._waiting, (req.priority, next(self._order), seq))
         self._wake.set()
         try:
-            while True:
-                chunk = await seq.out.get()
+            left, first = len(seqs), True
+            while left:
+                chunk = await out.get()
+                if first:
+                    chunk.prompt_text, chunk.prompt_logprobs, first = echoed, scored, False
                 yield chunk
                 if chunk.finish_reason is not None:
-                    return
+                    left -= 1
         finally:
-            # A consumer that stops early (cancelled, deadline) aborts the sequence.
-            self._finish(seq, "abort", emit=False)
+            # A consumer that stops early (cancelled, deadline) aborts the sequences.
+            for seq in seqs:
+                self._finish(seq, "abort", emit=False)
 
     async def pool(self, req: PoolRequest) -> PoolResult:
         assert self._wake is not None, "start() first"
@@ -329,7 +627,7 @@ class SimulatedEngine:
             # them; only the count of running sequences differs.
             sub = GenRequest(req.request_id, max_tokens=0, priority=req.priority)
             seq = _Seq(sub, prefill, prefill, 0, pooled=True)
-            self._by_id[sub.request_id] = seq
+            self._by_id[sub.request_id] = [seq]
             heapq.heappush(self._waiting, (req.priority, next(self._order), seq))
             self._wake.set()
             try:
@@ -387,8 +685,7 @@ class SimulatedEngine:
         return [v / norm for v in vector]
 
     async def abort(self, request_id: str) -> None:
-        seq = self._by_id.get(request_id)
-        if seq is not None:
+        for seq in self._by_id.get(request_id, ()):
             self._finish(seq, "abort")
 
     def extract_tool_calls(
@@ -429,8 +726,9 @@ class SimulatedEngine:
         )
 
     async def shutdown(self) -> None:
-        for seq in list(self._by_id.values()):
-            self._finish(seq, "abort")
+        for seqs in list(self._by_id.values()):
+            for seq in seqs:
+                self._finish(seq, "abort")
         if self._task is not None:
             self._task.cancel()
 
@@ -438,9 +736,11 @@ class SimulatedEngine:
         if seq.done:
             return
         seq.done = True
-        self._by_id.pop(seq.req.request_id, None)
+        seqs = self._by_id.get(seq.req.request_id)
+        if seqs is not None and all(s.done for s in seqs):
+            del self._by_id[seq.req.request_id]
         if emit:
-            seq.out.put_nowait(GenChunk("", 0, reason, seq.prompt_tokens))
+            seq.out.put_nowait(GenChunk("", 0, reason, seq.prompt_tokens, seq.index))
 
     def _plan(self) -> tuple[list[_Seq], int]:
         """Schedule one step: returns the sequences that emit a token (or, pooled, end) and the
@@ -502,24 +802,33 @@ class SimulatedEngine:
     def _emit(self, seq: _Seq) -> None:
         if seq.generated == 0:
             self._hold(seq)
-        seq.state = (seq.state * _LCG_A + _LCG_C) & _MASK64
-        word = _WORDS[(seq.state >> 33) % len(_WORDS)]
         seq.generated += 1
-        piece = word if seq.generated == 1 else " " + word
+        ended = False  # a structured output's end-of-sequence token
+        if seq.pieces is None:
+            seq.state = (seq.state * _LCG_A + _LCG_C) & _MASK64
+            word = _WORDS[(seq.state >> 33) % len(_WORDS)]
+            piece = word if seq.generated == 1 else " " + word
+        else:
+            piece = seq.pieces[seq.generated - 1]
+            ended = seq.generated == len(seq.pieces)
         checked = len(seq.text)
         seq.text += piece
-        reason = None
+        reason = matched = None
         # As in vLLM, stop strings apply once min_tokens have been generated, to new text only.
         if seq.req.stop and seq.generated >= seq.req.options.get("min_tokens", 0):
             keep = bool(seq.req.options.get("include_stop_str_in_output"))
-            cut, stopped = apply_stop(seq.text, seq.req.stop, include=keep, since=checked)
-            if stopped:
+            cut, matched = apply_stop(seq.text, seq.req.stop, include=keep, since=checked)
+            if matched is not None:
                 piece = piece[: max(0, len(piece) - (len(seq.text) - len(cut)))]
                 seq.text = cut
                 reason = "stop"
+        if reason is None and ended:
+            reason = "stop"
         if reason is None and seq.generated >= seq.req.max_tokens:
             reason = "length"
-        seq.out.put_nowait(GenChunk(piece, 1, reason, seq.prompt_tokens))
+        seq.out.put_nowait(
+            GenChunk(piece, 1, reason, seq.prompt_tokens, seq.index, stop_reason=matched)
+        )
         if reason is not None:
             self._finish(seq, reason, emit=False)
 
