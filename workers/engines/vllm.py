@@ -42,9 +42,11 @@ from workers.engines.base import (
     TokenWindow,
     ToolDelta,
     check_adapter,
+    echo_text,
     hf_tokenizer_json,
     ignore_step,
     prompt_text,
+    prompt_token_logprob,
     token_logprob,
     wrong_task,
 )
@@ -79,6 +81,37 @@ def _logprobs(token_ids: Any, steps: Any, top: int) -> list[dict[str, Any]]:
                 sampled.decoded_token or "",
                 max(sampled.logprob, -9999.0),
                 [(lp.decoded_token or "", max(lp.logprob, -9999.0)) for _, lp in ranked],
+            )
+        )
+    return out
+
+
+def _prompt_logprobs(
+    token_ids: Sequence[int], steps: Any, top: int, decode: Any
+) -> list[dict[str, Any]]:
+    """vLLM's ``RequestOutput.prompt_logprobs`` (a ``{token id: Logprob}`` per prompt token,
+    None for the first) as ``GenChunk.prompt_logprobs``: each token's own logprob and rank, and
+    the ``top`` best entries by rank (-1: all), which are the alternatives vLLM computed (the
+    token itself is among them only where it ranks within them, as in vLLM's dict). The first
+    token's text is its decoding, as vLLM's server writes it."""
+    out = []
+    for token_id, step in zip(token_ids, steps, strict=True):
+        if step is None:
+            out.append(prompt_token_logprob(token_id, decode([token_id]), None, None))
+            continue
+        own = step[token_id]
+        # A tie at the last rank goes to the alternative (vLLM's dict holds the top-k ids).
+        ranked = sorted(step.items(), key=lambda item: (_rank(item), item[0] == token_id))
+        out.append(
+            prompt_token_logprob(
+                token_id,
+                own.decoded_token or "",
+                own.logprob,
+                own.rank,
+                [
+                    (i, lp.decoded_token or "", lp.logprob, lp.rank)
+                    for i, lp in (ranked if top < 0 else ranked[:top])
+                ],
             )
         )
     return out
@@ -407,12 +440,23 @@ class VLLMEngine:
                 options["skip_special_tokens"] = False
         if "logit_bias" in options:  # JSON keeps the token ids as strings
             options["logit_bias"] = {int(k): float(v) for k, v in options["logit_bias"].items()}
-        try:
-            prompt = prompt_text(req, self._tokenizer)
-        except Exception as exc:  # jinja2's errors: the messages this model's template refuses
-            raise EngineRequestError(
-                "invalid_request", f"the model's chat template refused the messages: {exc}"
-            ) from exc
+        prompt: Any
+        if req.messages is None and req.prompt is not None and not isinstance(req.prompt, str):
+            from vllm.inputs import TokensPrompt
+
+            # Token ids go in as tokens, never re-tokenized (vLLM checks them: out of
+            # vocabulary fails the request as invalid_token_ids).
+            prompt = TokensPrompt(prompt_token_ids=list(req.prompt))
+        else:
+            try:
+                prompt = prompt_text(req, self._tokenizer)
+            except Exception as exc:  # jinja2's errors: messages this model's template refuses
+                raise EngineRequestError(
+                    "invalid_request", f"the model's chat template refused the messages: {exc}"
+                ) from exc
+        # What the request's first chunk says of its prompt (echo, prompt_logprobs).
+        echoed = echo_text(req, self._decode) if req.echo else None
+        first = True
         try:
             if "structured_outputs" in options:
                 options["structured_outputs"] = StructuredOutputsParams(
@@ -428,6 +472,7 @@ class VLLMEngine:
                 **options,
             )
             top = params.logprobs or 0
+            prompt_top = params.prompt_logprobs
             async for out in self._llm.generate(
                 prompt,
                 params,
@@ -438,7 +483,7 @@ class VLLMEngine:
                 # With n > 1 an output carries the choices that moved in this step, each with
                 # its index and, once that choice is done, its finish_reason.
                 for completion in out.outputs:
-                    yield GenChunk(
+                    chunk = GenChunk(
                         text=completion.text,
                         num_tokens=len(completion.token_ids),
                         finish_reason=completion.finish_reason,
@@ -448,13 +493,33 @@ class VLLMEngine:
                         if completion.logprobs is None
                         else _logprobs(completion.token_ids, completion.logprobs, top),
                         token_ids=completion.token_ids,
+                        stop_reason=completion.stop_reason,
                     )
+                    if first:
+                        first = False
+                        chunk.prompt_text = echoed
+                        if prompt_top is not None and out.prompt_logprobs:
+                            chunk.prompt_logprobs = _prompt_logprobs(
+                                out.prompt_token_ids, out.prompt_logprobs, prompt_top, self._decode
+                            )
+                    yield chunk
         except VLLMDead as exc:
             raise EngineDeadError(str(exc)) from exc
         except self._request_errors as exc:
-            # vLLM refuses bad input (a prompt that leaves no room in max_model_len) this way.
-            code = "context_length_exceeded" if "length" in str(exc) else "invalid_request"
-            raise EngineRequestError(code, str(exc)) from exc
+            # vLLM refuses bad input (a prompt that leaves no room in max_model_len, a token id
+            # out of vocabulary) this way.
+            message = str(exc)
+            if "out of vocabulary" in message:
+                code = "invalid_token_ids"
+            elif "length" in message:
+                code = "context_length_exceeded"
+            else:
+                code = "invalid_request"
+            raise EngineRequestError(code, message) from exc
+
+    def _decode(self, token_ids: Sequence[int]) -> str:
+        """Token ids as text, as vLLM's server shows a prompt of them."""
+        return str(self._tokenizer.decode(list(token_ids)))
 
     def _lora(self, req: GenRequest) -> Any:
         """vLLM's request for the job's adapter (None: the base model)."""
