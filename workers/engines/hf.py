@@ -10,6 +10,12 @@ Of vLLM's sampling options it honours top_k, min_p, repetition_penalty and min_t
 skip_special_tokens and include_stop_str_in_output; a request that sets another fails with
 ``invalid_request`` naming it (``transformers`` has no presence or frequency penalty, and no
 per-request logit bias, end-of-sequence override or stop token ids in one batched call).
+
+A prompt of token ids is the model's input as it is (an id outside the vocabulary fails the
+request as ``invalid_token_ids``, as vLLM does); ``prompt_logprobs`` (k) runs the model over
+the prompt once more and gives each token but the first its log-probability, its rank and the k
+best alternatives (vLLM's ``prompt_logprobs``); ``echo`` gives the prompt's text (token ids
+decoded by the tokenizer). A stop string that ends the output is its ``stop_reason``.
 """
 
 from __future__ import annotations
@@ -33,9 +39,11 @@ from workers.engines.base import (
     TokenWindow,
     ToolStream,
     apply_stop,
+    echo_text,
     hf_tokenizer_json,
     ignore_step,
     prompt_text,
+    prompt_token_logprob,
     refuse_options,
     wrong_task,
 )
@@ -46,7 +54,7 @@ log = logging.getLogger("inferq.engine.hf")
 @dataclass(eq=False)
 class _Pending:
     req: GenRequest
-    prompt: str
+    prompt: str | list[int]  # the text, or the token ids as they are
     future: asyncio.Future[GenChunk] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
@@ -60,6 +68,7 @@ HONOURED = frozenset(
         "min_tokens",
         "skip_special_tokens",
         "include_stop_str_in_output",
+        "prompt_logprobs",
     }
 )
 # The options ``generate`` takes for a whole batch: requests run together only when they agree.
@@ -100,6 +109,7 @@ class HFEngine:
         self._model: Any = None
         self._tokenizer: Any = None
         self._device = "cpu"
+        self._vocabulary = 0  # token ids below it are the model's (known once loaded)
 
     async def start(self) -> None:
         await asyncio.to_thread(self._load)
@@ -122,6 +132,8 @@ class HFEngine:
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype)
         self._model = model.to(device).eval()
         self._tokenizer = tokenizer
+        # vLLM's bound: the larger of the tokenizer's and the model's vocabulary.
+        self._vocabulary = max(len(tokenizer), int(getattr(model.config, "vocab_size", 0)))
         if not self.max_model_len:
             self.max_model_len = int(getattr(model.config, "max_position_embeddings", 2048))
         log.info("transformers model %s loaded on %s", self.model_path, device)
@@ -147,7 +159,19 @@ class HFEngine:
                 "adapter_not_supported",
                 f"{req.adapter!r} is a LoRA adapter: the hf engine runs none (vllm does)",
             )
-        item = _Pending(req, prompt_text(req, self._tokenizer))
+        prompt: str | list[int]
+        if req.messages is None and req.prompt is not None and not isinstance(req.prompt, str):
+            prompt = list(req.prompt)
+            if not prompt:
+                raise EngineRequestError("invalid_request", "The decoder prompt cannot be empty")
+            for token in (min(prompt), max(prompt)):  # vLLM's check and words
+                if not 0 <= token < self._vocabulary:
+                    raise EngineRequestError(
+                        "invalid_token_ids", f"Token id {token} is out of vocabulary"
+                    )
+        else:
+            prompt = prompt_text(req, self._tokenizer)
+        item = _Pending(req, prompt)
         self._pending.append(item)
         self._wake.set()
         try:
@@ -217,9 +241,22 @@ class HFEngine:
         import torch
 
         tok = self._tokenizer
-        enc = tok([p.prompt for p in batch], return_tensors="pt", padding=True)
-        prompt_lens = enc["attention_mask"].sum(dim=1).tolist()
-        width = enc["input_ids"].shape[1]
+        # Left-padded: texts tokenized (with the tokenizer's special tokens), ids as they are.
+        texts = [p.prompt for p in batch if isinstance(p.prompt, str)]
+        encoded = iter(tok(texts)["input_ids"] if texts else [])
+        prompts = [
+            list(p.prompt) if not isinstance(p.prompt, str) else next(encoded) for p in batch
+        ]
+        prompt_lens = [len(ids) for ids in prompts]
+        width = max(prompt_lens)
+        enc = {
+            "input_ids": torch.tensor(
+                [[tok.pad_token_id] * (width - len(ids)) + ids for ids in prompts]
+            ),
+            "attention_mask": torch.tensor(
+                [[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts]
+            ),
+        }
         max_new = max(p.req.max_tokens for p in batch)
         max_new = max(1, min(max_new, self.max_model_len - width))
         first = batch[0].req
@@ -243,9 +280,9 @@ class HFEngine:
         if options.get("min_tokens", 0) > 0:
             kwargs["min_new_tokens"] = options["min_tokens"]
         with torch.inference_mode():
-            out = self._model.generate(**enc.to(self._device), **kwargs)
+            out = self._model.generate(**{k: v.to(self._device) for k, v in enc.items()}, **kwargs)
         chunks = []
-        for row, item, prompt_len in zip(out, batch, prompt_lens, strict=True):
+        for row, item, prompt_len, ids_in in zip(out, batch, prompt_lens, prompts, strict=True):
             ids = row[width:].tolist()
             reason = "length"
             if tok.eos_token_id in ids:
@@ -256,6 +293,50 @@ class HFEngine:
             wanted = item.req.options
             decoded = tok.decode(ids, skip_special_tokens=wanted.get("skip_special_tokens", True))
             keep = bool(wanted.get("include_stop_str_in_output"))
-            text, stopped = apply_stop(decoded, item.req.stop, include=keep)
-            chunks.append(GenChunk(text, len(ids), "stop" if stopped else reason, int(prompt_len)))
+            text, matched = apply_stop(decoded, item.req.stop, include=keep)
+            chunk = GenChunk(
+                text,
+                len(ids),
+                "stop" if matched is not None else reason,
+                int(prompt_len),
+                stop_reason=matched,
+            )
+            if item.req.echo:
+                chunk.prompt_text = echo_text(item.req, tok.decode)
+            if wanted.get("prompt_logprobs") is not None:
+                chunk.prompt_logprobs = self._prompt_logprobs(
+                    ids_in, int(wanted["prompt_logprobs"])
+                )
+            chunks.append(chunk)
         return chunks
+
+    def _prompt_logprobs(self, ids: list[int], top: int) -> list[dict[str, Any]]:
+        """vLLM's ``prompt_logprobs`` of a prompt (``top`` alternatives a token, -1: all): one
+        pass of the model over it; each token's logprob given those before it, its rank (1 +
+        the tokens more likely), and the ``top`` most likely tokens, best first."""
+        import torch
+
+        tok = self._tokenizer
+        with torch.inference_mode():
+            logits = self._model(torch.tensor([ids], device=self._device)).logits[0, :-1]
+            logprobs = torch.log_softmax(logits.float(), dim=-1)
+        out = [prompt_token_logprob(ids[0], tok.decode([ids[0]]), None, None)]
+        count = logprobs.shape[-1] if top < 0 else min(top, logprobs.shape[-1])
+        best_values, best_ids = torch.topk(logprobs, count, dim=-1) if count else (None, None)
+        for p in range(1, len(ids)):
+            row = logprobs[p - 1]
+            own = row[ids[p]]
+            alternatives = []
+            if best_ids is not None and best_values is not None:
+                alternatives = [
+                    (int(i), tok.decode([int(i)]), float(v), r)
+                    for r, (i, v) in enumerate(
+                        zip(best_ids[p - 1].tolist(), best_values[p - 1].tolist(), strict=True),
+                        start=1,
+                    )
+                ]
+            rank = int((row >= own).sum())  # vLLM's: the tokens at least as likely
+            out.append(
+                prompt_token_logprob(ids[p], tok.decode([ids[p]]), float(own), rank, alternatives)
+            )
+        return out
