@@ -40,7 +40,7 @@ from app.core.errors import DomainError, Kind, named, pydantic_error
 from app.core.lifecycle import jobs, transitions
 from app.core.lifecycle.changes import changes
 from app.core.messaging import clients
-from app.core.models import Batch, BatchStatus, JobKind, NewJob, now, storable
+from app.core.models import Batch, BatchStatus, JobKind, NewJob, now, valid_text
 from app.core.openai import openai_format, pooling_format
 from app.core.openai.pooling_format import EmbeddingRequest, RerankRequest
 from app.core.scheduling import catalog, tokens
@@ -141,7 +141,7 @@ def parse(raw: bytes | None, endpoint: str, limit: int, models: Models | None = 
     if (
         not isinstance(custom_id, str)
         or not 0 < len(custom_id) <= MAX_CUSTOM_ID
-        or not storable(custom_id)
+        or not valid_text(custom_id)
     ):
         raise _bad(
             "invalid_custom_id",

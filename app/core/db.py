@@ -24,6 +24,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
+from app.core.models import pg_json_dumps, pg_json_loads
 from app.core.settings import get_settings
 
 log = logging.getLogger("inferq.db")
@@ -84,6 +85,9 @@ def get_engine() -> Engine:
                     connect_args=_connect_args(
                         url, settings.dependency_timeout_s, settings.lease_ttl_s
                     ),
+                    # jsonb refuses NUL: strings are escaped (app/core/models.py, ESCAPE).
+                    json_serializer=pg_json_dumps,
+                    json_deserializer=pg_json_loads,
                 )
             _sessionmaker = sessionmaker(_engine, expire_on_commit=False)
         return _engine

@@ -1,5 +1,6 @@
-"""SQLAlchemy models, identifiers, lanes and the job status machine; what text a row can hold
-(:func:`storable`) and a choice as ``Job.choices`` holds it (:func:`choice`).
+"""SQLAlchemy models, identifiers, lanes and the job status machine; the column types that
+store any text byte for byte (:class:`AnyText`, :func:`pg_json_dumps`), what text a request may
+carry (:func:`valid_text`) and a choice as ``Job.choices`` holds it (:func:`choice`).
 
 The ``jobs`` row is the source of truth for a job; a Redis message only says that work may
 exist. Every status change is a compare-and-set on the row made by
@@ -9,6 +10,8 @@ all. Times are unix seconds as floats, the same on SQLite and PostgreSQL.
 
 from __future__ import annotations
 
+import json
+import re
 import secrets
 import time
 from dataclasses import dataclass, fields
@@ -25,12 +28,111 @@ from sqlalchemy import (
     LargeBinary,
     String,
     Text,
+    TypeDecorator,
     text,
 )
 from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+# Every JSON column. On PostgreSQL its strings are escaped by the engine's JSON functions
+# (pg_json_dumps, pg_json_loads: app/core/db.py), as AnyText escapes text columns.
 JSONType = JSON().with_variant(JSONB(), "postgresql")
+
+# Any text, NUL included, stored byte for byte (docs/architecture.md, "Any valid text is
+# stored"). SQLite keeps NUL in TEXT as it is. PostgreSQL's text and jsonb refuse it, so there
+# NUL is written as ESCAPE + "0" and ESCAPE itself as ESCAPE + ESCAPE, and read back the other
+# way. ESCAPE is U+FFFF, a noncharacter (Unicode keeps it for a program's internal use), so
+# text that carries it is rare and pays one more character per occurrence; text without NUL or
+# ESCAPE, nearly all of it, is stored unchanged and costs one scan to check.
+ESCAPE = "\uffff"
+_ESCAPED = re.compile("\uffff([\uffff0])")
+# In JSON text (pg_json_dumps): NUL as json.dumps writes it, a \u0000 escape after an even
+# number of backslashes (an odd one is an escaped backslash followed by "u0000").
+_JSON_NUL = re.compile(r"(?<!\\)((?:\\\\)*)\\u0000")
+_ESCAPE_UTF8 = ESCAPE.encode()
+
+
+def escape(value: str) -> str:
+    """``value`` as PostgreSQL stores it: without NUL (see ESCAPE)."""
+    if "\x00" in value or ESCAPE in value:
+        return value.replace(ESCAPE, ESCAPE + ESCAPE).replace("\x00", ESCAPE + "0")
+    return value
+
+
+def _unescape_one(match: re.Match[str]) -> str:
+    return "\x00" if match.group(1) == "0" else ESCAPE
+
+
+def unescape(value: str) -> str:
+    """What :func:`escape` wrote, as it was given."""
+    if ESCAPE in value:
+        return _ESCAPED.sub(_unescape_one, value)
+    return value
+
+
+def pg_json_dumps(value: Any) -> str:
+    """A JSON column's value as PostgreSQL's jsonb stores it: each string escaped as
+    :func:`escape` does, done on the JSON text (where U+FFFF can only stand in a string)."""
+    out = json.dumps(value, ensure_ascii=False)
+    if "\\u0000" in out or ESCAPE in out:
+        out = _JSON_NUL.sub("\\1" + ESCAPE + "0", out.replace(ESCAPE, ESCAPE + ESCAPE))
+    return out
+
+
+def _unescape_json_one(match: re.Match[str]) -> str:
+    return "\\u0000" if match.group(1) == "0" else ESCAPE
+
+
+def pg_json_loads(data: bytes | str) -> Any:
+    """What :func:`pg_json_dumps` wrote, read from jsonb's text (psycopg hands it as bytes)."""
+    if isinstance(data, bytes):
+        if _ESCAPE_UTF8 not in data:
+            return json.loads(data)
+        data = data.decode()
+    if ESCAPE in data:
+        data = _ESCAPED.sub(_unescape_json_one, data)
+    return json.loads(data)
+
+
+class _Escaped(TypeDecorator[str]):
+    """Text escaped on PostgreSQL (:func:`escape`); as its plain type elsewhere."""
+
+    cache_ok = True
+
+    def bind_processor(self, dialect: Dialect) -> Any:
+        if dialect.name != "postgresql":
+            return self.impl_instance.bind_processor(dialect)
+        return super().bind_processor(dialect)
+
+    def result_processor(self, dialect: Dialect, coltype: Any) -> Any:
+        if dialect.name != "postgresql":
+            return self.impl_instance.result_processor(dialect, coltype)
+        return super().result_processor(dialect, coltype)
+
+    def process_bind_param(self, value: str | None, dialect: Dialect) -> str | None:
+        return None if value is None else escape(value)
+
+    def process_result_value(self, value: str | None, dialect: Dialect) -> str | None:
+        return None if value is None else unescape(value)
+
+
+class AnyText(_Escaped):
+    """``Text`` that holds any text, NUL included (see ESCAPE)."""
+
+    impl = Text
+    cache_ok = True
+
+
+class AnyString(_Escaped):
+    """``String(n)`` that holds any text: a TEXT column on PostgreSQL, where escaping may
+    lengthen a value past n (the API bounds its length in characters)."""
+
+    impl = String
+    cache_ok = True
+
+    def load_dialect_impl(self, dialect: Dialect) -> Any:
+        return Text() if dialect.name == "postgresql" else self.impl_instance
 
 
 class Base(DeclarativeBase):
@@ -125,15 +227,20 @@ def now() -> float:
     return time.time()
 
 
-def storable(text: str) -> bool:
-    """Text the databases can hold: no NUL (PostgreSQL refuses it), no lone surrogates."""
-    if "\x00" in text:
-        return False
+def valid_text(text: str) -> bool:
+    """Valid Unicode (no lone surrogate, which JSON's \\ud800 can carry): what a request's text
+    must be. Any such text is stored as it is (ESCAPE), NUL included."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
         return False
     return True
+
+
+def storable(text: str) -> bool:
+    """Text an id or key column, which is not escaped, can hold and a lookup can search for:
+    valid Unicode without NUL. An id or cursor that is not is no row's (not found)."""
+    return "\x00" not in text and valid_text(text)
 
 
 def choice(
@@ -173,17 +280,17 @@ class Job(Base):
     tenant: Mapped[str] = mapped_column(String(64))
     lane: Mapped[str] = mapped_column(String(16))
     model: Mapped[str] = mapped_column(String(256))
-    prompt: Mapped[str | None] = mapped_column(Text, nullable=True)
+    prompt: Mapped[str | None] = mapped_column(AnyText, nullable=True)
     messages: Mapped[list[dict[str, Any]] | None] = mapped_column(JSONType, nullable=True)
     params: Mapped[dict[str, Any]] = mapped_column(JSONType)
     # A chat's tools, tool_choice and parallel_tool_calls (contract.chat.ToolUse.tool_spec); None
     # without tools.
     tools: Mapped[dict[str, Any] | None] = mapped_column(JSONType, nullable=True)
-    webhook_url: Mapped[str | None] = mapped_column(Text, nullable=True)
+    webhook_url: Mapped[str | None] = mapped_column(AnyText, nullable=True)
     meta: Mapped[dict[str, str]] = mapped_column("metadata", JSONType)
     batch_id: Mapped[str | None] = mapped_column(String(40), nullable=True, index=True)
     # A batch line's custom_id and its line number in the input file (1-based).
-    custom_id: Mapped[str | None] = mapped_column(String(512), nullable=True)
+    custom_id: Mapped[str | None] = mapped_column(AnyString(512), nullable=True)
     batch_line: Mapped[int | None] = mapped_column(Integer, nullable=True)
     # What the worker relays through Redis while the job runs (app/core/messaging/relay.py): None,
     # "end" (a caller waits for the outcome) or "tokens" (a caller streams the output), and where
@@ -191,7 +298,7 @@ class Job(Base):
     relay: Mapped[str | None] = mapped_column(String(8), nullable=True)
     reply_to: Mapped[str | None] = mapped_column(String(200), nullable=True)
     # OpenAI's ``user``: the caller's id for its own end user, recorded and shown, never used.
-    end_user: Mapped[str | None] = mapped_column(String(256), nullable=True)
+    end_user: Mapped[str | None] = mapped_column(AnyString(256), nullable=True)
     # What the job asks of its model (:class:`JobKind`). A pooled job (embed, score) has
     # ``inputs`` in place of a prompt: the texts (or token ids) to embed, or {"queries": [...],
     # "documents": [...]} to score, a query per document or one for all.
@@ -232,7 +339,7 @@ class Job(Base):
     finished_at: Mapped[float | None] = mapped_column(Double, nullable=True)
     updated_at: Mapped[float] = mapped_column(Double)
 
-    result_text: Mapped[str | None] = mapped_column(Text, nullable=True)
+    result_text: Mapped[str | None] = mapped_column(AnyText, nullable=True)
     finish_reason: Mapped[str | None] = mapped_column(String(32), nullable=True)
     # Every choice (index, text, finish_reason, logprobs) of a job that asked for more than one
     # (``n``) or for logprobs; None otherwise. Choice 0 is also result_text/finish_reason.
@@ -240,7 +347,7 @@ class Job(Base):
     prompt_tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)
     completion_tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)
     error_code: Mapped[str | None] = mapped_column(String(64), nullable=True)
-    error_message: Mapped[str | None] = mapped_column(Text, nullable=True)
+    error_message: Mapped[str | None] = mapped_column(AnyText, nullable=True)
     # A pooled job's vectors or scores, packed (POOLED_DTYPE), never JSON text: 4 bytes a value.
     pooled: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
     pooled_width: Mapped[int | None] = mapped_column(Integer, nullable=True)
@@ -361,12 +468,12 @@ class StoredResponse(Base):
     )
     previous_response_id: Mapped[str | None] = mapped_column(String(40), nullable=True)
     # JSON: the request's fields the Response object repeats (responses_format.echo).
-    request: Mapped[str] = mapped_column(Text)
+    request: Mapped[str] = mapped_column(AnyText)
     # JSON: the input items as OpenAI's input_items lists them.
-    input: Mapped[str] = mapped_column(Text)
+    input: Mapped[str] = mapped_column(AnyText)
     # JSON: the chat messages of the conversation up to and with this input, without the
     # instructions (which are not carried on); a next response adds this one's output.
-    context: Mapped[str] = mapped_column(Text)
+    context: Mapped[str] = mapped_column(AnyText)
     service_tier: Mapped[str] = mapped_column(String(16))
     # A background response's end is an event for the tenant's endpoints (response.*).
     background: Mapped[bool] = mapped_column(Boolean)
@@ -386,8 +493,8 @@ class WebhookEndpoint(Base):
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
     tenant: Mapped[str] = mapped_column(String(64), index=True)
-    name: Mapped[str] = mapped_column(String(255))
-    url: Mapped[str] = mapped_column(Text)
+    name: Mapped[str] = mapped_column(AnyString(255))
+    url: Mapped[str] = mapped_column(AnyText)
     # Event types, comma-separated (app/core/webhooks/endpoints.py, EVENT_TYPES).
     event_types: Mapped[str] = mapped_column(Text)
     secret: Mapped[str] = mapped_column(Text)
@@ -423,10 +530,10 @@ class WebhookEvent(Base):
         nullable=True,
         index=True,
     )
-    url: Mapped[str] = mapped_column(Text)
+    url: Mapped[str] = mapped_column(AnyText)
     occurred_at: Mapped[float] = mapped_column(Double)
     # The exact bytes sent, fixed at the first attempt so that every retry is identical.
-    body: Mapped[str | None] = mapped_column(Text, nullable=True)
+    body: Mapped[str | None] = mapped_column(AnyText, nullable=True)
     status: Mapped[str] = mapped_column(String(16))
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     # Attempts made in the current round of the schedule (a redelivery starts a new round).
@@ -450,14 +557,14 @@ class WebhookAttempt(Base):
     )
     number: Mapped[int] = mapped_column(Integer)
     kind: Mapped[str] = mapped_column(String(16))  # scheduled | redelivery
-    url: Mapped[str] = mapped_column(Text)
+    url: Mapped[str] = mapped_column(AnyText)
     address: Mapped[str | None] = mapped_column(String(64), nullable=True)
     started_at: Mapped[float] = mapped_column(Double)
     latency_ms: Mapped[float | None] = mapped_column(Double, nullable=True)
     status_code: Mapped[int | None] = mapped_column(Integer, nullable=True)
     ok: Mapped[bool] = mapped_column(Boolean)
-    error: Mapped[str | None] = mapped_column(Text, nullable=True)
-    response_body: Mapped[str | None] = mapped_column(Text, nullable=True)
+    error: Mapped[str | None] = mapped_column(AnyText, nullable=True)
+    response_body: Mapped[str | None] = mapped_column(AnyText, nullable=True)
 
 
 class File(Base):
@@ -468,7 +575,7 @@ class File(Base):
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
     tenant: Mapped[str] = mapped_column(String(64))
     purpose: Mapped[str] = mapped_column(String(32))  # batch | batch_output
-    filename: Mapped[str] = mapped_column(String(255))
+    filename: Mapped[str] = mapped_column(AnyString(255))
     bytes: Mapped[int] = mapped_column(Integer)
     created_at: Mapped[float] = mapped_column(Double)
     # When the ops worker deletes it (row and bytes); None: never (files before expiry existed).
@@ -531,7 +638,7 @@ class Batch(Base):
     # Validation errors of the input file: [{"code", "message", "param", "line"}].
     errors: Mapped[list[dict[str, Any]] | None] = mapped_column(JSONType, nullable=True)
     meta: Mapped[dict[str, str]] = mapped_column("metadata", JSONType)
-    webhook_url: Mapped[str | None] = mapped_column(Text, nullable=True)
+    webhook_url: Mapped[str | None] = mapped_column(AnyText, nullable=True)
     # Counts are kept live from the jobs while the batch runs and frozen when it ends.
     request_total: Mapped[int] = mapped_column(Integer, default=0)
     request_completed: Mapped[int] = mapped_column(Integer, default=0)

@@ -1,5 +1,6 @@
-"""What every request body of the public contract follows: unknown fields refused, text the
-databases can store, an explicit null read as the field's default; and the bounds shared by
+"""What every request body of the public contract follows: unknown fields refused, text that is
+valid Unicode (any such text is stored as it is, NUL included), an explicit null read as the
+field's default; and the bounds shared by
 the job and batch bodies (metadata, a webhook URL's scheme), read from settings.
 
 Bounds that operators may tune come from settings and are checked in validators, so an
@@ -13,25 +14,27 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
-from app.core.models import storable
+from app.core.models import valid_text
 from app.core.settings import get_settings
 
+INVALID_TEXT = "text must be valid Unicode (a lone surrogate such as \\ud800 is not)"
 
-def _check_storable(value: Any) -> None:
+
+def _check_text(value: Any) -> None:
     if isinstance(value, str):
-        if not storable(value):
-            raise ValueError("text must be valid Unicode without NUL characters")
+        if not valid_text(value):
+            raise ValueError(INVALID_TEXT)
     elif isinstance(value, dict):
         for key, item in value.items():
-            _check_storable(key)
-            _check_storable(item)
+            _check_text(key)
+            _check_text(item)
     elif isinstance(value, list | tuple):
         for item in value:
-            _check_storable(item)
+            _check_text(item)
 
 
 class StrictModel(BaseModel):
-    """Request bodies: unknown fields refused, every string storable as it is, and an explicit
+    """Request bodies: unknown fields refused, every string valid Unicode, and an explicit
     null read as the field's default (OpenAI's semantics: ``"temperature": null`` asks for
     nothing)."""
 
@@ -51,8 +54,8 @@ class StrictModel(BaseModel):
 
     @field_validator("*")
     @classmethod
-    def _storable_text(cls, value: Any) -> Any:
-        _check_storable(value)
+    def _valid_text(cls, value: Any) -> Any:
+        _check_text(value)
         return value
 
 

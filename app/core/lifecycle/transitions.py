@@ -484,10 +484,10 @@ class Outcome:
             "status": str(self.status),
             "error_code": self.error_code,
             "error_message": self.error_message,
-            # PostgreSQL text cannot hold NUL, which a model can emit: U+FFFD is stored.
-            "result_text": _nul_free(self.text),
+            # A NUL a model emits is stored as it is (app/core/models.py, ESCAPE).
+            "result_text": self.text,
             "finish_reason": self.finish_reason,
-            "choices": _nul_free(self.choices),
+            "choices": self.choices,
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "first_token_at": self.first_token_at,
@@ -496,18 +496,6 @@ class Outcome:
             "failed_lines": self.failed_lines,
             "line_results": self.line_results,
         }
-
-
-def _nul_free(value: Any) -> Any:
-    """``value`` with NUL, which a model can emit and PostgreSQL cannot store (text or JSONB),
-    as U+FFFD in every string."""
-    if isinstance(value, str):
-        return value.replace("\x00", "\ufffd")
-    if isinstance(value, list):
-        return [_nul_free(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _nul_free(v) for k, v in value.items()}
-    return value
 
 
 # The fenced outcome write, one row per parameter set (see record).

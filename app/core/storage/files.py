@@ -24,7 +24,7 @@ from sqlalchemy.orm import Session
 from app.core import queries
 from app.core.db import session_scope
 from app.core.errors import DomainError, Kind
-from app.core.models import File, now, storable
+from app.core.models import File, now, valid_text
 from app.core.settings import Settings, get_settings
 from app.core.storage import store
 
@@ -48,7 +48,7 @@ def check_purpose(purpose: str | None) -> str:
 
 
 def check_filename(filename: str | None) -> str:
-    if filename is not None and not storable(filename):
+    if filename is not None and not valid_text(filename):
         raise DomainError(
             Kind.INVALID, "invalid_filename", "the file name is not valid text", param="file"
         )
