@@ -49,8 +49,16 @@ async def _domain_error(_request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse(body_of(exc), status_of(exc), headers=headers_of(exc))
 
 
-async def _http_error(_request: Request, exc: Exception) -> JSONResponse:
+# What FastAPI raises for a body it could not decode, where json.loads found no syntax error:
+# a JSON body that is not UTF-8 (RFC 8259), or a form it could not parse.
+_UNPARSED = "There was an error parsing the body"
+
+
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
+    json = "json" in request.headers.get("content-type", "")
+    if exc.status_code == 400 and exc.detail == _UNPARSED and json:
+        return _respond(400, "invalid_json", "request body is not valid JSON: not UTF-8 text")
     codes = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed"}
     return _respond(
         exc.status_code,
