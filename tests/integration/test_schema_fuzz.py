@@ -25,7 +25,7 @@ TIME_LIMIT_S = 240
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory, postgres: PostgresDatabases) -> Iterator[Stack]:
     tmp: Path = tmp_path_factory.mktemp("fuzz")
-    # PostgreSQL: the stricter store (it refuses NUL characters in text, which SQLite keeps).
+    # PostgreSQL: the stricter store (its text refuses NUL, which the store escapes there).
     stack = Stack(
         tmp,
         postgres.create(),
