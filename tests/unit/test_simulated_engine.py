@@ -534,3 +534,78 @@ def test_the_vocabulary_and_ids_are_those_the_api_tokenizes_with() -> None:
     ids, _ = encode(counter, text)
     assert [t[0] for t in prompt_tokens_of(text)] == ids
     assert tokens_decode(counter, ids) == decode(ids)
+
+
+def _check_logprobs(chunks: list[GenChunk], k: int) -> None:
+    """Each chunk's logprobs: one per token of its text, the texts its text; the k best
+    alternatives best first, the token among them at its logprob or below the last."""
+    for chunk in chunks:
+        if chunk.num_tokens == 0:
+            assert not chunk.logprobs
+            continue
+        assert chunk.logprobs is not None and len(chunk.logprobs) == chunk.num_tokens
+        assert "".join(t["token"] for t in chunk.logprobs) == chunk.text
+        for entry in chunk.logprobs:
+            top = entry["top_logprobs"]
+            values = [t["logprob"] for t in top]
+            assert len(top) == k and values == sorted(values, reverse=True)
+            assert entry["logprob"] <= 0 and all(v <= 0 for v in values)
+            assert sum(math.exp(v) for v in values) < 1
+            if entry["logprob"] in values:
+                assert top[values.index(entry["logprob"])]["token"] == entry["token"]
+            elif top:
+                assert entry["logprob"] < values[-1]
+
+
+def test_logprobs_give_every_output_token_its_logprob_and_the_best_alternatives() -> None:
+    prompt = "The queue holds every job"
+    (chunks, choices), (again, same), (_, plain), (greedy, _), (ids_chunks, _) = _run(
+        GenRequest("a", prompt=prompt, max_tokens=12, seed=5, options={"logprobs": 3, "n": 2}),
+        GenRequest("b", prompt=prompt, max_tokens=12, seed=5, options={"logprobs": 3, "n": 2}),
+        GenRequest("c", prompt=prompt, max_tokens=12, seed=5, options={"n": 2}),
+        GenRequest("g", prompt=prompt, max_tokens=12, temperature=0.0, options={"logprobs": 2}),
+        GenRequest("i", prompt=[0, 1, 2], max_tokens=4, options={"logprobs": 0}),
+    )
+    _check_logprobs(chunks, 3)
+    _check_logprobs(greedy, 2)
+    _check_logprobs(ids_chunks, 0)
+    assert choices == plain  # the text is the same with logprobs or without
+    assert [c.logprobs for c in chunks] == [c.logprobs for c in again] and choices == same
+    assert all(c.logprobs is None for c in _run(GenRequest("p", prompt=prompt))[0][0])
+    # A sampled token is not always the best; a greedy one is.
+    sampled = [e for c in chunks for e in c.logprobs or ()]
+    assert any(e["top_logprobs"][0]["token"] != e["token"] for e in sampled)
+    assert all(
+        e["top_logprobs"][0] == {"token": e["token"], "logprob": e["logprob"]}
+        for c in greedy
+        for e in c.logprobs or ()
+    )
+    # The first token has no space before it, nor have its alternatives; the others have one.
+    first = next(c for c in chunks if c.index == 1 and c.num_tokens).logprobs
+    assert first is not None
+    assert all(not t["token"].startswith(" ") for t in first[0]["top_logprobs"])
+    later = [c for c in chunks if c.num_tokens][-1].logprobs
+    assert later is not None
+    assert all(t["token"].startswith(" ") for t in later[0]["top_logprobs"])
+
+
+def test_logprobs_join_into_the_text_a_stop_string_or_a_structure_ends() -> None:
+    ((_, full),) = _run(GenRequest("a", prompt="q", max_tokens=30, seed=3))
+    words = full[0][0].split()
+    stop = words[4][:2]  # ends inside a token: the token is cut, and so is its text
+    (stopped, choices), (shaped, objects) = _run(
+        GenRequest("b", prompt="q", max_tokens=30, seed=3, stop=(stop,), options={"logprobs": 1}),
+        GenRequest(
+            "j",
+            prompt="q",
+            max_tokens=30,
+            options={"logprobs": 1, "n": 2, "structured_outputs": {"json_object": True}},
+        ),
+    )
+    assert choices[0][1:3] == ["stop", stop]
+    _check_logprobs(stopped, 1)
+    _check_logprobs(shaped, 1)
+    for index, choice in objects.items():
+        tokens = [e["token"] for c in shaped if c.index == index for e in c.logprobs or ()]
+        assert "".join(tokens) == choice[0] and tokens[-1] == ""  # its end of sequence
+        json.loads(choice[0])

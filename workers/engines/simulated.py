@@ -81,7 +81,13 @@ the choices. Each JSON string, number, mark is one token. ``disable_any_whitespa
 ``prompt_logprobs`` (k) gives each prompt token but the first a logprob and rank from a hash of
 it and the token before it (geometric over the ranks: the probabilities sum below one), and the
 k best alternatives by rank (the token itself among them where its rank is within k);
-``echo`` gives the prompt's text (token ids decoded as above).
+``logprobs`` (k) gives each output token, in each chunk, a logprob and its k best
+alternatives the same way, hashed from it, the token before it (the prompt's last for the
+first) and its place: the token written ranks first where the request is greedy (temperature
+0), else rank r with chance 2^-r up to the 8th (an output token's text is what the chunk
+says of it, cut where a stop string cut it, "" for a structured output's end of sequence, so
+the tokens' texts join into the output's). ``echo`` gives the prompt's text (token ids decoded
+as above). None of these changes the text or the timing.
 """
 
 from __future__ import annotations
@@ -121,6 +127,7 @@ from workers.engines.base import (
     prompt_text,
     prompt_token_logprob,
     refuse_options,
+    token_logprob,
     wrong_task,
 )
 
@@ -188,6 +195,8 @@ VECTORS = 1024
 _LCG_A = 6364136223846793005
 _LCG_C = 1442695040888963407
 _MASK64 = (1 << 64) - 1
+# A temperature below this is greedy (vLLM's _SAMPLING_EPS): the best token is the one written.
+_GREEDY = 1e-5
 
 
 @dataclass(eq=False)
@@ -208,6 +217,10 @@ class _Seq:
     # A structured output's tokens, written in order, the last the end of sequence (""); None:
     # free text from the generator.
     pieces: list[str] | None = None
+    # ``options["logprobs"]`` (k), None when not asked; and the id of its last token so far (the
+    # prompt's last before it has generated), which its next token's logprobs are hashed with.
+    logprobs: int | None = None
+    last_id: int = 0
 
     @property
     def kv_held(self) -> int:
@@ -235,6 +248,7 @@ HONOURED = frozenset(
         "n",
         "structured_outputs",
         "prompt_logprobs",
+        "logprobs",
     }
 )
 
@@ -267,40 +281,68 @@ def prompt_tokens_of(prompt: str | Sequence[int]) -> list[tuple[int, str]]:
     ]
 
 
+def _ranked(
+    key: str, tid: int, text: str, k: int, lead: str = " ", rank: int | None = None
+) -> tuple[float, int, list[tuple[int, str, float, int]]]:
+    """A token's logprob and rank given what precedes it, and the k best alternatives (id,
+    text, logprob, rank) by rank (-1: the whole vocabulary), all from a hash of ``key``: the
+    logprob of rank r falls geometrically with r (the probabilities sum below one), and the
+    token itself is among the alternatives, at its rank, where that is within k. ``rank``: the
+    token's rank where the caller knows it (a greedy choice's is 1); ``lead``: what the
+    alternatives' texts start with."""
+    size = len(VOCABULARY)
+    k = size if k < 0 else min(k, size)
+    h = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big")
+    head = 0.05 + (h & 0xFFFF) / 0xFFFF  # what rank 1 falls short of certainty by
+    decay = 0.3 + ((h >> 16) & 0xFF) / 255 * 1.2
+    scale = math.log1p(-math.exp(-decay))
+
+    def logprob(r: int) -> float:
+        return -head + scale - decay * (r - 1)
+
+    if rank is None:
+        rank = 1 + (h >> 24) % 8
+    start = h >> 32
+    others = (c for m in range(size) if (c := (start + m) % size) != tid)
+    top = []
+    for r in range(1, k + 1):
+        if r == rank:
+            top.append((tid, text, logprob(r), r))
+        else:
+            other = next(others)
+            top.append((other, lead + VOCABULARY[other], logprob(r), r))
+    return logprob(rank), rank, top
+
+
 def prompt_logprobs(
     tokens: Sequence[tuple[int, str]], k: int, salt: str = ""
 ) -> list[dict[str, Any]]:
     """A prompt's logprobs (``options["prompt_logprobs"]``, k; -1: the whole vocabulary):
     deterministic from each token, the one before it and ``salt`` (see the module docstring)."""
-    size = len(VOCABULARY)
-    k = size if k < 0 else min(k, size)
     first_id, first_text = tokens[0]
     out = [prompt_token_logprob(first_id, first_text, None, None)]
     for p in range(1, len(tokens)):
         tid, text = tokens[p]
-        key = f"{tokens[p - 1][0]}\x00{tid}\x00{p}\x00{salt}".encode()
-        h = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big")
-        head = 0.05 + (h & 0xFFFF) / 0xFFFF  # what rank 1 falls short of certainty by
-        decay = 0.3 + ((h >> 16) & 0xFF) / 255 * 1.2
-        scale = math.log1p(-math.exp(-decay))
-
-        def logprob(
-            rank: int, head: float = head, decay: float = decay, scale: float = scale
-        ) -> float:
-            return -head + scale - decay * (rank - 1)
-
-        rank = 1 + (h >> 24) % 8
-        start = h >> 32
-        others = (c for m in range(size) if (c := (start + m) % size) != tid)
-        top = []
-        for r in range(1, k + 1):
-            if r == rank:
-                top.append((tid, text, logprob(r), r))
-            else:
-                other = next(others)
-                top.append((other, " " + VOCABULARY[other], logprob(r), r))
-        out.append(prompt_token_logprob(tid, text, logprob(rank), rank, top))
+        key = f"{tokens[p - 1][0]}\x00{tid}\x00{p}\x00{salt}"
+        logprob, rank, top = _ranked(key, tid, text, k)
+        out.append(prompt_token_logprob(tid, text, logprob, rank, top))
     return out
+
+
+def output_logprob(
+    before: int, tid: int, text: str, position: int, k: int, salt: str = "", greedy: bool = False
+) -> dict[str, Any]:
+    """An output token's logprobs (``options["logprobs"]``, k): its logprob and the k best
+    alternatives, deterministic from it, the token before it (``before``), its place in the
+    sequence and ``salt`` as a prompt token's are; a ``greedy`` choice's token ranks first.
+    Every alternative's text starts as the token's does (with a space, or not at the start)."""
+    key = f"{before}\x00{tid}\x00{position}\x00{salt}\x00out"
+    h = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=4).digest(), "big")
+    # Sampled: rank r with chance 2^-r (the trailing ones of the hash), at most 8.
+    rank = 1 if greedy else 1 + min(7, (~h & (h + 1)).bit_length() - 1)
+    lead = " " if text[:1].isspace() else ""
+    logprob, _, top = _ranked(key, tid, text, k, lead, rank)
+    return token_logprob(text, logprob, [(t, lp) for _, t, lp, _ in top])
 
 
 class _Draw:
@@ -549,6 +591,10 @@ class SimulatedEngine:
                 f"the prompt has {tokens} tokens; this model's context is {self.max_model_len}",
             )
         structured = req.options.get("structured_outputs")
+        top = req.options.get("logprobs")
+        last_id = 0
+        if top is not None:
+            last_id = ids[-1] if ids is not None else prompt_tokens_of(text)[-1][0]
         # An adapter changes the model's output, so it changes the simulated text too.
         seed = f"{req.seed or 0}\x00{req.adapter or ''}\x00{text}"
         out: asyncio.Queue[GenChunk] = asyncio.Queue()  # every choice's chunks
@@ -556,6 +602,8 @@ class SimulatedEngine:
         for index in range(int(req.options.get("n", 1))):
             digest = hashlib.sha256((f"{seed}\x00{index}" if index else seed).encode()).digest()
             seq = _Seq(req, tokens, tokens, int.from_bytes(digest[:8], "big"), out, index=index)
+            if top is not None:
+                seq.logprobs, seq.last_id = int(top), last_id
             if structured is not None:
                 if structured.get("json") is not None:
                     _check_schema(structured["json"])
@@ -701,6 +749,9 @@ class SimulatedEngine:
     def tokenizer_json(self) -> str:
         return WORDS
 
+    def chat_template(self) -> None:
+        return None  # its chats are rendered by the plain template (base.render_chat)
+
     def stats(self) -> EngineStats:
         tokens, age = self._emitted.read()
         span = max(1.0, min(5.0, age)) if age is not None else 5.0
@@ -811,6 +862,7 @@ class SimulatedEngine:
         else:
             piece = seq.pieces[seq.generated - 1]
             ended = seq.generated == len(seq.pieces)
+            word = piece.strip()
         checked = len(seq.text)
         seq.text += piece
         reason = matched = None
@@ -826,8 +878,33 @@ class SimulatedEngine:
             reason = "stop"
         if reason is None and seq.generated >= seq.req.max_tokens:
             reason = "length"
+        scored = None
+        if seq.logprobs is not None:
+            # The token as emitted (a stop string may have cut it): the texts join into the
+            # chunks'. Its id is the whole token's.
+            tid = token_id(word)
+            scored = [
+                output_logprob(
+                    seq.last_id,
+                    tid,
+                    piece,
+                    seq.prompt_tokens + seq.generated - 1,
+                    seq.logprobs,
+                    seq.req.adapter or "",
+                    greedy=seq.req.temperature < _GREEDY,
+                )
+            ]
+            seq.last_id = tid
         seq.out.put_nowait(
-            GenChunk(piece, 1, reason, seq.prompt_tokens, seq.index, stop_reason=matched)
+            GenChunk(
+                piece,
+                1,
+                reason,
+                seq.prompt_tokens,
+                seq.index,
+                logprobs=scored,
+                stop_reason=matched,
+            )
         )
         if reason is not None:
             self._finish(seq, reason, emit=False)
