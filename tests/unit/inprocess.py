@@ -88,6 +88,7 @@ class Worker:
             engine.task,
             engine.embed_dim,
             engine.matryoshka,
+            engine.chat_template(),
         )
         self.presence.announce()
         self._thread.start()

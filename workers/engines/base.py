@@ -18,6 +18,8 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from app.core.contract.chat_template import developer_as_system, supports_developer
+
 
 @dataclass(frozen=True)
 class GenRequest:
@@ -303,6 +305,11 @@ class Engine(Protocol):
         is none."""
         ...
 
+    def chat_template(self) -> dict[str, Any] | None:
+        """The model's chat template for the API to render chats with (``POST /tokenize``'s
+        ``messages``; chat_template_card's shape); None where chats are not rendered by one."""
+        ...
+
     def generate(self, req: GenRequest) -> AsyncIterator[GenChunk]: ...
 
     async def pool(self, req: PoolRequest) -> PoolResult:
@@ -351,14 +358,44 @@ def _for_template(message: dict[str, Any]) -> dict[str, Any]:
     return {**message, "tool_calls": calls}
 
 
+def chat_template_card(tokenizer: Any) -> dict[str, Any] | None:
+    """What the API renders chats with (``Engine.chat_template``): the tokenizer's chat
+    template (``templates``: its one template under ``""``, or its named ones), the special
+    tokens transformers hands every template (``special_tokens``: bos_token, eos_token, ...),
+    and how each template reads a message's content (``formats``: vLLM's detection, "string"
+    or "openai"; None where vLLM is not installed to tell). None without a template."""
+    template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
+    if not template:
+        return None
+    templates = dict(template) if isinstance(template, dict) else {"": str(template)}
+    try:
+        from vllm.renderers.hf import _detect_content_format
+
+        formats: dict[str, str | None] = {
+            name: _detect_content_format(text, default="string") for name, text in templates.items()
+        }
+    except ImportError:
+        formats = dict.fromkeys(templates)
+    special = {
+        k: v
+        for k, v in dict(getattr(tokenizer, "special_tokens_map", {}) or {}).items()
+        if isinstance(v, str | list)
+    }
+    return {"templates": templates, "formats": formats, "special_tokens": special}
+
+
 def render_chat(
     messages: Sequence[dict[str, Any]],
     tokenizer: Any = None,
     tools: Sequence[dict[str, Any]] | None = None,
 ) -> str:
     """Turn chat messages into one prompt: the tokenizer's chat template (given the tools),
-    else a plain one."""
+    else a plain one. A ``developer`` message meets a template that does not know the role as
+    vLLM's server hands it over (developer_as_system)."""
     if tokenizer is not None and getattr(tokenizer, "chat_template", None):
+        template = tokenizer.get_chat_template(None, tools=list(tools) if tools else None)
+        if any(m["role"] == "developer" for m in messages) and not supports_developer(template):
+            messages = developer_as_system(messages)
         rendered = tokenizer.apply_chat_template(
             [_for_template(m) for m in messages],
             tools=list(tools) if tools else None,

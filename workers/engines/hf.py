@@ -39,6 +39,7 @@ from workers.engines.base import (
     TokenWindow,
     ToolStream,
     apply_stop,
+    chat_template_card,
     echo_text,
     hf_tokenizer_json,
     ignore_step,
@@ -150,6 +151,9 @@ class HFEngine:
 
     def tokenizer_json(self) -> str | None:
         return hf_tokenizer_json(self._tokenizer)
+
+    def chat_template(self) -> dict[str, Any] | None:
+        return chat_template_card(self._tokenizer)
 
     async def generate(self, req: GenRequest) -> AsyncIterator[GenChunk]:
         assert self._wake is not None, "start() first"

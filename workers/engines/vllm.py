@@ -41,6 +41,7 @@ from workers.engines.base import (
     StepObserver,
     TokenWindow,
     ToolDelta,
+    chat_template_card,
     check_adapter,
     echo_text,
     hf_tokenizer_json,
@@ -303,6 +304,9 @@ class VLLMEngine:
 
     def tokenizer_json(self) -> str | None:
         return hf_tokenizer_json(self._tokenizer)
+
+    def chat_template(self) -> dict[str, Any] | None:
+        return chat_template_card(self._tokenizer)
 
     async def pool(self, req: PoolRequest) -> PoolResult:
         if req.task != self.task:

@@ -130,6 +130,7 @@ class InferenceWorker:
                 engine.task,
                 engine.embed_dim,
                 engine.matryoshka,
+                engine.chat_template(),
             )
         except redis.RedisError as exc:
             log.warning("could not publish the model card (%s); the API will not count tokens", exc)

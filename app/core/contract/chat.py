@@ -51,7 +51,9 @@ class ChatMessage(StrictModel):
     def _content_bounds(cls, value: str | list[TextPart] | None) -> str | None:
         if value is None:
             return None
-        text = value if isinstance(value, str) else "".join(part.text for part in value)
+        # Text parts join with a newline, empty ones left out (vLLM's parse of a chat
+        # template that reads a message's content as a string).
+        text = value if isinstance(value, str) else "\n".join(p.text for p in value if p.text)
         limit = get_settings().max_prompt_chars
         if len(text) > limit:
             raise ValueError(f"message content is longer than {limit} characters")

@@ -71,6 +71,10 @@ class ModelCard:
     task: str = "generate"  # what the model does (JobKind), as its engine resolved it
     dimensions: int | None = None  # an embedding model's vectors
     matryoshka: bool = False  # an embedding model that takes ``dimensions``
+    # The model's chat template, as the engine gives it (workers/engines/base.py,
+    # chat_template_card: templates, formats, special_tokens); None without one. The API
+    # renders ``POST /tokenize``'s messages with it (app/core/scheduling/chat_template.py).
+    chat_template: dict[str, Any] | None = None
 
 
 def publish(
@@ -82,6 +86,7 @@ def publish(
     task: str = "generate",
     dimensions: int | None = None,
     matryoshka: bool = False,
+    chat_template: dict[str, Any] | None = None,
 ) -> ModelCard:
     """Store the card of ``model`` (``tokenizer``: a tokenizer.json, WORDS, or None)."""
     name = tokenizer or ""
@@ -89,7 +94,9 @@ def publish(
         digest = hashlib.sha256(tokenizer.encode()).hexdigest()
         client.set(TOKENIZER_KEY_PREFIX + digest, tokenizer)
         name = f"sha256:{digest}"
-    card = ModelCard(model, max_model_len, name, tool_parser, task, dimensions, matryoshka)
+    card = ModelCard(
+        model, max_model_len, name, tool_parser, task, dimensions, matryoshka, chat_template
+    )
     client.set(CARD_KEY_PREFIX + model, json.dumps(asdict(card)))
     return card
 
