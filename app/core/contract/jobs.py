@@ -5,9 +5,18 @@ which a job's webhook event carries too.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    Field,
+    StrictInt,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from app.core.contract.base import check_metadata, check_webhook_scheme, secs
@@ -25,11 +34,53 @@ from app.core.contract.pooling import (
 from app.core.models import Job, JobKind, JobStatus, Lane, NewJob
 from app.core.settings import get_settings
 
+# A completion's prompt, in every form vLLM's server takes: a text, token ids, several texts or
+# several lists of token ids (several prompts: one choice per prompt and per ``n``).
+TokenIds = list[StrictInt]
+Prompt = str | TokenIds  # one prompt
+
+
+def _one_of_the_forms(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    """One error that names the forms, not one per member of the union."""
+    try:
+        return handler(value)
+    except ValidationError:
+        raise PydanticCustomError(
+            "prompt_form",
+            "prompt is a string, a list of token ids, a list of strings or a list of lists of "
+            "token ids",
+        ) from None
+
+
+PromptForm = Annotated[
+    str | TokenIds | list[str] | list[TokenIds], WrapValidator(_one_of_the_forms)
+]
+
+
+def prompt_bounds(value: PromptForm) -> PromptForm:
+    """Several prompts as one when they are one (``["x"]`` is ``"x"``, as in vLLM), each
+    within the bounds of a pooled job's items (INFERQ_POOL_MAX_INPUTS prompts, none empty,
+    each at most INFERQ_MAX_PROMPT_CHARS characters or its token ids not negative)."""
+    if isinstance(value, str):
+        if not value:
+            raise ValueError("prompt must not be empty")
+        limit = get_settings().max_prompt_chars
+        if len(value) > limit:
+            raise ValueError(f"prompt is longer than {limit} characters")
+        return value
+    items: list[Any] = value if value and not isinstance(value[0], int) else [value]
+    check_items(items, "prompt")
+    return items[0] if len(items) == 1 else items
+
 
 class JobCreate(ToolUse):
     lane: Lane = Lane.STANDARD
     model: str | None = Field(None, min_length=1, max_length=256)
-    prompt: str | None = Field(None, min_length=1)
+    prompt: PromptForm | None = Field(
+        None,
+        description="A text, token ids, several texts or several lists of token ids (one "
+        "choice per prompt and per n).",
+    )
     messages: list[ChatMessage] | None = Field(None, validate_default=True)
     params: JobParams = Field(default_factory=lambda: JobParams())
     webhook_url: str | None = Field(None, max_length=2048)
@@ -51,11 +102,8 @@ class JobCreate(ToolUse):
 
     @field_validator("prompt")
     @classmethod
-    def _prompt_bounds(cls, value: str | None) -> str | None:
-        limit = get_settings().max_prompt_chars
-        if value is not None and len(value) > limit:
-            raise ValueError(f"prompt is longer than {limit} characters")
-        return value
+    def _prompt_bounds(cls, value: PromptForm | None) -> PromptForm | None:
+        return None if value is None else prompt_bounds(value)
 
     @field_validator("messages")
     @classmethod
@@ -147,6 +195,25 @@ class JobCreate(ToolUse):
         if self.query is not None or self.documents is not None:
             return JobKind.SCORE
         return JobKind.GENERATE
+
+    def prompts(self) -> list[Prompt]:
+        """A completion's prompts, each a text or token ids ([] for a chat or pooled job)."""
+        if self.prompt is None:
+            return []
+        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
+            return [self.prompt]  # type: ignore[list-item]
+        return list(self.prompt)  # type: ignore[arg-type]
+
+    def prompt_row(self) -> tuple[str | None, list[Prompt] | None]:
+        """What a generation job's row keeps of its prompt: one text in ``prompt`` (the common
+        form, as it always was), any other form in ``inputs`` as the list of its prompts."""
+        if self.prompt is None or isinstance(self.prompt, str):
+            return self.prompt, None
+        return None, self.prompts()
+
+    def most_output_tokens(self) -> int:
+        """What the job can generate: every choice of every prompt can run to max_tokens."""
+        return max(1, len(self.prompts())) * self.params.most_output_tokens()
 
     def pooled_inputs(self) -> Inputs | None:
         """A pooled job's ``Job.inputs``; None for a generation job."""

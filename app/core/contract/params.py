@@ -144,7 +144,18 @@ class JobParams(StrictModel):
         le=MAX_LOGPROBS,
         description="Return each output token's log-probability and this many alternatives.",
     )
-    echo: bool = Field(False, description="The result starts with the prompt (vLLM's echo).")
+    echo: bool = Field(
+        False,
+        description="The result starts with the prompt (vLLM's echo); with logprobs, so do the "
+        "logprobs, the prompt's first token's null.",
+    )
+    prompt_logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_LOGPROBS,
+        description="Return each prompt token's log-probability and this many alternatives "
+        "(vLLM's prompt_logprobs).",
+    )
 
     @field_validator("n")
     @classmethod
@@ -222,17 +233,6 @@ class JobParams(StrictModel):
                 "greedy_n",
                 "n must be 1 when sampling greedily (temperature 0)",
                 {"fields": "n"},
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _echo_without_logprobs(self) -> JobParams:
-        if self.echo and self.logprobs is not None:
-            raise PydanticCustomError(
-                "unsupported_parameter",
-                "echo with logprobs is not supported: it would return the prompt's logprobs, "
-                "which inferq does not",
-                {"fields": "echo"},
             )
         return self
 

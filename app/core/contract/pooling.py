@@ -68,7 +68,7 @@ def check_items(items: list[Any], field: str) -> None:
         elif isinstance(item, list):
             if not item:
                 raise ValueError(f"{field} must not hold an empty list of token ids")
-            if any(token < 0 for token in item):
+            if min(item) < 0:  # min, not a loop: a prompt may be 100,000 ids
                 raise ValueError(f"token ids in {field} must not be negative")
 
 

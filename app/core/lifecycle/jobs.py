@@ -97,6 +97,8 @@ def new_job(
     if constraint is not None:
         params["structured_outputs"] = {"json": constraint}
     batch: tuple[str | None, str | None, int | None] = (None, None, None)
+    # One text prompt in ``prompt``; token ids or several prompts in ``inputs``.
+    prompt, prompts = body.prompt_row()
     if line is None:
         lane = body.lane.value
         timeout_s = body.timeout_s or settings.lane_default_timeout_s.get(lane)
@@ -109,7 +111,7 @@ def new_job(
         tenant=tenant,
         lane=lane,
         model=model,
-        prompt=body.prompt,
+        prompt=prompt,
         messages=[m.model_dump(exclude_none=True) for m in body.messages]
         if body.messages is not None
         else None,
@@ -129,7 +131,7 @@ def new_job(
         custom_id=batch[1],
         batch_line=batch[2],
         kind=kind,
-        inputs=body.pooled_inputs(),
+        inputs=body.pooled_inputs() if prompts is None else prompts,
     )
 
 

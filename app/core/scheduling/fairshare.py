@@ -74,7 +74,7 @@ def cost(body: JobCreate, prompt_tokens: int | None = None) -> int:
     prompt = tokens.estimate(body) if prompt_tokens is None else prompt_tokens
     if body.kind != JobKind.GENERATE:
         return prompt  # a pooler generates nothing: a pooled job costs its inputs' tokens
-    return prompt + body.params.most_output_tokens()
+    return prompt + body.most_output_tokens()
 
 
 def prefix_of(body: JobCreate) -> str:
@@ -94,7 +94,8 @@ def prefix_of(body: JobCreate) -> str:
             lead.append(message.text())
         shared = "\x00".join(lead)
     else:
-        prompt = body.prompt or ""
+        # One text prompt; token ids and several prompts are not grouped.
+        prompt = body.prompt if isinstance(body.prompt, str) else ""
         shared = prompt[:PREFIX_CHARS] if len(prompt) > PREFIX_CHARS else ""
     if not shared:
         return ""

@@ -99,7 +99,7 @@ def admit(
         _backpressure(session, lane, model)
     if limits.max_queued and bodies:
         _check_queued(session, tenant, limits.max_queued, len(bodies))
-    cost = sum(prompt_tokens) + sum(body.params.most_output_tokens() for body in bodies)
+    cost = sum(prompt_tokens) + sum(body.most_output_tokens() for body in bodies)
     _take(tenant, limits, cost)
     return prompt_tokens
 

@@ -39,7 +39,7 @@ from typing import Any
 import redis
 from tokenizers import Tokenizer
 
-from app.core.contract.jobs import JobCreate
+from app.core.contract.jobs import JobCreate, Prompt
 from app.core.contract.pooling import Inputs
 from app.core.errors import DomainError, Kind
 from app.core.messaging import clients
@@ -109,21 +109,23 @@ class Counter:
         self._tokenizer = tokenizer
 
     def count(self, body: JobCreate) -> int:
+        return sum(self.counts(body))
+
+    def counts(self, body: JobCreate) -> list[int]:
+        """The prompt tokens of each of a completion's prompts (token ids counted as they are,
+        without the tokenizer), else the job's in one."""
         pooled = body.pooled_inputs()
         if pooled is not None:
-            return sum(self.count_items(pooled))
-        if body.messages is not None:
-            texts = [m.text() for m in body.messages]
-            specials = False
-        else:
-            texts = [body.prompt or ""]
-            specials = True
+            return [sum(self.count_items(pooled))]
+        if body.messages is None:
+            return self.count_items(body.prompts())
+        texts = [m.text() for m in body.messages]
         if self._tokenizer is None:
-            return sum(count_words(text) for text in texts)
-        encoded = self._tokenizer.encode_batch(texts, add_special_tokens=specials)
-        return sum(len(e.ids) for e in encoded)
+            return [sum(count_words(text) for text in texts)]
+        encoded = self._tokenizer.encode_batch(texts, add_special_tokens=False)
+        return [sum(len(e.ids) for e in encoded)]
 
-    def count_items(self, inputs: Inputs) -> list[int]:
+    def count_items(self, inputs: Inputs | list[Prompt]) -> list[int]:
         """The tokens of each input of a pooled job, as its engine will see them."""
         if isinstance(inputs, dict):
             queries, documents = inputs["queries"], inputs["documents"]
@@ -300,19 +302,32 @@ def check(
             param = _param(field, index, _input_of(body))
             counts.append(found.check_inputs(inputs, body.pooling_options(), param))
             continue
-        n = found.count(body)
+        several = len(body.prompts()) > 1
+        vocabulary = found.vocabulary()
+        for i, prompt in enumerate(body.prompts()):
+            if vocabulary is not None and isinstance(prompt, list) and max(prompt) >= vocabulary:
+                param = _param(field, index, f"prompt.{i}" if several else "prompt")
+                raise DomainError(
+                    Kind.INVALID,
+                    "invalid_token_ids",
+                    f"{param}: token ids must be below the model's vocabulary of {vocabulary}",
+                    param=param,
+                )
         limit = found.card.max_model_len
-        # vLLM's rule: the context holds the prompt and at least one generated token.
-        if limit and n >= limit:
-            param = _param(field, index, "messages" if body.messages is not None else "prompt")
-            raise DomainError(
-                Kind.INVALID,
-                "context_length_exceeded",
-                f"{param}: the prompt is at least {n} tokens; this model's context of {limit} "
-                "tokens must also hold the output",
-                param=param,
-            )
-        counts.append(n)
+        each = found.counts(body)
+        for i, n in enumerate(each):
+            # vLLM's rule: the context holds the prompt and at least one generated token.
+            if limit and n >= limit:
+                name = "messages" if body.messages is not None else "prompt"
+                param = _param(field, index, f"{name}.{i}" if several else name)
+                raise DomainError(
+                    Kind.INVALID,
+                    "context_length_exceeded",
+                    f"{param}: the prompt is at least {n} tokens; this model's context of "
+                    f"{limit} tokens must also hold the output",
+                    param=param,
+                )
+        counts.append(sum(each))
     return counts
 
 
@@ -337,7 +352,8 @@ def estimate(body: JobCreate) -> int:
     elif body.messages is not None:
         chars = sum(len(m.text()) for m in body.messages) + 16 * len(body.messages)
     else:
-        chars = len(body.prompt or "")
+        prompts = body.prompts()
+        return sum(math.ceil(len(p) / 4) if isinstance(p, str) else len(p) for p in prompts)
     return math.ceil(chars / 4)
 
 
