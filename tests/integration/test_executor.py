@@ -233,7 +233,7 @@ def test_nul_in_model_output_is_stored_and_a_refused_row_fails_only_its_job(
     ]
     assert executor.recorder.stored(ok_claim, ending_of(nul), written[0]) == "succeeded"
     status = executor.recorder.stored(bad_claim, refused, written[1])
-    assert row(ok_id).result_text == "a\ufffdb"
+    assert row(ok_id).result_text == "a\x00b"
     after = row(bad_id)
     assert after.status == status == "failed"  # never left running
     if database.startswith("postgresql"):
@@ -242,24 +242,25 @@ def test_nul_in_model_output_is_stored_and_a_refused_row_fails_only_its_job(
 
 def test_every_choice_is_stored_alone_or_in_a_group_write(database: str, runner: Runner) -> None:
     """A job's choices and logprobs (n > 1, logprobs) reach its row through the one fenced
-    write, alone and in a group commit, on both databases; a NUL in them is stored as U+FFFD."""
+    write, alone and in a group commit, on both databases; a NUL in them is stored as it is."""
     logprob = {"token": "a\x00", "logprob": -0.5, "top_logprobs": [{"token": "b", "logprob": -1}]}
     choices = [
         {"index": 0, "text": "a\x00", "finish_reason": "length", "logprobs": [logprob]},
         {"index": 1, "text": "c", "finish_reason": "stop", "logprobs": []},
     ]
-    result = GenResult("a\x00", "length", 1, 2, None, choices=choices)
+    echoes = {0: ("> ", None), 1: ("> ", None)}
+    result = GenResult("a\x00", "length", 1, 2, None, choices=choices, echoes=echoes)
     executor = executor_on(runner, "w")
     for group in (1, 3):
         claims = executor.claim([new_job(f"choices {group} {i}") for i in range(group)])
-        written = [executor.recorder.put(c, ending_of(result, echo="> ")) for c in claims]
+        written = [executor.recorder.put(c, ending_of(result)) for c in claims]
         for claim, write in zip(claims, written, strict=True):
             assert executor.recorder.stored(claim, ending_of(result), write) == "succeeded"
             stored = row(claim.job_id)
-            assert stored.result_text == "> a\ufffd"
+            assert stored.result_text == "> a\x00"
             assert stored.choices is not None
-            assert [c["text"] for c in stored.choices] == ["> a\ufffd", "> c"]
-            assert stored.choices[0]["logprobs"][0]["token"] == "a\ufffd"
+            assert [c["text"] for c in stored.choices] == ["> a\x00", "> c"]
+            assert stored.choices[0]["logprobs"][0]["token"] == "a\x00"
             assert stored.choices[1]["finish_reason"] == "stop"
     # A job stopped while running ends every choice as it ends (not the runner's "abort").
     cancelled = GenResult("a", "abort", 1, 2, None, "cancelled", choices=choices)

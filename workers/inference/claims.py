@@ -4,9 +4,9 @@ a claimed row and of what the engine returned, with no database, Redis or engine
 - :class:`Claim`: a job this worker claimed (its lease, its engine request, who waits on it);
 - :func:`request_for`: the engine request of a claimed row (``transitions.CLAIMED``), a
   generation or, for a pooled job, its inputs to embed or score;
-- :func:`ending_of`: the outcome (or release) of a generation that left the engine, and
-  :func:`pooled_ending_of` of a pooled job (a grouped batch job's inputs fail by line);
-- :func:`echo_of`: what an ``echo`` request's output starts with.
+- :func:`ending_of`: the outcome (or release) of a generation that left the engine (an
+  ``echo``'s prompt in front of each choice), and :func:`pooled_ending_of` of a pooled job (a
+  grouped batch job's inputs fail by line).
 
 The executor (workers/inference/executor.py) and the recorder (recorder.py) both use them.
 """
@@ -32,7 +32,6 @@ class Claim:
     deadline: float | None
     relay: str | None  # a caller waits (app/core/messaging/relay.py): "end" or "tokens"
     reply_to: str | None  # where the relay goes
-    echo: str = ""  # what the output starts with (``echo``: see echo_of)
     # A grouped batch job's lines (Job.lines): an input's error fails its line only.
     lines: list[dict[str, Any]] | None = None
 
@@ -65,21 +64,17 @@ def request_id(job_id: str, token: int) -> str:
     return f"{job_id}.{token}"
 
 
-# The sampling options GenRequest has fields of its own for, and ``echo``, which the executor
-# applies itself (echo_of); the rest travel in ``options``.
+# The sampling options GenRequest has fields of its own for; the rest travel in ``options``.
 _OWN_FIELDS = frozenset({"max_tokens", "temperature", "top_p", "stop", "seed", "echo"})
 
 
-def echo_of(job: Any) -> str:
-    """What a job with ``echo`` shows before its output, as vLLM's server does: the prompt of a
-    completion; of a chat, the last message's content if it is the assistant's (the reply
-    continues it), else nothing."""
-    if not job.params.get("echo"):
-        return ""
-    if job.messages is None:
-        return str(job.prompt or "")
-    last = job.messages[-1] if job.messages else {}
-    return str(last.get("content") or "") if last.get("role") == "assistant" else ""
+def _options(params: dict[str, Any]) -> dict[str, Any]:
+    """The options the engine gets: an ``echo`` with ``logprobs`` asks for the prompt's too
+    (vLLM's rule: ``prompt_logprobs`` defaults to ``logprobs`` then)."""
+    options = {k: v for k, v in params.items() if k not in _OWN_FIELDS}
+    if params.get("echo") and "logprobs" in params and "prompt_logprobs" not in params:
+        options["prompt_logprobs"] = params["logprobs"]
+    return options
 
 
 def request_for(job: Any, token: int, settings: Settings) -> GenRequest | PoolRequest:
@@ -105,11 +100,15 @@ def request_for(job: Any, token: int, settings: Settings) -> GenRequest | PoolRe
         )
     adapter = None if job.model == settings.model_name else job.model
     mine = adapter in settings.adapters_of(settings.model_name)
+    # A completion's prompt other than one text (token ids, several prompts) is in ``inputs``.
+    prompts: list[Any] = job.inputs or []
     return GenRequest(
         adapter=adapter,
         adapter_path=settings.adapters[adapter].path if adapter and mine else None,
         request_id=request_id(job.id, token),
-        prompt=job.prompt,
+        prompt=prompts[0] if len(prompts) == 1 else job.prompt,
+        prompts=prompts if len(prompts) > 1 else (),
+        echo=bool(params.get("echo")),
         messages=job.messages,
         max_tokens=int(params["max_tokens"]),
         temperature=float(params.get("temperature", 1.0)),
@@ -118,13 +117,14 @@ def request_for(job: Any, token: int, settings: Settings) -> GenRequest | PoolRe
         seed=params.get("seed"),
         priority=LANE_PRIORITY[job.lane],
         arrival=job.created_at,
-        options={k: v for k, v in params.items() if k not in _OWN_FIELDS},
+        options=_options(params),
         tools=job.tools,
     )
 
 
-def ending_of(result: GenResult, echo: str = "") -> Outcome | Released:
-    """How a generation that left the engine ends its job (``echo``: see echo_of)."""
+def ending_of(result: GenResult) -> Outcome | Released:
+    """How a generation that left the engine ends its job: an ``echo``'s prompt (and its
+    logprobs) in front of each choice."""
     error: tuple[str | None, str | None] = (None, None)
     finish: str | None
     match result.abort_reason:
@@ -141,21 +141,35 @@ def ending_of(result: GenResult, echo: str = "") -> Outcome | Released:
         case reason:
             return Released(reason)
     choices = result.choices
+    echoes = result.echoes
     if choices is not None:
         # A job stopped while running ends every choice as it ends (the runner says "abort").
         stopped = {} if result.abort_reason is None else {"finish_reason": finish}
-        choices = [{**c, "text": echo + c["text"], **stopped} for c in choices]
+        choices = [{**c, **_echoed(c, echoes.get(c["index"])), **stopped} for c in choices]
     return Outcome(
         status,
         error_code=error[0],
         error_message=error[1],
-        text=echo + result.text,
+        text=echoes.get(0, ("", None))[0] + result.text,
         finish_reason=finish,
         prompt_tokens=result.prompt_tokens,
         completion_tokens=result.completion_tokens,
         first_token_at=result.first_token_at,
         choices=choices,
     )
+
+
+def _echoed(
+    choice: dict[str, Any], echo: tuple[str, list[dict[str, Any]] | None] | None
+) -> dict[str, Any]:
+    """A choice's text (and logprobs) with its echo in front."""
+    if echo is None:
+        return {}
+    text, logprobs = echo
+    changed: dict[str, Any] = {"text": text + choice["text"]}
+    if logprobs is not None and choice["logprobs"] is not None:
+        changed["logprobs"] = logprobs + choice["logprobs"]
+    return changed
 
 
 def pooled_ending_of(result: PoolResult, lines: list[dict[str, Any]] | None) -> Outcome | Released:

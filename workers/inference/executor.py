@@ -43,7 +43,6 @@ from workers.inference import tools
 from workers.inference.claims import (
     Claim,
     Released,
-    echo_of,
     ending_of,
     pooled_ending_of,
     request_for,
@@ -210,8 +209,6 @@ class Executor:
         if claim.relay != "tokens" or claim.reply_to is None or isinstance(request, PoolRequest):
             return None  # a pooled job streams nothing: its caller gets the end
         reply_to, token, publish = claim.reply_to, claim.token, self.recorder.relay.piece
-        if claim.echo:  # the caller's first piece is what the output starts with
-            publish(reply_to, token, claim.echo)
         if request.tool_choice == "none":
 
             def relay(chunk: GenChunk) -> None:
@@ -225,6 +222,9 @@ class Executor:
         )
 
         def relay_calls(chunk: GenChunk) -> None:
+            if chunk.prompt_text is not None:  # an echo: what the reply continues, no calls
+                publish(reply_to, token, chunk.text, chunk.index, None, None)
+                return
             found = streamed.feed(chunk)
             if found.content or found.calls or chunk.logprobs:
                 publish(reply_to, token, found.content, chunk.index, found.calls, chunk.logprobs)
@@ -245,7 +245,7 @@ class Executor:
                 result = streamed.apply(result)
             elif isinstance(request, GenRequest) and request.tools is not None:
                 result = tools.with_calls(result, request.tools, self.runner.engine)
-            return ending_of(result, claim.echo)
+            return ending_of(result)
         except EngineRequestError as exc:
             return Outcome(JobStatus.FAILED, error_code=exc.code, error_message=str(exc))
         except EngineDeadError:
@@ -274,7 +274,6 @@ class Executor:
                 deadline=row.deadline_at,
                 relay=row.relay,
                 reply_to=row.reply_to,
-                echo=echo_of(row),
                 lines=row.lines,
             )
             for row in rows

@@ -21,8 +21,8 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Coroutine
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, overload
 
@@ -48,26 +48,59 @@ class GenResult:
     completion_tokens: int
     first_token_at: float | None
     abort_reason: str | None = None  # set when the runner stopped it: cancelled, deadline, ...
-    # Every choice (index, text, finish_reason, logprobs), where the request asked for more
-    # than one (``n``) or for logprobs; ``text`` and ``finish_reason`` are choice 0's.
+    # Every choice (index, text, finish_reason, logprobs; stop_reason and prompt_logprobs where
+    # the engine gave them), where the request asked for more than one (``n``, several
+    # prompts), for logprobs or for the prompt's; ``text`` and ``finish_reason`` are choice 0's.
     choices: list[dict[str, Any]] | None = None
+    # ``echo``: what each choice's output starts with, by choice, and with logprobs asked the
+    # prompt's tokens' (the first without one); claims.ending_of puts them in front.
+    echoes: dict[int, tuple[str, list[dict[str, Any]] | None]] = field(default_factory=dict)
 
 
 def _choices(
-    n: int,
+    count: int,
     texts: dict[int, list[str]],
     finishes: dict[int, str],
     logprobs: dict[int, list[dict[str, Any]]] | None,
     aborted: bool,
+    extras: dict[int, dict[str, Any]],
 ) -> list[dict[str, Any]]:
     return [
-        choice(
-            i,
-            "".join(texts.get(i, ())),
-            "abort" if aborted else finishes.get(i),
-            None if logprobs is None else logprobs.get(i, []),
-        )
-        for i in range(n)
+        {
+            **choice(
+                i,
+                "".join(texts.get(i, ())),
+                "abort" if aborted else finishes.get(i),
+                None if logprobs is None else logprobs.get(i, []),
+            ),
+            **extras.get(i, {}),
+        }
+        for i in range(count)
+    ]
+
+
+def _echo_logprobs(prompt: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A prompt's logprobs (``GenChunk.prompt_logprobs``) as the output's are stored
+    (``token_logprob``), for an ``echo`` with logprobs: the first token has none (None)."""
+    return [
+        {
+            "token": p["token"],
+            "logprob": p["logprob"],
+            "top_logprobs": [
+                {"token": t["token"], "logprob": t["logprob"]} for t in p["top_logprobs"]
+            ],
+        }
+        for p in prompt
+    ]
+
+
+def _prompts(req: GenRequest) -> list[GenRequest]:
+    """The engine requests of ``req``: itself, or one per prompt of several (``prompts``)."""
+    if not req.prompts:
+        return [req]
+    return [
+        replace(req, request_id=f"{req.request_id}/{p}", prompt=prompt, prompts=())
+        for p, prompt in enumerate(req.prompts)
     ]
 
 
@@ -427,6 +460,42 @@ class Runner:
         self._abort_reasons.setdefault(request_id, reason)
         task.cancel()
 
+    async def _merged(self, subs: list[GenRequest]) -> AsyncIterator[tuple[int, GenChunk]]:
+        """The engine's chunks of each request of ``subs`` (one per prompt), as they come, with
+        the prompt's number; an engine error of any ends them all (vLLM's server fails a
+        request of several prompts when one fails)."""
+        if len(subs) == 1:
+            async for chunk in self.engine.generate(subs[0]):
+                yield 0, chunk
+            return
+        queue: asyncio.Queue[tuple[int, GenChunk | BaseException | None]] = asyncio.Queue()
+
+        async def pump(p: int, sub: GenRequest) -> None:
+            try:
+                async for chunk in self.engine.generate(sub):
+                    queue.put_nowait((p, chunk))
+            except asyncio.CancelledError:
+                raise
+            except BaseException as exc:
+                queue.put_nowait((p, exc))
+                return
+            queue.put_nowait((p, None))
+
+        tasks = [asyncio.ensure_future(pump(p, sub)) for p, sub in enumerate(subs)]
+        try:
+            left = len(tasks)
+            while left:
+                p, item = await queue.get()
+                if item is None:
+                    left -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield p, item
+        finally:
+            for task in tasks:
+                task.cancel()
+
     async def _generate(
         self,
         req: GenRequest,
@@ -436,12 +505,19 @@ class Runner:
         task = asyncio.current_task()
         assert task is not None
         self._tasks[req.request_id] = task
-        texts: dict[int, list[str]] = {0: []}  # by choice
-        finishes: dict[int, str] = {}
+        subs = _prompts(req)
         n = int(req.options.get("n", 1))
+        texts: dict[int, list[str]] = {0: []}  # by choice: prompt p's are p * n .. p * n + n - 1
+        finishes: dict[int, str] = {}
+        extras: dict[int, dict[str, Any]] = {}  # by choice: stop_reason, prompt_logprobs
+        echoes: dict[int, tuple[str, list[dict[str, Any]] | None]] = {}
         logprobs: dict[int, list[dict[str, Any]]] | None = {} if "logprobs" in req.options else None
+        # The prompt's logprobs go in front of the output's of an echo (completions only: a
+        # chat's echo is the reply it continues).
+        echo_logprobs = req.echo and logprobs is not None and req.messages is None
         tokens = 0
-        prompt_tokens = 0
+        prompt_tokens: dict[int, int] = {}  # by prompt
+        started: set[int] = set()  # prompts whose first chunk came
         first_at: float | None = None
         released = False
         realtime = req.priority == REALTIME_PRIORITY
@@ -457,7 +533,30 @@ class Runner:
                 if self.batcher is not None:
                     await self.batcher.admit(req)
                     released = True
-                async for chunk in self.engine.generate(req):
+                async for p, chunk in self._merged(subs):
+                    if p not in started:
+                        started.add(p)
+                        for index in range(p * n, p * n + n):
+                            if chunk.prompt_logprobs is not None:
+                                extras.setdefault(index, {})["prompt_logprobs"] = (
+                                    chunk.prompt_logprobs
+                                )
+                            if req.echo:
+                                echoed = (
+                                    _echo_logprobs(chunk.prompt_logprobs or [])
+                                    if echo_logprobs
+                                    else None
+                                )
+                                echoes[index] = (chunk.prompt_text or "", echoed)
+                                if on_delta is not None and (chunk.prompt_text or echoed):
+                                    # prompt_text marks the piece as the echo
+                                    text = chunk.prompt_text or ""
+                                    on_delta(
+                                        GenChunk(
+                                            text, 0, index=index, logprobs=echoed, prompt_text=text
+                                        )
+                                    )
+                    index = p * n + chunk.index
                     if chunk.num_tokens and first_at is None:
                         first_at = time.time()
                         if realtime:
@@ -467,18 +566,22 @@ class Runner:
                             prefilling = False
                             self.pacer.bulk_first_token()
                     if chunk.text:
-                        texts.setdefault(chunk.index, []).append(chunk.text)
+                        texts.setdefault(index, []).append(chunk.text)
                     if logprobs is not None and chunk.logprobs:
-                        logprobs.setdefault(chunk.index, []).extend(chunk.logprobs)
+                        logprobs.setdefault(index, []).extend(chunk.logprobs)
                     tokens += chunk.num_tokens
                     if chunk.prompt_tokens is not None:
-                        prompt_tokens = chunk.prompt_tokens
+                        prompt_tokens[p] = chunk.prompt_tokens
+                    if index != chunk.index:
+                        chunk = replace(chunk, index=index)
                     if on_delta is not None and (
                         chunk.text or chunk.num_tokens or chunk.finish_reason
                     ):
                         on_delta(chunk)
                     if chunk.finish_reason is not None:
-                        finishes[chunk.index] = chunk.finish_reason
+                        finishes[index] = chunk.finish_reason
+                        if chunk.stop_reason is not None:
+                            extras.setdefault(index, {})["stop_reason"] = chunk.stop_reason
         except TimeoutError:
             self._abort_reasons.setdefault(req.request_id, "deadline")
         except asyncio.CancelledError:
@@ -497,13 +600,16 @@ class Runner:
         reason = self._abort_reasons.pop(req.request_id, None)
         finish = finishes.get(0)
         if reason is not None:
-            await self.engine.abort(req.request_id)
+            for sub in subs:
+                await self.engine.abort(sub.request_id)
             finish = "abort"
         choices = None
-        if n > 1 or logprobs is not None:
-            choices = _choices(n, texts, finishes, logprobs, reason is not None)
+        count = n * len(subs)
+        if count > 1 or logprobs is not None or extras:
+            choices = _choices(count, texts, finishes, logprobs, reason is not None, extras)
         text = "".join(texts[0])
-        return GenResult(text, finish, prompt_tokens, tokens, first_at, reason, choices)
+        total_prompt = sum(prompt_tokens.values())
+        return GenResult(text, finish, total_prompt, tokens, first_at, reason, choices, echoes)
 
     async def _pool(self, req: PoolRequest, deadline: float | None) -> PoolResult:
         """A pooled job's inputs in the engine, under the same deadline, aborts and pacing as a
