@@ -412,7 +412,14 @@ async def _events(
                         logprobs=rendered(index, tokens),
                     )
                 )
-            yield _sse(tiered(final, finish_reason=choice["finish_reason"], index=index))
+            yield _sse(
+                tiered(
+                    final,
+                    finish_reason=choice["finish_reason"],
+                    index=index,
+                    stop_reason=choice.get("stop_reason"),
+                )
+            )
         if include_usage:
             yield _sse(tiered(final, with_usage=True))
     else:

@@ -153,7 +153,6 @@ def test_out_of_range_options_are_refused_naming_the_field(field: str, value: An
         ({**CHAT, "top_logprobs": 2}, "top_logprobs"),
         ({**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({**CHAT, "n": 2, "temperature": 0}, "n"),
-        ({**COMPLETION, "echo": True, "logprobs": 0}, "echo"),
         ({**COMPLETION, "n": 16, "max_tokens": 8192, "logprobs": 20}, "logprobs"),
         ({**CHAT, "logprobs": True, "top_logprobs": "3"}, "top_logprobs"),
         ({**CHAT, "messages": [{"role": "tool", "content": "sunny"}]}, "tool_call_id"),

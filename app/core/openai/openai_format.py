@@ -23,9 +23,10 @@ from typing import Any, ClassVar, Literal, Protocol
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from app import __version__
 from app.core.contract.base import StrictModel
 from app.core.contract.chat import ChatMessage, ToolUse
-from app.core.contract.jobs import JobCreate
+from app.core.contract.jobs import JobCreate, PromptForm, prompt_bounds
 from app.core.contract.params import CONSTRAINTS, MAX_LOGPROBS, JobParams, check_json_schema
 from app.core.errors import DomainError, Kind, named, pydantic_error
 from app.core.models import JobStatus, Lane, choice
@@ -33,6 +34,9 @@ from app.core.models import JobStatus, Lane, choice
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 ENDPOINTS = (CHAT, COMPLETIONS)
+# OpenAI's ``system_fingerprint``, "the backend configuration the model runs with": the
+# platform's version (vLLM's server says its own, ``vllm-<version>-<hash>``).
+SYSTEM_FINGERPRINT = f"inferq-{__version__}"
 # OpenAI's default for the legacy completions endpoint (vLLM's too); chat has none.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 # Errors that are the request's fault: OpenAI answers them as an invalid request (400), on the
@@ -61,7 +65,6 @@ _TRANSFER = "disaggregated serving (KV or encoder-cache transfer) is not part of
 _BEAM = "beam search is not offered: a job samples its sequences"
 _TEXT_RESULT = "a result is text, with its tokens' logprobs on request; token ids are not returned"
 _COMMON_REFUSED: dict[str, tuple[Any, str]] = {
-    "prompt_logprobs": (None, "the prompt's logprobs are not returned, the output's are"),
     "logprob_token_ids": (
         None,
         "logprobs name the best alternatives (top_logprobs), not chosen ids",
@@ -232,6 +235,16 @@ class _Request(JobParams, Tiered):
     timeout_s: float | None = None
     response_format: ResponseFormat | None = None
 
+    @model_validator(mode="after")
+    def _no_streamed_prompt_logprobs(self) -> _Request:
+        if self.stream and self.prompt_logprobs is not None:  # vLLM's rule
+            raise PydanticCustomError(
+                "unsupported_parameter",
+                "prompt_logprobs are not available when stream is true",
+                {"fields": "prompt_logprobs"},
+            )
+        return self
+
     def _params(self, max_tokens: int | None) -> dict[str, Any]:
         params = self.model_dump(include=_SAMPLING, exclude_defaults=True, by_alias=True)
         constraint = self.response_format.constraint() if self.response_format else {}
@@ -307,18 +320,18 @@ class ChatCompletionRequest(_Request, ToolUse):
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[str]
+    # Every form vLLM's server takes; several prompts are one job (docs/architecture.md,
+    # "Several prompts, one job").
+    prompt: PromptForm
 
     refused = COMPLETION_REFUSED
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, value: str | list[str]) -> str:
-        if isinstance(value, list):
-            if len(value) != 1:
-                raise ValueError("exactly one prompt per request (send a batch for many)")
-            return value[0]
-        return value
+    def _prompt_bounds(cls, value: PromptForm) -> PromptForm:
+        # Checked as the body is read, as every other field's form: nothing is set up for a
+        # request that cannot be a job.
+        return prompt_bounds(value)
 
     def job(self) -> JobCreate:
         max_tokens = self.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
@@ -439,9 +452,10 @@ def chat_logprobs(tokens: list[dict[str, Any]]) -> dict[str, Any]:
 
 def completion_logprobs(tokens: list[dict[str, Any]], at: int = 0) -> dict[str, Any]:
     """A choice's stored logprobs as the legacy completions ``logprobs``: per token its text,
-    logprob, offset in the choice's text (no echo: a job with logprobs has none; ``at``: where
-    a streamed chunk's first token is) and a map of the alternatives with the token itself
-    (OpenAI's "up to logprobs + 1")."""
+    logprob, offset in the choice's text (``at``: where a streamed chunk's first token is) and
+    a map of the alternatives with the token itself (OpenAI's "up to logprobs + 1"). An
+    ``echo``'s prompt tokens come first, the very first with null logprobs (nothing precedes
+    it), as OpenAI and vLLM answer."""
     offsets = []
     for t in tokens:
         offsets.append(at)
@@ -450,7 +464,9 @@ def completion_logprobs(tokens: list[dict[str, Any]], at: int = 0) -> dict[str, 
         "tokens": [t["token"] for t in tokens],
         "token_logprobs": [t["logprob"] for t in tokens],
         "top_logprobs": [
-            {
+            None
+            if t["logprob"] is None
+            else {
                 **{top["token"]: top["logprob"] for top in t["top_logprobs"]},
                 t["token"]: t["logprob"],
             }
@@ -458,6 +474,26 @@ def completion_logprobs(tokens: list[dict[str, Any]], at: int = 0) -> dict[str, 
         ],
         "text_offset": offsets,
     }
+
+
+def prompt_logprobs(tokens: list[dict[str, Any]]) -> list[dict[str, dict[str, Any]] | None]:
+    """A choice's stored prompt logprobs (``prompt_token_logprob`` items) as vLLM's
+    ``prompt_logprobs``: per prompt token, null for the first, else a map from token id to its
+    logprob, rank and text, the token itself and its alternatives."""
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for t in tokens:
+        if t["logprob"] is None:
+            out.append(None)
+            continue
+        entry = {str(t["token_id"]): _vllm_logprob(t)}
+        for top in t["top_logprobs"]:
+            entry.setdefault(str(top["token_id"]), _vllm_logprob(top))
+        out.append(entry)
+    return out
+
+
+def _vllm_logprob(t: dict[str, Any]) -> dict[str, Any]:
+    return {"logprob": t["logprob"], "rank": t["rank"], "decoded_token": t["token"]}
 
 
 def choices_of(job: JobView) -> list[dict[str, Any]]:
@@ -485,25 +521,34 @@ def response_body(job: JobView, tier: str | None = None) -> dict[str, Any]:
                     "message": message,
                     "logprobs": None if tokens is None else chat_logprobs(tokens),
                     "finish_reason": c["finish_reason"],
+                    "stop_reason": c.get("stop_reason"),
                 }
             )
         else:
+            prompt = c.get("prompt_logprobs")
             choices.append(
                 {
                     "index": c["index"],
                     "text": c["text"],
                     "logprobs": None if tokens is None else completion_logprobs(tokens),
                     "finish_reason": c["finish_reason"],
+                    "stop_reason": c.get("stop_reason"),
+                    "prompt_logprobs": None if prompt is None else prompt_logprobs(prompt),
                 }
             )
-    body = {
+    body: dict[str, Any] = {
         "id": job.id,
         "object": "chat.completion" if chat else "text_completion",
         "created": int(job.created_at),
         "model": job.model,
         "choices": choices,
         "usage": usage(job),
+        "system_fingerprint": SYSTEM_FINGERPRINT,
     }
+    if chat:
+        # vLLM's chat answer has the prompt's logprobs once, beside the choices.
+        prompt = choices_of(job)[0].get("prompt_logprobs")
+        body["prompt_logprobs"] = None if prompt is None else prompt_logprobs(prompt)
     return body if tier is None else {**body, "service_tier": tier}
 
 
@@ -525,6 +570,7 @@ def chunk(
     index: int = 0,
     calls: list[dict[str, Any]] | None = None,
     logprobs: dict[str, Any] | None = None,
+    stop_reason: str | int | None = None,
 ) -> dict[str, Any]:
     """One streamed chunk (``chat.completion.chunk`` or ``text_completion``) of choice
     ``index``; ``calls``: pieces of its tool calls (``delta.tool_calls``); ``logprobs``: its
@@ -539,6 +585,7 @@ def chunk(
         "object": "chat.completion.chunk" if chat else "text_completion",
         "created": int(job.created_at),
         "model": job.model,
+        "system_fingerprint": SYSTEM_FINGERPRINT,
     }
     if tier is not None:
         body["service_tier"] = tier
@@ -559,6 +606,7 @@ def chunk(
         choice = {"index": index, "text": text or ""}
     choice["logprobs"] = logprobs
     choice["finish_reason"] = finish_reason
+    choice["stop_reason"] = stop_reason
     body["choices"] = [choice]
     return body
 
