@@ -24,6 +24,8 @@ What is compared, response by response (``differences``):
   ``finish_reason`` and ``stop_reason``, the same tool call names and arguments, and the same
   logprob shapes (``logprob_shape``, ``prompt_logprob_shape``: tokens, text offsets, how many
   alternatives, which token ids; never the float values);
+- a case marked ``differs`` (a deliberate difference, with its reason; docs/openai.md, "Request
+  forms"): only the status, the choices' number and order, and the usage;
 - values that only vLLM may fix (ids, ``created``, ``system_fingerprint``) are never compared;
 - streams: each data event is compared by keys as above (vLLM's first event against inferq's
   first, and so on is too strict: pieces may be merged differently), so the keys are compared
@@ -76,6 +78,9 @@ class Case:
     greedy: bool = False  # the same text on both servers
     note: str = ""
     auth: bool = True  # inferq: send the API key
+    # A deliberate difference (docs/openai.md, "Request forms", says why): the status, the
+    # choices' number and order and the usage are compared, not the keys or the text.
+    differs: str = ""
 
     @property
     def method(self) -> str:
@@ -91,10 +96,10 @@ def _cmpl(name: str, note: str = "", greedy: bool = True, **body: Any) -> Case:
     return Case(name, CMPL, fields, greedy=greedy, note=note)
 
 
-def _chat(name: str, note: str = "", greedy: bool = True, **body: Any) -> Case:
+def _chat(name: str, note: str = "", greedy: bool = True, differs: str = "", **body: Any) -> Case:
     fields = {"model": MODEL, "max_tokens": 6, **(GREEDY if greedy else {}), **body}
     fields.setdefault("messages", HELLO)
-    return Case(name, CHAT, fields, greedy=greedy, note=note)
+    return Case(name, CHAT, fields, greedy=greedy and not differs, note=note, differs=differs)
 
 
 USAGE: dict[str, Any] = {"stream_options": {"include_usage": True}}
@@ -182,6 +187,9 @@ CASES: list[Case] = [
     _chat(
         "chat_tools_named",
         "tools, a named tool_choice",
+        differs="inferq holds a named tool_choice to the function's arguments (the call is "
+        "made, OpenAI's meaning); vLLM 0.32 holds it to its tool parser's own format, which "
+        "the demo model does not finish in 16 tokens (content, no tool_calls)",
         max_tokens=16,
         tools=TOOLS,
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
@@ -280,6 +288,10 @@ def differences(case: Case, vllm: dict[str, Any], inferq: dict[str, Any]) -> lis
         return stream_differences(case, vllm["events"], inferq["events"])
     found: list[str] = []
     v, q = vllm["body"], inferq["body"]
+    if case.differs:
+        compare_choices(case, v.get("choices") or [], q.get("choices") or [], found)
+        compare_usage(v.get("usage"), q.get("usage"), found)
+        return found
     compare_keys(v, q, "", found)
     if case.path in (CMPL, CHAT) and isinstance(v, dict) and isinstance(q, dict):
         compare_choices(case, v.get("choices") or [], q.get("choices") or [], found)
