@@ -32,7 +32,14 @@ def run(scenario: Callable[[httpx.AsyncClient], Awaitable[T]]) -> T:
         async with httpx.AsyncClient(transport=transport, base_url=BASE_URL) as client:
             return await scenario(client)
 
-    return asyncio.run(main())
+    try:
+        return asyncio.run(main())
+    finally:
+        # The reply channel's reader lives in the loop that made it, and this loop is gone: the
+        # next call's loop subscribes afresh. (An API has one loop for its life; here each call
+        # has its own, and a reader the old loop could not finish would otherwise look alive
+        # and leave the next call's pieces unread.)
+        clients._held.pop("replies", None)
 
 
 def call(method: str, path: str, **kwargs: Any) -> httpx.Response:

@@ -54,8 +54,10 @@ def test_several_prompts_answer_one_choice_each_in_order_with_one_usage(core: Se
     for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
         assert together["usage"][key] == sum(a["usage"][key] for a in alone), key
     job = stored(together["id"])
-    # One job: the prompts in its row, in order, and no text prompt.
+    # One job: the prompts in its row, in order, and no text prompt; its fair-share cost is
+    # every prompt's tokens and every choice's most output (3 prompts x 6 tokens).
     assert job.prompt is None and json.loads(job.inputs) == prompts
+    assert job.cost == together["usage"]["prompt_tokens"] + 3 * 6
 
 
 def test_several_prompts_times_n_are_numbered_prompt_by_prompt(core: Settings) -> None:
@@ -111,6 +113,12 @@ def test_echo_with_logprobs_gives_the_prompts_logprobs_first(core: Settings) -> 
     with Worker(core):
         answer = complete(core, prompt=prompt, echo=True, logprobs=2, max_tokens=3)
         chunks = streamed(core, prompt=prompt, echo=True, logprobs=2, max_tokens=3)
+        job = call("GET", f"/v1/jobs/{answer['id']}")
+    # The Job object shows the same choice: the echoed prompt's first token without a logprob.
+    assert job.status_code == 200, job.text
+    [stored_choice] = job.json()["result"]["choices"]
+    assert stored_choice["logprobs"][0]["logprob"] is None
+    assert stored_choice["prompt_logprobs"][0]["logprob"] is None
     [choice] = answer["choices"]
     logprobs = choice["logprobs"]
     prompt_tokens = answer["usage"]["prompt_tokens"]

@@ -273,8 +273,25 @@ class TopLogprob(BaseModel):
 
 class TokenLogprob(BaseModel):
     token: str
-    logprob: float
+    logprob: float | None = Field(
+        description="null for an echoed prompt's first token: nothing precedes it."
+    )
     top_logprobs: list[TopLogprob]
+
+
+class PromptTopLogprob(BaseModel):
+    token_id: int
+    token: str
+    logprob: float
+    rank: int | None
+
+
+class PromptTokenLogprob(BaseModel):
+    token_id: int
+    token: str
+    logprob: float | None = Field(description="null for the first token.")
+    rank: int | None
+    top_logprobs: list[PromptTopLogprob]
 
 
 class MadeFunction(BaseModel):
@@ -298,6 +315,14 @@ class JobChoice(BaseModel):
         None, description="The calls found in the text, where the job had tools."
     )
     content: str | None = Field(None, description="With tool_calls: the text around them.")
+    stop_reason: str | int | None = Field(
+        None, description="The stop string (or stop token id) that ended it, if one did."
+    )
+    prompt_logprobs: list[PromptTokenLogprob] | None = Field(
+        None,
+        description="Its prompt's tokens' logprobs, where the job asked for prompt_logprobs "
+        "(or for echo with logprobs).",
+    )
 
 
 class JobResult(BaseModel):
