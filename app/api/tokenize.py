@@ -156,14 +156,7 @@ def _tokenize_chat(body: TokenizeRequest, messages: list[ChatMessage]) -> dict[s
         ) from None
     except chat_template.TemplateError as exc:
         raise DomainError(Kind.INVALID, "invalid_request", str(exc), param="messages") from None
-    specials = bool(body.add_special_tokens)
-    ids, strs = tokens.encode(found, text, specials)
-    return {
-        "count": len(ids),
-        "max_model_len": found.card.max_model_len,
-        "tokens": ids,
-        "token_strs": strs if body.return_token_strs else None,
-    }
+    return _answer(found, text, bool(body.add_special_tokens), body.return_token_strs)
 
 
 def tokenize(body: TokenizeRequest) -> dict[str, Any]:
@@ -183,12 +176,18 @@ def tokenize(body: TokenizeRequest) -> dict[str, Any]:
             param="prompt",
         ) from None
     specials = True if body.add_special_tokens is None else body.add_special_tokens
-    ids, strs = tokens.encode(found, body.prompt, specials)
+    return _answer(found, body.prompt, specials, body.return_token_strs)
+
+
+def _answer(found: tokens.Counter, text: str, specials: bool, strs: bool | None) -> dict[str, Any]:
+    """vLLM's ``TokenizeResponse`` of ``text`` (``specials``: the tokenizer's special tokens;
+    ``strs``: each token's string too)."""
+    ids, token_strs = tokens.encode(found, text, specials)
     return {
         "count": len(ids),
         "max_model_len": found.card.max_model_len,
         "tokens": ids,
-        "token_strs": strs if body.return_token_strs else None,
+        "token_strs": token_strs if strs else None,
     }
 
 
