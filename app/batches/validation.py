@@ -191,15 +191,19 @@ def _in_body(exc: DomainError) -> DomainError:
 # --- the two passes ---------------------------------------------------------------------------
 
 
-def _check_context(line: Line, models: Models) -> None:
-    """The prompt (a pooled line's inputs) within the model's context."""
+def _check_context(line: Line, models: Models) -> int | None:
+    """The prompt (every prompt of a line with several; a pooled line's inputs) within the
+    model's context; returns a line's own job's prompt tokens, as its model counts them (an
+    estimate without its card), which its job is charged in the fair share as the realtime
+    endpoint's is (None for a grouped line)."""
     try:
         if line.job is not None:
-            tokens.check(clients.redis_client(), [line.model], [line.job])
-        elif (counter := models.counter(line.model)) is not None:
+            return tokens.check(clients.redis_client(), [line.model], [line.job])[0]
+        if (counter := models.counter(line.model)) is not None:
             counter.check_inputs(line.request.items(), line.request.pooling_options(), "input")
     except DomainError as exc:
         raise _in_body(exc) from None
+    return None
 
 
 def _error(code: str, message: str, param: str | None, line: int | None) -> dict[str, Any]:
@@ -288,7 +292,7 @@ def _read(batch: Batch, stamp: float, held: float) -> int:
                 break
             try:
                 line = parse(raw, batch.endpoint, limit, models)
-                _check_context(line, models)
+                counted = _check_context(line, models)
                 if isinstance(line.request, EmbeddingRequest):
                     inputs += len(line.request.items())
                     if inputs > most_inputs:
@@ -312,7 +316,9 @@ def _read(batch: Batch, stamp: float, held: float) -> int:
                 continue
             if errors:
                 continue  # only checked from the first bad line on: nothing will be written
-            new += group.add(number, line) if line.job is None else [group.one(number, line)]
+            new += (
+                group.add(number, line) if line.job is None else [group.one(number, line, counted)]
+            )
             if len(new) >= transitions.INSERT_CHUNK:
                 transitions.create(tx, new)
                 new = []
@@ -344,11 +350,19 @@ class _Group:
         self._inputs: list[Any] = []
         self._lines: list[dict[str, Any]] = []
 
-    def one(self, number: int, line: Line) -> NewJob:
-        """A line's own job; a pooled one keeps its custom_id and response options."""
+    def one(self, number: int, line: Line, prompt_tokens: int | None = None) -> NewJob:
+        """A line's own job, charged ``prompt_tokens`` (as counted) and what it may generate;
+        a pooled one keeps its custom_id and response options."""
         assert line.job is not None
         place = jobs.BatchLine(self.batch.id, line.custom_id, number, self.batch.expires_at)
-        job = jobs.new_job(self.batch.tenant, line.job, line.model, created=self.stamp, line=place)
+        job = jobs.new_job(
+            self.batch.tenant,
+            line.job,
+            line.model,
+            created=self.stamp,
+            line=place,
+            prompt_tokens=prompt_tokens,
+        )
         if line.job.kind == JobKind.GENERATE:
             return job
         inputs = input_count(line.job.pooled_inputs())
