@@ -123,7 +123,8 @@ class Settings(BaseSettings):
     max_n: int = Field(16, description="Most choices (n) one job may ask for.")
     max_logprob_entries: int = Field(
         200_000,
-        description="Most log-probabilities one job returns: n x max_tokens x (1 + logprobs).",
+        description="Most log-probabilities one job returns: prompts x n x max_tokens x (1 + "
+        "logprobs), plus n x prompt tokens x (1 + prompt_logprobs) where the prompt's are asked.",
     )
     max_stop_sequences: int = Field(4, description="Most stop strings per job.")
     max_stop_chars: int = Field(64, description="Longest stop string.")

@@ -16,6 +16,7 @@ from sqlalchemy import text
 
 from app.core import db
 from app.core.settings import Settings
+from tests.unit.conftest import environment
 from tests.unit.inprocess import Worker, call, run
 
 
@@ -170,3 +171,31 @@ def test_bad_prompt_forms_are_refused_and_nothing_written(core: Settings) -> Non
             assert answer.json()["error"]["param"] == "prompt", answer.json()
     with db.transaction() as connection:
         assert connection.execute(text("SELECT count(*) FROM jobs")).scalar_one() == 0
+
+
+def test_a_prompts_logprobs_count_against_the_result_bound(core: Settings) -> None:
+    """A long prompt's logprobs, kept by each choice, are a result too: over
+    INFERQ_MAX_LOGPROB_ENTRIES the request is refused before anything is written."""
+    prompt = "word " * 200
+    with environment(max_logprob_entries="2000"), Worker(core):
+        refused = call(
+            "POST",
+            "/v1/completions",
+            json={"model": core.model_name, "prompt": prompt, "prompt_logprobs": 5, "n": 2},
+        )
+        taken = call(
+            "POST",
+            "/v1/completions",
+            json={
+                "model": core.model_name,
+                "prompt": prompt,
+                "prompt_logprobs": 1,
+                "max_tokens": 2,
+            },
+        )
+    assert refused.status_code == 422, refused.text
+    error = refused.json()["error"]
+    assert (error["code"], error["param"]) == ("result_too_large", "prompt_logprobs")
+    assert taken.status_code == 200, taken.text
+    with db.transaction() as connection:
+        assert connection.execute(text("SELECT count(*) FROM jobs")).scalar_one() == 1

@@ -246,6 +246,14 @@ class JobParams(StrictModel):
             )
         return self
 
+    def prompt_logprobs_asked(self) -> int | None:
+        """How many alternatives each prompt token's logprob comes with (None: the prompt's
+        logprobs are not asked for): ``prompt_logprobs``, or with ``echo`` ``logprobs``
+        (vLLM's rule: the echoed prompt's tokens carry theirs)."""
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
+        return self.logprobs if self.echo else None
+
     def most_output_tokens(self) -> int:
         """What the job can generate: every choice can run to max_tokens."""
         return self.n * (self.max_tokens or get_settings().default_max_tokens)

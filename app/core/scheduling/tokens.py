@@ -327,8 +327,29 @@ def check(
                     f"{limit} tokens must also hold the output",
                     param=param,
                 )
+        _prompt_logprobs_bound(body, each, _param(field, index, "prompt_logprobs"))
         counts.append(sum(each))
     return counts
+
+
+def _prompt_logprobs_bound(body: JobCreate, counts: list[int], param: str) -> None:
+    """A result is one row and one relay message: a long prompt's logprobs, kept by each of
+    its ``n`` choices, count against INFERQ_MAX_LOGPROB_ENTRIES with the output's."""
+    top = body.params.prompt_logprobs_asked()
+    if top is None:
+        return
+    settings = get_settings()
+    output = body.most_output_tokens() * (1 + (body.params.logprobs or 0))
+    entries = sum(counts) * body.params.n * (1 + top) + output
+    if entries > settings.max_logprob_entries:
+        raise DomainError(
+            Kind.INVALID,
+            "result_too_large",
+            f"{param}: the prompt's and the output's log-probabilities would be {entries} "
+            f"entries, over the limit of {settings.max_logprob_entries} a job may return "
+            "(INFERQ_MAX_LOGPROB_ENTRIES)",
+            param=param,
+        )
 
 
 def _input_of(body: JobCreate) -> str:
