@@ -131,6 +131,7 @@ def test_prompt_longer_than_the_context_is_refused_before_anything_is_written(
         "task": "generate",
         "dimensions": None,
         "matryoshka": False,
+        "chat_template": None,
     }
     with key(stack, "context") as c:
         fits = c.post("/v1/jobs", json=job(lane="realtime", prompt="w " * (CONTEXT - 1)))

@@ -7,7 +7,7 @@ the models are app/core/scheduling/catalog.py's.
 
 from __future__ import annotations
 
-import uuid
+import hashlib
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -44,7 +44,8 @@ def _model(model: catalog.Model) -> dict[str, Any]:
         # vLLM's one default permission (every model may be sampled and viewed).
         "permission": [
             {
-                "id": f"modelperm-{uuid.uuid4().hex}",
+                # The same model answers the same every time (vLLM draws a new id per call).
+                "id": "modelperm-" + hashlib.sha256(model.name.encode()).hexdigest()[:32],
                 "object": "model_permission",
                 "created": 0,
                 "allow_create_engine": False,
