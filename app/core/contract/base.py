@@ -18,6 +18,9 @@ from app.core.models import valid_text
 from app.core.settings import get_settings
 
 INVALID_TEXT = "text must be valid Unicode (a lone surrogate such as \\ud800 is not)"
+# What holds no text: a list of only these (a prompt of token ids, thousands long) is passed over
+# by one look at its items' types, not a call per item.
+_NO_TEXT = frozenset({int, float, bool, type(None)})
 
 
 def _check_text(value: Any) -> None:
@@ -29,6 +32,8 @@ def _check_text(value: Any) -> None:
             _check_text(key)
             _check_text(item)
     elif isinstance(value, list | tuple):
+        if _NO_TEXT.issuperset(map(type, value)):
+            return
         for item in value:
             _check_text(item)
 
