@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import jsonschema
 import psutil
 import pytest
@@ -819,6 +820,23 @@ def test_vllm_runs_a_lora_adapter_of_its_model(vllm_stack: tuple[Stack, int]) ->
     assert stack.wait_job(job["id"], timeout=180)["status"] == "succeeded"
 
 
+def test_vllm_refuses_prompt_logprobs_where_it_serves_adapters(
+    vllm_stack: tuple[Stack, int],
+) -> None:
+    """vLLM 0.32 with LoRA enabled dies computing prompt logprobs (vllm-project/vllm#29955):
+    a worker serving adapters fails such a request with a clear error, and goes on serving."""
+    stack, _ = vllm_stack
+    for extra in ({"prompt_logprobs": 1}, {"echo": True, "logprobs": 1}):
+        for model in ("inferq-demo", ADAPTER):
+            body = {"model": model, "prompt": ["def f(x):", "import os"], "max_tokens": 2}
+            answer = httpx.post(f"{stack.url}/v1/completions", json={**body, **extra}, timeout=120)
+            assert answer.status_code == 400, answer.text
+            assert "LoRA" in answer.json()["error"]["message"]
+    client = OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    out = client.completions.create(model="inferq-demo", prompt="import os", max_tokens=2)
+    assert out.choices[0].finish_reason == "length"
+
+
 def test_vllm_worker_stops_its_engine_processes(vllm_stack: tuple[Stack, int]) -> None:
     stack, pid = vllm_stack
     children = psutil.Process(pid).children(recursive=True)
@@ -972,6 +990,16 @@ def test_vllm_engine_takes_token_ids_echoes_and_scores_the_prompt(demo_cache: Pa
             scored = ids_chunks[0].prompt_logprobs
             assert scored is not None and scored == text_chunks[0].prompt_logprobs
             _check_prompt_logprobs(scored, ids, 2)
+            # Two requests scoring their prompts in one step (a request of two prompts): both
+            # answered, the engine alive (with LoRA enabled vLLM 0.32 dies of this, which
+            # test_vllm_refuses_prompt_logprobs_where_it_serves_adapters covers).
+            both = await asyncio.gather(
+                *(
+                    _generate(engine, GenRequest(f"p{i}", prompt=ids, options=options, **greedy))
+                    for i in range(2)
+                )
+            )
+            assert [chunks[0].prompt_logprobs for _, chunks in both] == [scored, scored]
             # vLLM's own answer, straight from the engine.
             params = SamplingParams(
                 max_tokens=1, prompt_logprobs=2, output_kind=RequestOutputKind.FINAL_ONLY

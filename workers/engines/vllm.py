@@ -427,6 +427,16 @@ class VLLMEngine:
         from vllm.v1.engine.exceptions import EngineDeadError as VLLMDead
 
         options = dict(req.options)
+        if self._lora_ids and options.get("prompt_logprobs") is not None:
+            # vLLM 0.32 with LoRA enabled computes prompt logprobs through the LoRA logits
+            # path with the wrong batch shape, and its engine core dies of it, base model or
+            # adapter alike (vllm-project/vllm#29955, seen here on the CPU): the request fails,
+            # not the worker (docs/openai.md, "Request forms").
+            raise EngineRequestError(
+                "invalid_request",
+                "prompt_logprobs (and echo with logprobs) are not available on a worker whose "
+                "vLLM engine serves LoRA adapters (INFERQ_ADAPTERS): vLLM fails its engine on them",
+            )
         if req.tool_choice == "auto":
             if self._tool_parser_class is None:
                 raise EngineRequestError(
