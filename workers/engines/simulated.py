@@ -108,7 +108,14 @@ from typing import Any
 
 from app.core.contract.pooling import pack
 from app.core.scheduling.fairshare import PREFIX_CHARS
-from app.core.scheduling.tokens import WORDS, count_words
+from app.core.scheduling.tokens import (
+    SIM_VOCABULARY,
+    SIM_WORDS,
+    WORDS,
+    count_words,
+    sim_decode,
+    sim_token_id,
+)
 from app.core.settings import Settings
 from workers.engines.base import (
     EngineRequestError,
@@ -131,17 +138,10 @@ from workers.engines.base import (
     wrong_task,
 )
 
-_WORDS = tuple(
-    (
-        "the queue holds every job until a worker with free capacity claims it and the engine "
-        "batches many sequences in each step so that bulk work keeps the accelerator busy while "
-        "realtime requests still start within milliseconds because lanes are served in strict "
-        "priority order and leases make sure nothing is lost when a process dies"
-    ).split()
-)
-# The vocabulary: token id i is VOCABULARY[i % len(VOCABULARY)] (see the module docstring).
-VOCABULARY = tuple(dict.fromkeys(_WORDS))
-_IDS = {word: i for i, word in enumerate(VOCABULARY)}
+# The words it writes, and its vocabulary: token id i is VOCABULARY[i % len(VOCABULARY)] (see
+# the module docstring; the API's word model counts, encodes and decodes with the same).
+_WORDS = SIM_WORDS
+VOCABULARY = SIM_VOCABULARY
 # A prompt's tokens as count_words counts them (app/core/scheduling/tokens.py), each with the
 # whitespace before it.
 _TOKEN_RE = re.compile(r"\s*(?:\w+|[^\w\s])")
@@ -253,18 +253,8 @@ HONOURED = frozenset(
 )
 
 
-def decode(ids: Sequence[int]) -> str:
-    """Token ids as text: their words, joined by spaces."""
-    return " ".join(VOCABULARY[i % len(VOCABULARY)] for i in ids)
-
-
-def token_id(word: str) -> int:
-    """A word's id: its place in the vocabulary, else a stable one past it."""
-    found = _IDS.get(word)
-    if found is not None:
-        return found
-    digest = hashlib.blake2b(word.encode(), digest_size=4).digest()
-    return len(VOCABULARY) + int.from_bytes(digest, "big")
+decode = sim_decode  # token ids as text: their words, one space apart
+token_id = sim_token_id  # a word's id: its place in the vocabulary, else a stable one past it
 
 
 def prompt_tokens_of(prompt: str | Sequence[int]) -> list[tuple[int, str]]:

@@ -380,32 +380,36 @@ def estimate(body: JobCreate) -> int:
 
 # --- vLLM's /tokenize and /detokenize (app/api/tokenize.py) ---
 
-# The simulated engine's vocabulary (workers/engines/simulated.py ``VOCABULARY``: the words it
-# writes, each once): its word model's token id i is SIM_VOCABULARY[i % len(SIM_VOCABULARY)],
-# in the engine and here.
-SIM_VOCABULARY = tuple(
-    dict.fromkeys(
-        (
-            "the queue holds every job until a worker with free capacity claims it and the "
-            "engine batches many sequences in each step so that bulk work keeps the accelerator "
-            "busy while realtime requests still start within milliseconds because lanes are "
-            "served in strict priority order and leases make sure nothing is lost when a "
-            "process dies"
-        ).split()
-    )
+# The simulated engine's words (workers/engines/simulated.py writes them) and its vocabulary,
+# each word once: its word model's token id i is SIM_VOCABULARY[i % len(SIM_VOCABULARY)], in
+# the engine and here (one definition for both).
+SIM_WORDS = tuple(
+    (
+        "the queue holds every job until a worker with free capacity claims it and the "
+        "engine batches many sequences in each step so that bulk work keeps the accelerator "
+        "busy while realtime requests still start within milliseconds because lanes are "
+        "served in strict priority order and leases make sure nothing is lost when a "
+        "process dies"
+    ).split()
 )
+SIM_VOCABULARY = tuple(dict.fromkeys(SIM_WORDS))
 _SIM_IDS = {word: i for i, word in enumerate(SIM_VOCABULARY)}
 _MAX_TOKEN_ID = 2**32 - 1  # the tokenizers library's ids are 32 bits
 
 
-def _word_id(word: str) -> int:
-    """A word's id in the simulated word model, as its engine gives it: its place in the
-    vocabulary, else a stable one past it (which decodes as a word of the vocabulary)."""
+def sim_token_id(word: str) -> int:
+    """A word's id in the simulated word model: its place in the vocabulary, else a stable one
+    past it (which decodes as a word of the vocabulary)."""
     found = _SIM_IDS.get(word)
     if found is not None:
         return found
     digest = hashlib.blake2b(word.encode(), digest_size=4).digest()
     return len(SIM_VOCABULARY) + int.from_bytes(digest, "big")
+
+
+def sim_decode(ids: Sequence[int]) -> str:
+    """Token ids of the simulated word model as text: their words, one space apart."""
+    return " ".join(SIM_VOCABULARY[i % len(SIM_VOCABULARY)] for i in ids)
 
 
 def encode(
@@ -416,7 +420,7 @@ def encode(
     ``convert_ids_to_tokens``). The simulated word model: one id per word or punctuation mark,
     as count_words counts them (no special tokens)."""
     if found._tokenizer is None:
-        ids = [_word_id(word) for word in _WORD_RE.findall(text)]
+        ids = [sim_token_id(word) for word in _WORD_RE.findall(text)]
         return ids, [SIM_VOCABULARY[i % len(SIM_VOCABULARY)] for i in ids]
     encoding = found._tokenizer.encode(text, add_special_tokens=add_special_tokens)
     return list(encoding.ids), list(encoding.tokens)
@@ -427,6 +431,6 @@ def decode(found: Counter, ids: Sequence[int]) -> str:
     the tokenizer does not have decodes to nothing, as the tokenizers library decodes it. The
     simulated word model: its words, one space apart, as the engine writes them."""
     if found._tokenizer is None:
-        return " ".join(SIM_VOCABULARY[i % len(SIM_VOCABULARY)] for i in ids)
+        return sim_decode(ids)
     known = [i for i in ids if 0 <= i <= _MAX_TOKEN_ID]
     return str(found._tokenizer.decode(known, skip_special_tokens=False))
