@@ -13,7 +13,6 @@ whose card has no template, or one not rendered exactly here, is refused (docs/o
 
 from __future__ import annotations
 
-from importlib import metadata
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -23,6 +22,7 @@ from app.core.contract import chat_template
 from app.core.contract.chat import ChatMessage, Tool
 from app.core.errors import DomainError, Kind, unavailable
 from app.core.messaging import clients
+from app.core.models import valid_text
 from app.core.scheduling import catalog, tokens
 from app.core.settings import get_settings
 
@@ -166,15 +166,13 @@ def tokenize(body: TokenizeRequest) -> dict[str, Any]:
     if body.prompt is None:
         raise DomainError(Kind.INVALID, "missing", "prompt: field required", param="prompt")
     found = _counter(body.model)
-    try:
-        body.prompt.encode()
-    except UnicodeEncodeError:
+    if not valid_text(body.prompt):
         raise DomainError(
             Kind.INVALID,
             "invalid_text",
             "prompt: text must be valid Unicode (no lone surrogates)",
             param="prompt",
-        ) from None
+        )
     specials = True if body.add_special_tokens is None else body.add_special_tokens
     return _answer(found, body.prompt, specials, body.return_token_strs)
 
@@ -198,8 +196,5 @@ def detokenize(body: DetokenizeRequest) -> dict[str, str]:
 
 def version() -> dict[str, str]:
     """``{"version": ...}`` as vLLM's /version has it: inferq's own version (the API runs no
-    vLLM, and its workers may run different engines)."""
-    try:
-        return {"version": metadata.version("inferq")}
-    except metadata.PackageNotFoundError:
-        return {"version": __version__}
+    vLLM, and its workers may run different engines), the one ``system_fingerprint`` says."""
+    return {"version": __version__}
