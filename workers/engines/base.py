@@ -181,6 +181,16 @@ def prompt_token_logprob(
     }
 
 
+def token_prompt(req: GenRequest) -> list[int] | None:
+    """A completion's prompt of token ids, as they are (None: a text or a chat); an empty one
+    fails the request as vLLM fails it."""
+    if req.messages is not None or req.prompt is None or isinstance(req.prompt, str):
+        return None
+    if not req.prompt:
+        raise EngineRequestError("invalid_request", "The decoder prompt cannot be empty")
+    return list(req.prompt)
+
+
 def echo_text(req: GenRequest, decode: Callable[[Sequence[int]], str]) -> str:
     """What an ``echo`` request's choices start with, as vLLM's server shows it: a completion's
     prompt (token ids decoded by the engine's tokenizer, ``decode``); of a chat, the last
@@ -189,9 +199,8 @@ def echo_text(req: GenRequest, decode: Callable[[Sequence[int]], str]) -> str:
         last = req.messages[-1] if req.messages else {}
         content = last.get("content") if last.get("role") == "assistant" else None
         return content if isinstance(content, str) else ""
-    if req.prompt is None or isinstance(req.prompt, str):
-        return req.prompt or ""
-    return decode(list(req.prompt))
+    ids = token_prompt(req)
+    return decode(ids) if ids is not None else str(req.prompt or "")
 
 
 class EngineRequestError(Exception):
@@ -418,9 +427,9 @@ def prompt_text(req: GenRequest, tokenizer: Any = None) -> str:
     ids has none: the engine hands the ids over as they are (it checks for them first)."""
     if req.messages is not None:
         return render_chat(req.messages, tokenizer, req.tools["tools"] if req.tools else None)
-    if req.prompt is not None and not isinstance(req.prompt, str):
+    if token_prompt(req) is not None:
         raise TypeError("a prompt of token ids is not rendered as text")
-    return req.prompt or ""
+    return str(req.prompt or "")
 
 
 def apply_stop(

@@ -46,6 +46,7 @@ from workers.engines.base import (
     prompt_text,
     prompt_token_logprob,
     refuse_options,
+    token_prompt,
     wrong_task,
 )
 
@@ -163,19 +164,14 @@ class HFEngine:
                 "adapter_not_supported",
                 f"{req.adapter!r} is a LoRA adapter: the hf engine runs none (vllm does)",
             )
-        prompt: str | list[int]
-        if req.messages is None and req.prompt is not None and not isinstance(req.prompt, str):
-            prompt = list(req.prompt)
-            if not prompt:
-                raise EngineRequestError("invalid_request", "The decoder prompt cannot be empty")
-            for token in (min(prompt), max(prompt)):  # vLLM's check and words
+        ids = token_prompt(req)
+        if ids is not None:
+            for token in (min(ids), max(ids)):  # vLLM's check and words
                 if not 0 <= token < self._vocabulary:
                     raise EngineRequestError(
                         "invalid_token_ids", f"Token id {token} is out of vocabulary"
                     )
-        else:
-            prompt = prompt_text(req, self._tokenizer)
-        item = _Pending(req, prompt)
+        item = _Pending(req, ids if ids is not None else prompt_text(req, self._tokenizer))
         self._pending.append(item)
         self._wake.set()
         try:

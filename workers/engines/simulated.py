@@ -135,6 +135,7 @@ from workers.engines.base import (
     prompt_token_logprob,
     refuse_options,
     token_logprob,
+    token_prompt,
     wrong_task,
 )
 
@@ -562,11 +563,8 @@ class SimulatedEngine:
             raise wrong_task(self.name, self.model_name, self.task, "generate")
         refuse_options(req, HONOURED, self.name)
         check_adapter(req, self.model_name)
-        ids: list[int] | None = None
-        if req.messages is None and req.prompt is not None and not isinstance(req.prompt, str):
-            ids = list(req.prompt)
-            if not ids:
-                raise EngineRequestError("invalid_request", "The decoder prompt cannot be empty")
+        ids = token_prompt(req)
+        if ids is not None:
             if min(ids) < 0:  # vLLM's words
                 raise EngineRequestError(
                     "invalid_token_ids", f"Token id {min(ids)} is out of vocabulary"

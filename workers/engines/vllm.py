@@ -49,6 +49,7 @@ from workers.engines.base import (
     prompt_text,
     prompt_token_logprob,
     token_logprob,
+    token_prompt,
     wrong_task,
 )
 
@@ -455,12 +456,13 @@ class VLLMEngine:
         if "logit_bias" in options:  # JSON keeps the token ids as strings
             options["logit_bias"] = {int(k): float(v) for k, v in options["logit_bias"].items()}
         prompt: Any
-        if req.messages is None and req.prompt is not None and not isinstance(req.prompt, str):
+        ids = token_prompt(req)
+        if ids is not None:
             from vllm.inputs import TokensPrompt
 
             # Token ids go in as tokens, never re-tokenized (vLLM checks them: out of
             # vocabulary fails the request as invalid_token_ids).
-            prompt = TokensPrompt(prompt_token_ids=list(req.prompt))
+            prompt = TokensPrompt(prompt_token_ids=ids)
         else:
             try:
                 prompt = prompt_text(req, self._tokenizer)
