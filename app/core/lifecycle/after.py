@@ -125,6 +125,11 @@ class Tx:
     after: After
     session: Session | None = None
 
+    @property
+    def postgresql(self) -> bool:
+        """Whether it runs on PostgreSQL (``app.core.models.among`` writes id lists for it)."""
+        return self.connection.dialect.name == "postgresql"
+
 
 def emit(after: After) -> None:
     """One log line and the job counters for every change ``after`` records."""

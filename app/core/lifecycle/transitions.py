@@ -47,7 +47,7 @@ from sqlalchemy import (
 from app.core.lifecycle.after import Transition, Tx
 from app.core.messaging import relay
 from app.core.messaging.names import queue_of
-from app.core.models import TERMINAL, Job, JobStatus, NewJob, can_transition
+from app.core.models import TERMINAL, Job, JobStatus, NewJob, among, can_transition
 from app.core.scheduling import fairshare
 from app.core.webhooks import outbox
 
@@ -421,7 +421,8 @@ def _claim_statement(which: ColumnElement[bool]) -> Any:
 
 
 _CLAIM_ONE = _claim_statement(Job.id == bindparam("b_id"))
-_CLAIM_MANY = _claim_statement(Job.id.in_(bindparam("b_ids", expanding=True)))
+# By dialect: PostgreSQL's takes the ids as one array (models.among).
+_CLAIM_MANY = {pg: _claim_statement(among(Job.id, "b_ids", postgresql=pg)) for pg in (False, True)}
 
 
 def claim(
@@ -437,7 +438,7 @@ def claim(
     statement, which = (
         (_CLAIM_ONE, {"b_id": job_ids[0]})
         if len(job_ids) == 1
-        else (_CLAIM_MANY, {"b_ids": list(job_ids)})
+        else (_CLAIM_MANY[tx.postgresql], {"b_ids": list(job_ids)})
     )
     params = {"b_worker": worker, "b_lease": stamp + lease_s, "b_stamp": stamp, **which}
     rows = list(tx.connection.execute(statement, params).all())
@@ -566,7 +567,9 @@ def _batches_done(tx: Tx, batch_ids: set[str | None]) -> set[str]:
     if not batch_ids:
         return set()
     left = tx.connection.execute(
-        select(Job.batch_id).where(Job.batch_id.in_(batch_ids), Job.status.in_(_LEFT)).distinct()
+        select(Job.batch_id)
+        .where(among(Job.batch_id, batch_ids, postgresql=tx.postgresql), Job.status.in_(_LEFT))
+        .distinct()
     ).scalars()
     return {b for b in batch_ids if b is not None} - set(left)
 
@@ -585,9 +588,10 @@ def _write_outcomes(tx: Tx, ended: Sequence[tuple[Lease, Outcome]], stamp: float
         changed = tx.connection.execute(_RECORD_ONE, _record_params(lease, outcome, stamp)).first()
         return [changed is not None]
     tx.connection.execute(_RECORD, [_record_params(lease, o, stamp) for lease, o in ended])
+    ids = [lease.job_id for lease, _ in ended]
     rows = tx.connection.execute(
         select(Job.id, Job.lease_token, Job.finished_at).where(
-            Job.id.in_([lease.job_id for lease, _ in ended])
+            among(Job.id, ids, postgresql=tx.postgresql)
         )
     ).all()
     mine = {row.id for row in rows if row.finished_at == stamp}

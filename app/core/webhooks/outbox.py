@@ -40,6 +40,7 @@ from app.core.models import (
     WebhookEndpoint,
     WebhookEvent,
     WebhookStatus,
+    among,
     new_id,
     now,
 )
@@ -153,7 +154,9 @@ def _response_events(connection: Connection, job_ids: Collection[str], stamp: fl
         .join(Job, Job.id == StoredResponse.job_id)
         .join(WebhookEndpoint, WebhookEndpoint.tenant == Job.tenant)
         .where(
-            StoredResponse.job_id.in_(list(job_ids)),
+            among(
+                StoredResponse.job_id, job_ids, postgresql=connection.dialect.name == "postgresql"
+            ),
             StoredResponse.background.is_(True),
             Job.finished_at == stamp,
         )
