@@ -44,7 +44,7 @@ import redis
 from sqlalchemy import select
 from sqlalchemy.exc import InterfaceError, OperationalError
 
-from app.core.db import SQLITE_BUSY_TIMEOUT_MS, session_scope
+from app.core.db import SQLITE_BUSY_TIMEOUT_MS, refresh_statistics, session_scope
 from app.core.messaging import broker, clients
 from app.core.messaging.names import (
     AFFINITY_OVERFLOW_KEY,
@@ -64,6 +64,9 @@ from app.dispatcher.refill import Affine, Route, must_make_way, recall, refill
 log = logging.getLogger("inferq.dispatcher")
 
 SCAN_S = 1.0  # how often the database is asked which queues have waiting jobs
+# How often the jobs table's statistics are looked at, and refreshed if stale
+# (app/core/db.py, refresh_statistics: plans made on a table that has since grown).
+STATS_S = 2.0
 IDLE_S = 1.0  # longest wait for a wake-up while nothing waits
 IDLE_WAIT_S = 0.05  # longest wait between looks at lists that do not move
 SLOTS_S = 1.0  # how often the workers' presence records (their slots) are read
@@ -92,6 +95,7 @@ class Dispatcher:
         self.expired = 0
         self.recalled = 0  # jobs whose message was taken back (a lane above them waited)
         self._scanned = 0.0
+        self._analyzed = 0.0
         self._workers: tuple[float, list[LiveWorker]] = (0.0, [])
         self.worker_id = f"{socket.gethostname()}-{os.getpid()}"
         # What the presence thread reads: published by the loop (``_went_round``), replaced
@@ -178,6 +182,9 @@ class Dispatcher:
         if time.monotonic() - self._scanned >= SCAN_S:
             self._scanned = time.monotonic()
             self.backlog |= self._scan()
+        if time.monotonic() - self._analyzed >= STATS_S:
+            self._analyzed = time.monotonic()
+            refresh_statistics()
         if time.monotonic() - self._swept >= SLOTS_S:
             self._swept = time.monotonic()
             self._take_back_gone(self._live_workers())
