@@ -44,6 +44,7 @@ from sqlalchemy import (
     update,
 )
 
+from app.core.db import copy_rows
 from app.core.lifecycle.after import Transition, Tx
 from app.core.messaging import relay
 from app.core.messaging.names import queue_of
@@ -116,7 +117,10 @@ def create(tx: Tx, jobs: Sequence[NewJob], *, direct: bool = False) -> None:
         if direct:
             for row in chunk:
                 row["enqueued_at"] = row["created_at"]
-        tx.connection.execute(insert(table), chunk[0] if len(chunk) == 1 else chunk)
+        if len(chunk) > 1 and tx.postgresql:
+            copy_rows(tx.connection, table, chunk)  # one stream, not a statement a row
+        else:
+            tx.connection.execute(insert(table), chunk[0] if len(chunk) == 1 else chunk)
     queues = [(job.id, queue_of(job.lane, job.model)) for job in jobs]
     after = tx.after
     after.moved += [
