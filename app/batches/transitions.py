@@ -121,8 +121,25 @@ def release(tx: Tx, batch_id: str, held: float) -> None:
 # --- out of validating ------------------------------------------------------------------------
 
 
+def hold(tx: Tx, batch_id: str, held: float, stamp: float) -> bool:
+    """The batch is still ``validating`` under this lease: a chunk of its lines may go in with
+    this transaction (the row is locked until it commits, so a cancel either sees the chunk's
+    jobs to stop or is seen here). False if it was cancelled or the lease moved on."""
+    kept = tx.connection.execute(
+        update(Batch)
+        .where(
+            Batch.id == batch_id,
+            Batch.status == BatchStatus.VALIDATING,
+            Batch.claimed_at == held,
+        )
+        .values(updated_at=stamp)
+    ).rowcount  # type: ignore[attr-defined]
+    return bool(kept)
+
+
 def start(tx: Tx, batch_id: str, held: float, stamp: float, *, total: int) -> bool:
-    """Its jobs are inserted (in this transaction): ``validating`` → ``in_progress``."""
+    """Its last lines are inserted (in this transaction), the file read to its end:
+    ``validating`` → ``in_progress``."""
     return _move(
         tx,
         batch_id,
@@ -135,7 +152,9 @@ def start(tx: Tx, batch_id: str, held: float, stamp: float, *, total: int) -> bo
 
 
 def fail(tx: Tx, batch_id: str, held: float, stamp: float, errors: list[dict[str, Any]]) -> bool:
-    """Its input file is invalid: ``validating`` → ``failed``, with the line-numbered errors."""
+    """Its input file is invalid: ``validating`` → ``failed``, with the line-numbered errors
+    (the lines that started before the bad one was read are the caller's to stop:
+    ``transitions.stop_batch``)."""
     failed = _move(
         tx, batch_id, BatchStatus.VALIDATING, BatchStatus.FAILED, stamp, held=held, errors=errors
     )

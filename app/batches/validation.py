@@ -1,17 +1,23 @@
 """Reading a batch's input file and starting its jobs (ops worker).
 
-The file is read once, streaming, never whole, in one transaction (:func:`start`). Every line
-is checked: JSON, a unique ``custom_id``, ``method`` POST, ``url`` equal to the batch's
-endpoint, and a body the endpoint itself would accept (:func:`parse`, the same request model
-as the realtime endpoint, its model resolved once a pass), its prompt within the model's
-context, at most ``batch_max_lines``. While no line has failed, each line's bulk job is
-inserted as it is read (``jobs.new_job`` with the line's place in the batch); at the end the
-same transaction moves the batch to ``in_progress``, so the jobs exist exactly when the batch
-says so, and the dispatcher is woken for them after the commit. A bad line stops the inserts
-and the rest is only checked: the transaction rolls back, nothing is enqueued, and the batch
-fails with line-numbered ``errors``. Every line's deadline is the batch's ``expires_at``.
-(Two passes, the first checking and the second inserting, read and parsed every line twice:
-half of a 50,000-line batch's start, docs/benchmarks.md, "embed".)
+The file is read once, streaming, never whole (:func:`start`). Every line is checked: JSON, a
+unique ``custom_id``, ``method`` POST, ``url`` equal to the batch's endpoint, and a body the
+endpoint itself would accept (:func:`parse`, the same request model as the realtime endpoint,
+its model resolved once a pass), its prompt within the model's context, at most
+``batch_max_lines``. While no line has failed, each line's bulk job is made as it is read
+(``jobs.new_job`` with the line's place in the batch) and every ``STREAM_LINES`` lines they are
+committed, so the first lines run while the rest of the file is read (issue 65: a 50,000-line
+file took 10 s to read and check before its first line could start); the batch stays
+``validating`` meanwhile, and each chunk's transaction holds the batch under this ops worker's
+lease (``batch_transitions.hold``), so a cancel stops what went in and nothing goes in after
+it. The last chunk and the move to ``in_progress`` commit together. A bad line stops the
+inserts and the rest is only checked: the batch fails with line-numbered ``errors`` and the
+lines that started are stopped (``batch_failed``), their work thrown away, as OpenAI's failed
+batch has no output (docs/architecture.md, "Batches": why lines start before the file is
+checked). An ops worker that dies mid-file leaves its chunks committed; the next one to take
+the batch reads the file again from the start (the custom_ids and the count need every line)
+and inserts only the lines after the last committed one (:func:`_committed_through`). Every
+line's deadline is the batch's ``expires_at``.
 
 Embedding lines are grouped instead: consecutive lines of one model and the same options
 share a job of at most ``INFERQ_BATCH_EMBED_GROUP`` inputs, whose ``lines`` say which inputs
@@ -31,6 +37,7 @@ from typing import Any, BinaryIO
 
 import orjson
 from pydantic import ValidationError
+from sqlalchemy import select
 
 from app.batches import transitions as batch_transitions
 from app.core.contract.jobs import JobCreate
@@ -40,7 +47,7 @@ from app.core.errors import DomainError, Kind, named, pydantic_error
 from app.core.lifecycle import jobs, transitions
 from app.core.lifecycle.changes import changes
 from app.core.messaging import clients
-from app.core.models import Batch, BatchStatus, JobKind, NewJob, now, valid_text
+from app.core.models import Batch, BatchStatus, Job, JobKind, JobStatus, NewJob, now, valid_text
 from app.core.openai import openai_format, pooling_format
 from app.core.openai.pooling_format import EmbeddingRequest, RerankRequest
 from app.core.scheduling import catalog, tokens
@@ -59,6 +66,8 @@ KINDS = {
     pooling_format.SCORE: JobKind.SCORE,
 }
 MAX_ERRORS = 100  # validation stops after this many bad lines
+# Lines a chunk commits, so that the first run while the rest is read (module docstring).
+STREAM_LINES = 500
 MAX_CUSTOM_ID = 512
 
 
@@ -224,9 +233,14 @@ def start(batch_id: str) -> str:
     try:
         count = _read(batch, now(), held)
     except _Failed as failure:
+        stamp = now()
         with changes("ops", batch_id=batch_id) as tx:
-            failed = batch_transitions.fail(tx, batch_id, held, now(), failure.errors)
-            if not failed:
+            failed = batch_transitions.fail(tx, batch_id, held, stamp, failure.errors)
+            if failed:  # the lines that started before the bad one was read
+                transitions.stop_batch(
+                    tx, batch_id, stamp, to=JobStatus.CANCELLED, code="batch_failed"
+                )
+            else:
                 batch_transitions.release(tx, batch_id, held)  # cancelled meanwhile
         if not failed:
             return "cancelled while validating"  # the sweep finalizes it
@@ -250,7 +264,8 @@ def start(batch_id: str) -> str:
 
 
 class _Cancelled(Exception):
-    """The batch moved on while its jobs were inserted: the transaction rolls back."""
+    """The batch was cancelled (or its lease moved on) while its file was read: the chunk at
+    hand rolls back; the cancel stopped the chunks before it."""
 
 
 class _Failed(Exception):
@@ -263,9 +278,9 @@ class _Failed(Exception):
 
 def _read(batch: Batch, stamp: float, held: float) -> int:
     """The one pass: check every line and, while none has failed, insert its job (or its
-    group's); then move the batch to ``in_progress``, all in one transaction. Returns the
-    number of requests; raises _Failed (line-numbered errors, at most MAX_ERRORS) or
-    _Cancelled, and then nothing was written."""
+    group's), a chunk of ``STREAM_LINES`` lines a transaction; the last chunk moves the batch to
+    ``in_progress``. Returns the number of requests; raises _Failed (line-numbered errors, at
+    most MAX_ERRORS; the chunks committed before stay, for the caller to stop) or _Cancelled."""
     settings = get_settings()
     limit, most = settings.max_body_bytes, settings.batch_max_lines
     most_inputs = settings.batch_max_embedding_inputs
@@ -279,8 +294,10 @@ def _read(batch: Batch, stamp: float, held: float) -> int:
     except FileNotFoundError:
         error = _error("file_not_found", f"file {batch.input_file_id} was deleted", None, None)
         raise _Failed([error]) from None
-    with changes("ops", batch_id=batch.id) as tx, source:
+    done = _committed_through(batch.id)  # an earlier attempt's chunks are in
+    with source:
         new: list[NewJob] = []
+        read = 0  # lines made into jobs since the last chunk
         for number, raw in lines(source, limit):
             count += 1
             if count > most:
@@ -314,24 +331,53 @@ def _read(batch: Batch, stamp: float, held: float) -> int:
                 if len(errors) >= MAX_ERRORS:
                     break
                 continue
-            if errors:
-                continue  # only checked from the first bad line on: nothing will be written
+            if errors or number <= done:
+                continue  # nothing more is written after a bad line; a committed line is in
             new += (
                 group.add(number, line) if line.job is None else [group.one(number, line, counted)]
             )
-            if len(new) >= transitions.INSERT_CHUNK:
-                transitions.create(tx, new)
-                new = []
+            read += 1
+            if read >= STREAM_LINES:
+                _insert(batch.id, held, new + group.close())  # a group ends with its chunk
+                new, read = [], 0
         if not errors and count == 0:
             errors.append(_error("empty_file", "the input file has no requests", None, None))
         if errors:
             raise _Failed(errors)
-        transitions.create(tx, new + group.close())
-        # in_progress_at is the move's own time: the read may have taken seconds (a job's
-        # created_at is the read's start, when the first was built).
-        if not batch_transitions.start(tx, batch.id, held, now(), total=count):
-            raise _Cancelled  # no job was ever visible
+        with changes("ops", batch_id=batch.id) as tx:
+            transitions.create(tx, new + group.close())
+            # in_progress_at is the move's own time: the read may have taken seconds (a job's
+            # created_at is the read's start, when the first was built).
+            if not batch_transitions.start(tx, batch.id, held, now(), total=count):
+                raise _Cancelled  # cancelled meanwhile: the cancel stopped what went in
+            # Its lines may all have ended while the file was read: finalize it now.
+            tx.after.finalize |= transitions.batches_done(tx, {batch.id})
     return count
+
+
+def _insert(batch_id: str, held: float, new: list[NewJob]) -> None:
+    """Commit a chunk of the batch's jobs while it is still validating under our lease."""
+    with changes("ops", batch_id=batch_id) as tx:
+        if not batch_transitions.hold(tx, batch_id, held, now()):
+            raise _Cancelled
+        transitions.create(tx, new)
+
+
+def _committed_through(batch_id: str) -> int:
+    """The last line whose job an earlier attempt committed (0: none). Lines go in in file
+    order, a chunk at a time, and a chunk closes its group, so the job of the highest first
+    line holds the last line committed (a group's is its last line's)."""
+    with session_scope() as session:
+        last = session.execute(
+            select(Job.batch_line, Job.lines)
+            .where(Job.batch_id == batch_id, Job.batch_line.is_not(None))
+            .order_by(Job.batch_line.desc())
+            .limit(1)
+        ).first()
+    if last is None:
+        return 0
+    first, grouped = last
+    return max([int(first), *(int(entry["line"]) for entry in grouped or [])])
 
 
 class _Group:

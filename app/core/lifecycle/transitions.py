@@ -270,6 +270,7 @@ def forget_lost(
 
 STOPPED_BY_BATCH = {
     "batch_cancelled": "the batch was cancelled",
+    "batch_failed": "a later line of the batch's input file is invalid: the batch failed",
     "batch_expired": "the batch's completion window ended before this request ran",
 }
 
@@ -559,11 +560,11 @@ def record(tx: Tx, ended: Sequence[tuple[Lease, Outcome]], *, stamp: float) -> l
         tx.connection, ids, stamp, hooked=hooked, responses=responses
     )
     after.usage += [lease.usage(o.used) for lease, o in recorded]
-    after.finalize |= _batches_done(tx, {lease.batch_id for lease, _ in recorded} - {None})
+    after.finalize |= batches_done(tx, {lease.batch_id for lease, _ in recorded} - {None})
     return written
 
 
-def _batches_done(tx: Tx, batch_ids: set[str | None]) -> set[str]:
+def batches_done(tx: Tx, batch_ids: set[str | None]) -> set[str]:
     """Which of ``batch_ids`` have no job left to run once this transaction commits: the ops
     worker finalizes them at once instead of at its next sweep. Two workers that end a
     batch's last two jobs at the same moment may each see the other's running: then the
