@@ -3,9 +3,10 @@
 The parts a worker process builds (workers/inference/main.py: runner, executor with its
 recorder and intake, heartbeat) run in this process on a simulated engine, against a real
 SQLite file or PostgreSQL database and a real Redis, with a load of jobs in the engine. Under
-load a renewal can wait for seconds: SQLite has one writer, and a batch's validation holds it
+load a renewal can wait for seconds: SQLite has one writer, and a batch's validation held it
 for the whole file (12.8 s for 50,000 lines on a 2-core machine, measured while a worker ran
-200 jobs); on PostgreSQL a transaction holding the running jobs' rows does the same. The test
+200 jobs; since issue 65 it commits every 500 lines); on PostgreSQL a transaction holding the
+running jobs' rows does the same. The test
 holds that lock itself, as such a writer does, past three heartbeats.
 
 The record was written after each renewal, by the same thread: it aged with the wait (past its
