@@ -363,7 +363,8 @@ def test_a_host_cut_off_longer_than_its_lease(deployment: Deployment) -> None:
     try:
         done = {job_id: d.wait(job_id, timeout=90) for job_id in ids}
         assert all(job["status"] == "succeeded" for job in done.values()), done
-        assert all(job["attempts"] == 2 for job in done.values()), done
+        attempts = {job_id: job["attempts"] for job_id, job in done.items()}
+        assert set(attempts.values()) == {2}, attempts  # 1: it ended on host1 before the cut
         on_host2 = {d.worker_id("host2", model) for model in (ALPHA, BETA)}
         assert {d.owner(job_id) for job_id in ids} == on_host2
         # Longer than the lease, and long enough for host1 to finish its own copies.
