@@ -2,9 +2,10 @@
 
 In process: the API's routes, the ops worker's own validation (``validation.start``) and
 finalization, and, where a line must run, a worker on the SIMULATED engine with the real
-dispatcher loop. ``STREAM_LINES`` is made small so that a short file is read in several chunks,
-and the file's reader (``validation.lines``) is wrapped to act between two chunks: wait until a
-line has run, cancel the batch, or die as an ops worker would.
+dispatcher loop. ``STREAM_LINES`` is made small (and kept: chunks double in size otherwise) so
+that a short file is read in several chunks, and the file's reader (``validation.lines``) is
+wrapped to act between two chunks: wait until a line has run, cancel the batch, or die as an
+ops worker would.
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ def status_of(batch_id: str) -> str:
 @pytest.fixture
 def small_chunks(core: Settings, monkeypatch: pytest.MonkeyPatch) -> Settings:
     monkeypatch.setattr(validation, "STREAM_LINES", CHUNK)
+    monkeypatch.setattr(validation, "STREAM_LINES_MOST", CHUNK)  # every chunk the same
     return core
 
 
