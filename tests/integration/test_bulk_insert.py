@@ -4,8 +4,6 @@ used by ``transitions.create`` for more than one job), on a real server; SQLite 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any, cast
 
 import pytest
@@ -18,22 +16,14 @@ from app.core.lifecycle import jobs, transitions
 from app.core.lifecycle.after import After, Tx
 from app.core.models import Job, NewJob, new_id
 from app.core.settings import Settings
-from tests.conftest import PostgresDatabases, database_url_for, fresh_redis_url
-from tests.unit.conftest import environment
 
 TABLE = cast(Table, Job.__table__)
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
-def settings(
-    request: pytest.FixtureRequest, tmp_path: Path, postgres: PostgresDatabases
-) -> Iterator[Settings]:
-    url = database_url_for(request.param, tmp_path, postgres)
-    with environment(
-        data_dir=str(tmp_path), database_url=url, redis_url=fresh_redis_url()
-    ) as settings:
-        db.migrate()
-        yield settings
+@pytest.fixture
+def settings(migrated_settings: Settings) -> Settings:
+    """On SQLite, then on PostgreSQL (tests/integration/conftest.py)."""
+    return migrated_settings
 
 
 BODIES: list[dict[str, Any]] = [

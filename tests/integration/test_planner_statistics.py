@@ -8,9 +8,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 from sqlalchemy import select, text
 
@@ -20,20 +17,12 @@ from app.core.lifecycle import jobs, transitions
 from app.core.lifecycle.after import After, Tx
 from app.core.models import Job, JobStatus, among, now
 from app.core.settings import Settings
-from tests.conftest import PostgresDatabases, database_url_for, fresh_redis_url
-from tests.unit.conftest import environment
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
-def settings(
-    request: pytest.FixtureRequest, tmp_path: Path, postgres: PostgresDatabases
-) -> Iterator[Settings]:
-    url = database_url_for(request.param, tmp_path, postgres)
-    with environment(
-        data_dir=str(tmp_path), database_url=url, redis_url=fresh_redis_url()
-    ) as settings:
-        db.migrate()
-        yield settings
+@pytest.fixture
+def settings(migrated_settings: Settings) -> Settings:
+    """On SQLite, then on PostgreSQL (tests/integration/conftest.py)."""
+    return migrated_settings
 
 
 def add(settings: Settings, n: int) -> list[str]:

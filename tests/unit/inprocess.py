@@ -51,6 +51,22 @@ def call(method: str, path: str, **kwargs: Any) -> httpx.Response:
     return run(scenario)
 
 
+def create_batch(lines: list[bytes], endpoint: str) -> str:
+    """Upload ``lines`` as a batch input file and create a batch of ``endpoint`` on it (left
+    ``validating``, for the test to start as the ops worker does); its id."""
+    upload = call(
+        "POST",
+        "/v1/files",
+        data={"purpose": "batch"},
+        files={"file": ("in.jsonl", b"\n".join(lines) + b"\n")},
+    )
+    assert upload.status_code == 200, upload.text
+    body = {"input_file_id": upload.json()["id"], "endpoint": endpoint, "completion_window": "24h"}
+    made = call("POST", "/v1/batches", json=body)
+    assert made.status_code == 200, made.text
+    return str(made.json()["id"])
+
+
 class Worker:
     """An inference worker's executor on a simulated engine (SIMULATED), announced like a
     worker, taking its model's messages from Redis in lane order on a thread of its own."""

@@ -25,7 +25,7 @@ from app.core.messaging import clients
 from app.core.settings import Settings
 from app.dispatcher.loop import Dispatcher
 from tests.support import wait_until
-from tests.unit.inprocess import Worker, call
+from tests.unit.inprocess import Worker, call, create_batch
 
 COMPLETIONS = "/v1/completions"
 # The simulated engine's context here: "word " * 40 is 40 tokens, past it.
@@ -85,24 +85,7 @@ def stack(core: Settings) -> Iterator[Settings]:
 def run_batch(lines: list[bytes]) -> tuple[dict[str, Any], str]:
     """Upload ``lines``, create the batch, start it as the ops worker does, and finalize it once
     its jobs are done; (the batch as the API shows it, what start answered)."""
-    upload = call(
-        "POST",
-        "/v1/files",
-        data={"purpose": "batch"},
-        files={"file": ("in.jsonl", b"\n".join(lines) + b"\n")},
-    )
-    assert upload.status_code == 200, upload.text
-    made = call(
-        "POST",
-        "/v1/batches",
-        json={
-            "input_file_id": upload.json()["id"],
-            "endpoint": COMPLETIONS,
-            "completion_window": "24h",
-        },
-    )
-    assert made.status_code == 200, made.text
-    batch_id = made.json()["id"]
+    batch_id = create_batch(lines, COMPLETIONS)
     started = validation.start(batch_id)  # the ops worker's start task
     if started == "in_progress":
         wait_until(lambda: finalize.finalize(batch_id), 20, "the batch to finalize", every=0.05)

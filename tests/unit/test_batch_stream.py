@@ -26,7 +26,7 @@ from app.core.models import Batch
 from app.core.settings import Settings
 from app.dispatcher.loop import Dispatcher
 from tests.support import wait_until
-from tests.unit.inprocess import Worker, call
+from tests.unit.inprocess import Worker, call, create_batch
 
 CHAT = "/v1/chat/completions"
 CHUNK = 2  # lines a chunk commits here
@@ -42,17 +42,7 @@ def record(core: Settings, custom_id: str, **body: Any) -> bytes:
 
 
 def create(lines: list[bytes]) -> str:
-    upload = call(
-        "POST",
-        "/v1/files",
-        data={"purpose": "batch"},
-        files={"file": ("in.jsonl", b"\n".join(lines) + b"\n")},
-    )
-    assert upload.status_code == 200, upload.text
-    body = {"input_file_id": upload.json()["id"], "endpoint": CHAT, "completion_window": "24h"}
-    made = call("POST", "/v1/batches", json=body)
-    assert made.status_code == 200, made.text
-    return str(made.json()["id"])
+    return create_batch(lines, CHAT)
 
 
 def jobs_of(batch_id: str) -> list[tuple[str, str, str | None]]:
@@ -199,15 +189,7 @@ def run_twice(
             ).encode()
             for i in range(1, 8)
         ]
-    upload = call(
-        "POST",
-        "/v1/files",
-        data={"purpose": "batch"},
-        files={"file": ("in.jsonl", b"\n".join(lines) + b"\n")},
-    )
-    endpoint = CHAT if kind == "chat" else "/v1/embeddings"
-    body = {"input_file_id": upload.json()["id"], "endpoint": endpoint, "completion_window": "24h"}
-    batch_id = str(call("POST", "/v1/batches", json=body).json()["id"])
+    batch_id = create_batch(lines, CHAT if kind == "chat" else "/v1/embeddings")
 
     def die() -> None:
         raise _Died
