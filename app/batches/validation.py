@@ -258,8 +258,8 @@ def start(batch_id: str) -> str:
     except DomainError as exc:
         if exc.kind != Kind.UNAVAILABLE:
             raise
-        # The file store is down: nothing was written; the sweep starts the batch again
-        # (docs/files.md, "When the store is down").
+        # The file store is down: the chunks already in stay, and the sweep starts the batch
+        # again, going on after them (docs/files.md, "When the store is down").
         with changes("ops", batch_id=batch_id) as tx:
             batch_transitions.release(tx, batch_id, held)
         log.warning("batch %s waits for the file store: %s", batch_id, exc.message)
