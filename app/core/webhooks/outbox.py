@@ -58,7 +58,7 @@ def event_id_for_job(job_id: str) -> str:
     return EVENT_PREFIX + job_id.removeprefix("job_")
 
 
-def job_events(job_ids: Collection[str], stamp: float) -> Insert:
+def job_events(job_ids: Collection[str], stamp: float, *, postgresql: bool) -> Insert:
     """Insert the events of the jobs among ``job_ids`` that this transaction finished.
 
     "This transaction" is told by ``finished_at == stamp``; jobs without a webhook_url get
@@ -79,7 +79,7 @@ def job_events(job_ids: Collection[str], stamp: float) -> Insert:
         Job.finished_at,
         Job.finished_at,
     ).where(
-        Job.id.in_(list(job_ids)),
+        among(Job.id, job_ids, postgresql=postgresql),
         Job.webhook_url.is_not(None),
         Job.status.in_(list(TERMINAL)),
         Job.finished_at == stamp,
@@ -122,10 +122,15 @@ def record_job_events(
     (docs/benchmarks.md, "CPU per realtime call")."""
     if not job_ids:
         return []
+    postgresql = connection.dialect.name == "postgresql"  # id lists as arrays: models.among
     with_url = job_ids if hooked is None else hooked
-    written = list(connection.execute(job_events(with_url, stamp)).scalars()) if with_url else []
+    written = (
+        list(connection.execute(job_events(with_url, stamp, postgresql=postgresql)).scalars())
+        if with_url
+        else []
+    )
     maybe = job_ids if responses is None else responses
-    return written + (_response_events(connection, maybe, stamp) if maybe else [])
+    return written + (_response_events(connection, maybe, stamp, postgresql) if maybe else [])
 
 
 def response_event_type(status: str, finish_reason: str | None) -> str:
@@ -137,7 +142,9 @@ def response_event_type(status: str, finish_reason: str | None) -> str:
     return "response.failed"  # failed, expired
 
 
-def _response_events(connection: Connection, job_ids: Collection[str], stamp: float) -> list[str]:
+def _response_events(
+    connection: Connection, job_ids: Collection[str], stamp: float, postgresql: bool
+) -> list[str]:
     """One ``response.<status>`` event per endpoint of the tenant that lists it, for each
     background response among the jobs this transaction ended (one query: an indexed look-up
     that finds nothing for jobs that are not responses)."""
@@ -154,9 +161,7 @@ def _response_events(connection: Connection, job_ids: Collection[str], stamp: fl
         .join(Job, Job.id == StoredResponse.job_id)
         .join(WebhookEndpoint, WebhookEndpoint.tenant == Job.tenant)
         .where(
-            among(
-                StoredResponse.job_id, job_ids, postgresql=connection.dialect.name == "postgresql"
-            ),
+            among(StoredResponse.job_id, job_ids, postgresql=postgresql),
             StoredResponse.background.is_(True),
             Job.finished_at == stamp,
         )
