@@ -10,6 +10,7 @@ import contextlib
 import http.server
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -66,6 +67,25 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def free_ports_in_a_row(count: int) -> int:
+    """The first of ``count`` consecutive loopback ports that are free now, taken below the
+    system's ephemeral range: a port next to one ``free_port`` returned is in that range, where
+    any process's outbound connection or port-0 bind may take it between the pick and its use
+    (it did, in CI: `inferq up` refused its embedding worker's /metrics port)."""
+    ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(200):
+        first = random.randrange(ephemeral_low - 12_000, ephemeral_low - count)
+        with contextlib.ExitStack() as held:
+            try:
+                for port in range(first, first + count):
+                    sock = held.enter_context(socket.socket())
+                    sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return first
+    raise RuntimeError(f"no {count} free ports in a row below {ephemeral_low}")
 
 
 def log_tail(path: Path, n: int) -> str:

@@ -18,7 +18,7 @@ import redis
 
 from app.cli.stack import left_running, port_holder, redis_server_argv
 from app.cli.where import RECORD_FILE
-from tests.support import REPO, free_port, wait_until
+from tests.support import REPO, free_port, free_ports_in_a_row, wait_until
 
 
 def readme_banner() -> str:
@@ -78,15 +78,18 @@ def start_up(env: dict[str, str]) -> tuple[subprocess.Popen[str], list[str], thr
         )
         assert proc.poll() is None, "".join(lines)
     except BaseException:
-        for leftover in [*psutil.Process(proc.pid).children(recursive=True), proc]:
-            with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
-                leftover.kill()
+        # `inferq up` may have exited already (then its own stop took its children): the
+        # assertion above, with its output, is what the test reports.
+        with contextlib.suppress(psutil.NoSuchProcess):
+            for leftover in [*psutil.Process(proc.pid).children(recursive=True), proc]:
+                with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
+                    leftover.kill()
         raise
     return proc, lines, reader
 
 
 def test_up_runs_the_whole_stack_and_stops_every_child(tmp_path: Path) -> None:
-    api_port, redis_port, metrics_port = free_port(), free_port(), free_port()
+    api_port, redis_port, metrics_port = free_port(), free_port(), free_ports_in_a_row(2)
     # With the embedding model's worker beside the demo's (the simulated engine stands in for
     # both) and a fixed /metrics port: the embedding worker takes the next one.
     env = {

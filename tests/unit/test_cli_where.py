@@ -22,7 +22,7 @@ from app.cli import where
 from app.core.messaging.names import PRESENCE_KEY_PREFIXES
 from app.core.settings import Settings
 from tests.conftest import fresh_redis_url
-from tests.support import REPO, free_port
+from tests.support import REPO, free_port, free_ports_in_a_row
 
 WORKER = {"role": "inference", "worker_id": "gpu-host:4242", "engine": "simulated", "pid": 4242}
 
@@ -138,7 +138,7 @@ def test_up_refuses_fixed_metrics_ports_that_meet_before_starting_anything(
     """With a fixed worker /metrics port and the embedding model, the embedding worker takes
     the next port; a setting that collides with it, or the port held, is refused at once, with
     the settings named (not an embedding worker dying with `Address already in use`)."""
-    port = free_port()
+    port = free_ports_in_a_row(2)
     env = {
         "INFERQ_DATA_DIR": str(tmp_path / "data"),
         "INFERQ_API_PORT": str(free_port()),
