@@ -31,6 +31,7 @@ from app.core.messaging.names import (
     MAINTENANCE_QUEUE,
     REAP_TASK,
     SWEEP_BATCHES_TASK,
+    SWEEP_HISTORY_TASK,
     SWEEP_WEBHOOKS_TASK,
 )
 from app.core.settings import Settings
@@ -46,6 +47,7 @@ def _beat_schedule(settings: Settings) -> dict[str, Any]:
         "reap": (REAP_TASK, settings.reaper_interval_s),
         "sweep-batches": (SWEEP_BATCHES_TASK, settings.batch_sweep_interval_s),
         "expire-files": (EXPIRE_FILES_TASK, settings.files_sweep_interval_s),
+        "sweep-history": (SWEEP_HISTORY_TASK, settings.retention_sweep_interval_s),
     }
     return {
         name: {

@@ -58,9 +58,16 @@ class Page(BaseModel, Generic[Item]):
 
 
 class JobList(BaseModel):
+    """A page of jobs, newest first, and where the tenant's history ends: jobs finished longer
+    ago than ``retention_s`` (None: kept forever) are deleted, and ``expired_through`` is the
+    newest job id deleted so far (None: none), so a page that reaches it may be the last one
+    with those jobs in it (docs/api.md, "What is kept")."""
+
     object: Literal["list"] = "list"
     data: list[JobOut]
     has_more: bool
+    retention_s: int | None = None
+    expired_through: str | None = None
 
 
 class JobBulkOut(BaseModel):

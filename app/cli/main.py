@@ -353,6 +353,38 @@ def keys_revoke(key_id: str) -> None:
     sys.exit(0 if done else 1)
 
 
+@main.group()
+def tenant() -> None:
+    """What a deployment keeps for a tenant beyond its keys (directly in the database)."""
+
+
+@tenant.command("retention")
+@click.argument("name")
+@click.option(
+    "--days",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="Keep the tenant's finished jobs this long after they end (0: forever).",
+)
+@click.option("--default", "use_default", is_flag=True, help="Back to INFERQ_JOB_RETENTION_S.")
+def tenant_retention(name: str, days: float | None, use_default: bool) -> None:
+    """Show or set how long a tenant's finished jobs are kept (docs/api.md, "What is kept")."""
+    from app.core.db import session_scope
+    from app.core.lifecycle import retention
+
+    if days is not None and use_default:
+        raise click.UsageError("give --days or --default, not both")
+    with session_scope() as session:
+        if days is not None:
+            retention.set_retention(session, name, round(days * 86400))
+        elif use_default:
+            retention.set_retention(session, name, None)
+        seconds = retention.retention_of(session, name)
+        through = retention.horizon(session, name).swept_through
+    kept = "forever" if seconds == 0 else f"{seconds / 86400:g} days ({seconds} s)"
+    click.echo(f"tenant {name}: finished jobs kept {kept}; deleted through {through or '-'}")
+
+
 @contextlib.contextmanager
 def _refused() -> Iterator[None]:
     """A refusal from the core (a bad URL, an unknown id) as a one-line error, exit code 1."""

@@ -389,6 +389,8 @@ class Job(Base):
         Index("ix_jobs_status_lane", "status", "lane"),
         Index("ix_jobs_batch_line", "batch_id", "batch_line"),
         Index("ix_jobs_tenant_status", "tenant", "status"),
+        # Retention's sweep: the oldest finished jobs first (app/core/lifecycle/retention.py).
+        Index("ix_jobs_finished_at", "finished_at"),
         # The dispatcher's backlog: queued jobs not yet sent, in the order it picks them
         # (a tenant's earliest deadline first, one prefix together). Partial: a job enters it
         # at submission and leaves it when it is sent, so it stays the size of the backlog.
@@ -464,6 +466,21 @@ class NewJob:
 
 # (attribute, column) of each field: the ORM's attribute names are the fields' names.
 _NEW_JOB_COLUMNS = tuple((f.name, Job.__mapper__.columns[f.name].name) for f in fields(NewJob))
+
+
+class Tenant(Base):
+    """What a deployment keeps about a tenant beyond its keys: its own retention of finished
+    jobs (None: ``INFERQ_JOB_RETENTION_S``; 0: kept forever) and how far retention has deleted
+    (``swept_through``: the newest job id deleted; ids sort by time). A tenant has a row once
+    either is set (app/core/lifecycle/retention.py)."""
+
+    __tablename__ = "tenants"
+
+    tenant: Mapped[str] = mapped_column(String(64), primary_key=True)
+    job_retention_s: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    swept_through: Mapped[str | None] = mapped_column(String(40), nullable=True)
+    swept_at: Mapped[float | None] = mapped_column(Double, nullable=True)
+    updated_at: Mapped[float] = mapped_column(Double)
 
 
 class IdempotencyKey(Base):

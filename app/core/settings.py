@@ -476,6 +476,17 @@ class Settings(BaseSettings):
         gt=0,
         description="How often the ops worker deletes expired files and abandoned uploads.",
     )
+    job_retention_s: int = Field(
+        30 * 24 * 3600,
+        ge=0,
+        description="How long a finished job (its result, webhook events and stored response) "
+        "is kept after it ends, unless its tenant has its own (`inferq tenant retention`); 0 "
+        "keeps jobs forever. A batch's jobs stay while its output file does (docs/api.md, "
+        '"What is kept").',
+    )
+    retention_sweep_interval_s: float = Field(
+        60.0, gt=0, description="How often the ops worker deletes jobs past their retention."
+    )
     files_abandoned_upload_s: float = Field(
         3600.0,
         gt=0,

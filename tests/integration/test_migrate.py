@@ -34,6 +34,7 @@ def test_migrate_creates_the_schema_on_empty_postgres(
         "webhook_attempts",
         "files",
         "batches",
+        "tenants",
     }
     with engine.connect() as conn:
         head = conn.execute(text("SELECT version_num FROM alembic_version")).scalar()

@@ -2,7 +2,7 @@
 
 Registered on the ops worker's own Celery app by its composition root (workers/ops/main.py):
 webhook deliveries, and the sweeps beat sends (webhooks due, the reaper, batches, expired
-files).
+files, finished jobs past their retention).
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 from celery import Celery
 
 from app.batches import finalize, validation
+from app.core.lifecycle import retention
 from app.core.messaging.names import (
     DELIVER_WEBHOOK_TASK,
     EXPIRE_FILES_TASK,
@@ -17,6 +18,7 @@ from app.core.messaging.names import (
     REAP_TASK,
     START_BATCH_TASK,
     SWEEP_BATCHES_TASK,
+    SWEEP_HISTORY_TASK,
     SWEEP_WEBHOOKS_TASK,
 )
 from app.core.settings import Settings
@@ -62,3 +64,8 @@ def register(app: Celery, settings: Settings) -> None:
     def reap() -> dict[str, int]:
         """Requeue jobs of lost workers, send lost jobs again, expire overdue ones (beat)."""
         return reaper.sweep(settings)
+
+    @app.task(name=SWEEP_HISTORY_TASK)  # type: ignore[untyped-decorator]
+    def sweep_history() -> int:
+        """Delete finished jobs past their tenant's retention (beat)."""
+        return retention.sweep(settings, budget_s=settings.retention_sweep_interval_s * 0.8)

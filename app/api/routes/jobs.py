@@ -18,7 +18,7 @@ from app.api.schemas import (
     WebhookEventOut,
 )
 from app.core.contract.jobs import JobCreate, JobOut
-from app.core.lifecycle import deliveries, jobs
+from app.core.lifecycle import deliveries, jobs, retention
 from app.core.models import JobStatus, Lane
 from app.core.scheduling import catalog
 from app.core.settings import get_settings
@@ -75,7 +75,13 @@ def list_jobs(
     rows, has_more = jobs.list_page(
         session, tenant, status=status, lane=lane, limit=limit, after=after
     )
-    return JobList(data=[JobOut.from_row(r) for r in rows], has_more=has_more)
+    history = retention.horizon(session, tenant)
+    return JobList(
+        data=[JobOut.from_row(r) for r in rows],
+        has_more=has_more,
+        retention_s=history.retention_s,
+        expired_through=history.swept_through,
+    )
 
 
 @router.post("/jobs/{job_id}/cancel", response_model=JobOut)

@@ -26,7 +26,7 @@ from sqlalchemy.orm import Session
 from app.core import queries
 from app.core.contract.jobs import JobCreate
 from app.core.errors import DomainError, Kind
-from app.core.lifecycle import transitions
+from app.core.lifecycle import retention, transitions
 from app.core.lifecycle.changes import changes
 from app.core.messaging import broker
 from app.core.messaging.names import queue_of
@@ -260,7 +260,20 @@ def submit_many(
 
 
 def get(session: Session, tenant: str | None, job_id: str) -> Job:
-    return queries.owned(session, Job, tenant, job_id, "job")
+    """The tenant's job; 404 ``job_expired`` for one retention has deleted
+    (app/core/lifecycle/retention.py), else 404 ``job_not_found``."""
+    try:
+        return queries.owned(session, Job, tenant, job_id, "job")
+    except DomainError:
+        gone = retention.expired(session, tenant, job_id)
+        if gone is None:
+            raise
+        raise DomainError(
+            Kind.NOT_FOUND,
+            "job_expired",
+            f"job {job_id!r} has expired: {retention.kept_for(gone)}",
+            param="id",
+        ) from None
 
 
 def list_page(

@@ -138,13 +138,18 @@ def cancel(tx: Tx, job_id: str, stamp: float) -> None:
     _stop(tx, Job.id == job_id, stamp, to=JobStatus.CANCELLED)
 
 
-def delete_finished(tx: Tx, job_id: str) -> bool:
-    """Remove a job that has ended, with what hangs on it (its webhook events, a stored
-    response); False if it has not ended (a running job is cancelled first)."""
+def delete_finished(tx: Tx, which: ColumnElement[bool]) -> list[tuple[str, str]]:
+    """Remove the jobs ``which`` names that have ended, with what hangs on them (an idempotency
+    key, a stored response, webhook events and their attempts: ON DELETE CASCADE); a job not
+    ended is left (a running job is cancelled first). A stored response deleted by its caller,
+    and retention's sweep (app/core/lifecycle/retention.py). Returns the removed jobs' tenant
+    and id."""
     deleted = tx.connection.execute(
-        delete(Job).where(Job.id == job_id, Job.status.in_([str(s) for s in TERMINAL]))
+        delete(Job)
+        .where(which, Job.status.in_([str(s) for s in TERMINAL]))
+        .returning(Job.tenant, Job.id)
     )
-    return bool(deleted.rowcount)  # type: ignore[attr-defined]
+    return [(tenant, job_id) for tenant, job_id in deleted]
 
 
 def expire_queued(tx: Tx, which: Collection[str] | ColumnElement[bool], stamp: float) -> int:

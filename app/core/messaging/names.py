@@ -26,6 +26,7 @@ FINALIZE_BATCH_TASK = "inferq.finalize_batch"
 SWEEP_BATCHES_TASK = "inferq.sweep_batches"
 EXPIRE_FILES_TASK = "inferq.expire_files"
 REAP_TASK = "inferq.reap"
+SWEEP_HISTORY_TASK = "inferq.sweep_history"
 TASKS = (
     RUN_JOBS_TASK,
     DELIVER_WEBHOOK_TASK,
@@ -35,6 +36,7 @@ TASKS = (
     SWEEP_BATCHES_TASK,
     EXPIRE_FILES_TASK,
     REAP_TASK,
+    SWEEP_HISTORY_TASK,
 )
 
 # --- queues ------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from app.core.errors import DomainError, Kind
-from app.core.lifecycle import jobs, transitions
+from app.core.lifecycle import jobs, retention, transitions
 from app.core.lifecycle.changes import changes
 from app.core.models import (
     TERMINAL,
@@ -119,6 +119,20 @@ def get(
     row = session.get(StoredResponse, response_id) if storable(response_id) else None
     job = session.get(Job, row.job_id) if row is not None and row.tenant == tenant else None
     if row is None or job is None:
+        # A response's id is its job's with another prefix (response_id_of).
+        own = response_id.startswith("resp_")
+        gone = (
+            retention.expired(session, tenant, "job_" + response_id.removeprefix("resp_"))
+            if own
+            else None
+        )
+        if gone is not None:
+            raise DomainError(
+                Kind.NOT_FOUND,
+                "response_expired",
+                f"stored response {response_id!r} has expired: {retention.kept_for(gone)}",
+                param=param,
+            )
         raise DomainError(
             Kind.NOT_FOUND,
             "response_not_found",
@@ -165,7 +179,7 @@ def delete(session: Session, tenant: str, response_id: str) -> None:
     """Remove a finished response with its job; 409 while it runs (cancel it first)."""
     _, job = get(session, tenant, response_id)
     with changes("api", session=session) as tx:
-        removed = transitions.delete_finished(tx, job.id)
+        removed = transitions.delete_finished(tx, Job.id == job.id)
     if not removed:
         raise DomainError(
             Kind.CONFLICT,
