@@ -148,9 +148,22 @@ def _response_events(
     """One ``response.<status>`` event per endpoint of the tenant that lists it, for each
     background response among the jobs this transaction ended (one query: an indexed look-up
     that finds nothing for jobs that are not responses)."""
+    # The background responses among the ids first, by their unique index (nearly always
+    # none), then their jobs: a planner left to choose started from the jobs that finished at
+    # ``stamp`` on ix_jobs_finished_at, a walk of the whole write for every write, and with a
+    # month of history behind the table it made that choice (docs/benchmarks.md, "Issue 66").
+    responses = (
+        select(StoredResponse.id, StoredResponse.job_id)
+        .where(
+            among(StoredResponse.job_id, job_ids, postgresql=postgresql),
+            StoredResponse.background.is_(True),
+        )
+        .cte("background")
+        .prefix_with("MATERIALIZED", dialect="postgresql")
+    )
     found = connection.execute(
         select(
-            StoredResponse.id,
+            responses.c.id,
             Job.tenant,
             Job.status,
             Job.finish_reason,
@@ -158,13 +171,10 @@ def _response_events(
             WebhookEndpoint.url,
             WebhookEndpoint.event_types,
         )
-        .join(Job, Job.id == StoredResponse.job_id)
+        .select_from(responses)
+        .join(Job, Job.id == responses.c.job_id)
         .join(WebhookEndpoint, WebhookEndpoint.tenant == Job.tenant)
-        .where(
-            among(StoredResponse.job_id, job_ids, postgresql=postgresql),
-            StoredResponse.background.is_(True),
-            Job.finished_at == stamp,
-        )
+        .where(Job.finished_at == stamp)
     ).all()
     rows = []
     for r in found:
