@@ -21,6 +21,7 @@ from bench.embed import embed
 from bench.fairness import fairness
 from bench.files import files
 from bench.harness import environment, postgres_answers
+from bench.history import history
 from bench.overhead import overhead
 from bench.scenarios import SCENARIOS, Options
 
@@ -39,8 +40,9 @@ ALL = (
     "embed",
     "files",
 )
-# Run by name only, not in "all": mostly idle on purpose, about 15 minutes (docs/benchmarks.md).
-ALONE = ("autoscale",)
+# Run by name only, not in "all" (docs/benchmarks.md): autoscale is mostly idle on purpose, about
+# 15 minutes; history writes three million rows.
+ALONE = ("autoscale", "history")
 
 
 def _interrupt(signum: int, _frame: FrameType | None) -> None:
@@ -159,6 +161,8 @@ def main(
                 results[name] = embed(opts)
             elif name == "files":
                 results[name] = files(opts)
+            elif name == "history":
+                results[name] = history(opts)
             else:
                 results[name] = SCENARIOS[name](opts)
             results[name]["wall_s"] = round(time.monotonic() - started, 1)

@@ -95,9 +95,11 @@ class BenchStack:
         workers: int = 1,
         worker_env: dict[str, str] | None = None,
         api_processes: int = 1,
+        prefill: Callable[[BenchStack], None] | None = None,
     ) -> BenchStack:
         """Redis, the schema, the dispatcher, the API (``api_processes``: `inferq api
-        --workers`) and ``workers`` inference workers, each ready before the next."""
+        --workers`) and ``workers`` inference workers, each ready before the next;
+        ``prefill`` writes into the migrated database before anything else starts."""
         server = shutil.which("redis-server")
         if server is None:
             raise RuntimeError("the benchmark needs redis-server on PATH")
@@ -124,6 +126,8 @@ class BenchStack:
         assert migrate.proc is not None
         if migrate.proc.wait(120) != 0:
             raise RuntimeError(f"migrate failed:\n{migrate.tail()}")
+        if prefill is not None:
+            prefill(self)
         self.spawn("dispatch", [py, "-m", "app.cli", "dispatch"])
         api = self.spawn("api", [py, "-m", "app.cli", "api", "--workers", str(api_processes)])
         wait_ready(

@@ -71,6 +71,15 @@ TARGETS: dict[str, list[tuple[str, str, float | str, str]]] = {
         ),
         ("vs_offline", ">=", 0.90, "inputs/s through inferq / vLLM's offline LLM.embed"),
     ],
+    "history": [
+        ("jobs_per_s_ratio", ">=", 0.9, "ceiling jobs/s, with history / empty database"),
+        ("ttft_p50_ratio", "<=", 1.1, "16 clients: TTFT p50, with history / empty"),
+        ("ttft_p99_ratio", "<=", 1.1, "16 clients: TTFT p99, with history / empty"),
+        ("status_max_ms", "<=", 500.0, "`inferq status`'s reads with history, slowest of 5"),
+        ("jobs_page_max_ms", "<=", 500.0, "GET /v1/jobs with history, slowest of 5 (ms)"),
+        ("sweep_jobs_per_s", ">=", 4000.0, "retention sweep, jobs deleted/s under load"),
+        ("sweep_ttft_p99_ratio", "<=", 1.1, "16 clients: TTFT p99, sweeping / not"),
+    ],
     "peer": [
         ("inferq_over_vllm_serve", ">=", 0.9, "output tok/s, inferq / vllm serve"),
         ("ttft_p50_over_vllm_serve_ms", "<=", 30.0, "TTFT p50, inferq - vllm serve (ms)"),

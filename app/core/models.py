@@ -237,12 +237,13 @@ def can_transition(current: str, new: str) -> bool:
 _CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
 
 
-def new_id(prefix: str) -> str:
-    """A time-ordered id (48-bit milliseconds + 80 random bits, Crockford base32).
+def new_id(prefix: str, at: float | None = None) -> str:
+    """A time-ordered id (48-bit milliseconds + 80 random bits, Crockford base32), made now
+    or ``at`` (unix seconds: the rows of history the ``history`` benchmark writes).
 
     Sorting ids sorts by creation time, which is what cursor pagination relies on.
     """
-    value = (int(time.time() * 1000) << 80) | secrets.randbits(80)
+    value = (int((time.time() if at is None else at) * 1000) << 80) | secrets.randbits(80)
     chars = []
     for _ in range(26):
         value, rem = divmod(value, 32)

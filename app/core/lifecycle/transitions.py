@@ -132,6 +132,21 @@ def create(tx: Tx, jobs: Sequence[NewJob], *, direct: bool = False) -> None:
         after.wake |= {name for _, name in queues}
 
 
+def create_ended(tx: Tx, rows: Sequence[dict[str, Any]]) -> None:
+    """Insert jobs that have already ended, as they ended (a terminal status, their times and
+    results; column names as keys): history written in bulk, the ``history`` benchmark's month
+    of finished jobs (bench/history.py). Nothing follows the commit: no log line, event or send,
+    since none of these jobs changes here."""
+    for row in rows:
+        if row["status"] not in TERMINAL or row.get("finished_at") is None:
+            raise ValueError(f"job {row['id']}: only an ended job is inserted as ended")
+    table = cast(Table, Job.__table__)
+    if tx.postgresql:
+        copy_rows(tx.connection, table, rows)
+    elif rows:
+        tx.connection.execute(insert(table), list(rows))
+
+
 def cancel(tx: Tx, job_id: str, stamp: float) -> None:
     """Cancel a job: a queued one ends ``cancelled``; a running one is marked for its worker to
     abort (``After.abort``); a finished one is left as it is."""

@@ -1,0 +1,302 @@
+"""The ``history`` scenario: the same workload on an empty database and on one holding a month of
+finished jobs, side by side, and retention's sweep at work (issue 66; docs/benchmarks.md).
+
+- **empty** and **history**: ``ceiling`` (bulk jobs on the instant engine: jobs/s) and
+  ``overhead`` at 16 clients (streamed chat completions on the simulated engine: TTFT p50/p99),
+  each on a stack of its own; on the history side the database first holds ``HISTORY`` finished
+  jobs (1,000,000 at scale 1), written by ``COPY`` on PostgreSQL (an executemany on SQLite)
+  before the stack starts, finished within the retention so that nothing sweeps them. Then,
+  with history, how long ``inferq status`` and a first page of ``GET /v1/jobs`` take, and the
+  database's size per million finished jobs (PostgreSQL: the table and its indexes).
+- **sweep**: a database holding ``HISTORY`` jobs past their retention, the 16-client load
+  running, and retention's sweep (``retention.sweep``, as the ops worker runs it) deleting in
+  this process meanwhile: jobs deleted a second, and the load's TTFT p99 against the history
+  side's (the same database size, no sweep).
+
+SIMULATED engine everywhere; the rows are what a realtime chat call leaves (a short prompt, a
+short result, one webhook-less job of tenant ``default`` in ten, the others spread over nine
+more tenants).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import httpx
+from sqlalchemy import Engine, func, select, text
+
+from app.core import db
+from app.core.lifecycle import retention, transitions
+from app.core.lifecycle.changes import changes
+from app.core.messaging import clients
+from app.core.models import TERMINAL, Job, JobStatus, new_id
+from app.core.settings import Settings, get_settings
+from bench import overhead
+from bench.harness import BenchStack
+from bench.metrics import percentile, summarize
+from bench.scenarios import CEILING_CHUNK, CEILING_SLOTS, Options, Spec
+
+HISTORY = 1_000_000  # finished jobs at scale 1
+FILL_CHUNK = 10_000  # rows a COPY (or an executemany) and a transaction
+DAY = 86400.0
+TENANTS = ["default", *(f"history-{i}" for i in range(1, 10))]
+LOOKS = 5  # timed runs of `inferq status` and of a first page
+
+
+@contextmanager
+def environment(values: dict[str, str]) -> Iterator[Settings]:
+    """This process's settings read with ``values`` set (and forgotten after)."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    get_settings.cache_clear()
+    clients.reset()
+    db.dispose()
+    try:
+        yield get_settings()
+    finally:
+        for key, old in saved.items():
+            if old is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = old
+        get_settings.cache_clear()
+        clients.reset()
+        db.dispose()
+
+
+def rows(
+    n: int, model: str, *, ended_days_ago: tuple[float, float], seed: int
+) -> list[dict[str, Any]]:
+    """``n`` succeeded jobs, created and ended between the two ages (days), oldest first."""
+    rng = random.Random(seed)
+    stamp = time.time()
+    oldest, newest = ended_days_ago
+    ages = sorted((rng.uniform(newest, oldest) * DAY for _ in range(n)), reverse=True)
+    made = []
+    for i, age in enumerate(ages):
+        created = stamp - age - 2.0
+        made.append(
+            {
+                "id": new_id("job", at=created),
+                "tenant": TENANTS[i % len(TENANTS)],
+                "lane": "realtime",
+                "model": model,
+                "prompt": None,
+                "messages": [{"role": "user", "content": f"question {i} about the history"}],
+                "params": {"max_tokens": 32},
+                "metadata": {},
+                "status": JobStatus.SUCCEEDED.value,
+                "attempts": 1,
+                "created_at": created,
+                "enqueued_at": created + 0.001,
+                "started_at": created + 0.01,
+                "first_token_at": created + 0.05,
+                "finished_at": created + 2.0,
+                "updated_at": created + 2.0,
+                "result_text": "an answer of some thirty words " * 6,
+                "finish_reason": "stop",
+                "prompt_tokens": 12,
+                "completion_tokens": 32,
+            }
+        )
+    return made
+
+
+def fill(url: str, n: int, model: str, *, ended_days_ago: tuple[float, float]) -> float:
+    """Write ``n`` finished jobs into the database at ``url``, ``FILL_CHUNK`` a transaction
+    (``transitions.create_ended``: COPY on PostgreSQL), through the app's own engine; returns
+    the seconds it took."""
+    started = time.monotonic()
+    with environment({"INFERQ_DATABASE_URL": url}):
+        for offset in range(0, n, FILL_CHUNK):
+            chunk = rows(
+                min(FILL_CHUNK, n - offset), model, ended_days_ago=ended_days_ago, seed=offset
+            )
+            with changes("ops") as tx:
+                transitions.create_ended(tx, chunk)
+        if db.get_engine().dialect.name == "postgresql":
+            # A month of history has long been vacuumed and analyzed by autovacuum: so is this
+            # one, before the stack starts, rather than by autovacuum in the middle of the run.
+            with db.get_engine().connect() as connection:
+                connection.execution_options(isolation_level="AUTOCOMMIT").execute(
+                    text("VACUUM (ANALYZE) jobs")
+                )
+    return time.monotonic() - started
+
+
+def _filled(
+    n: int, model: str, days: tuple[float, float], into: dict[str, Any]
+) -> Callable[[BenchStack], None]:
+    def prefill(stack: BenchStack) -> None:
+        into["fill_s"] = fill(stack.database_url, n, model, ended_days_ago=days)
+        into["rows"] = n
+
+    return prefill
+
+
+def size_mb(engine: Engine) -> dict[str, float]:
+    """The jobs table's size and its indexes' (PostgreSQL), in MB."""
+    if engine.dialect.name != "postgresql":
+        return {}
+    with engine.connect() as connection:
+        table = connection.execute(text("SELECT pg_table_size('jobs')")).scalar_one()
+        indexes = connection.execute(text("SELECT pg_indexes_size('jobs')")).scalar_one()
+    return {"table_mb": table / 1e6, "indexes_mb": indexes / 1e6}
+
+
+def looks(stack: BenchStack) -> dict[str, float | None]:
+    """Median and slowest of ``LOOKS`` of: what `inferq status` reads (``status.collect``, in
+    this process on the stack's database and Redis), the whole command (a new process: its
+    start-up included), and a first page of GET /v1/jobs."""
+    from app.cli import status as status_command
+
+    reads, command, page = [], [], []
+    bench_env = {k: stack.env[k] for k in ("INFERQ_DATABASE_URL", "INFERQ_REDIS_URL")}
+    for _ in range(LOOKS):
+        with environment(bench_env):
+            started = time.monotonic()
+            status_command.collect()
+            reads.append((time.monotonic() - started) * 1000)
+        started = time.monotonic()
+        subprocess.run(
+            [sys.executable, "-m", "app.cli", "status"],
+            env={**os.environ, **stack.env},
+            capture_output=True,
+            check=True,
+            timeout=120,
+        )
+        command.append((time.monotonic() - started) * 1000)
+        started = time.monotonic()
+        httpx.get(f"{stack.url}/v1/jobs", params={"limit": 20}, timeout=60).raise_for_status()
+        page.append((time.monotonic() - started) * 1000)
+    return {
+        "status_reads_p50_ms": percentile(reads, 50),
+        "status_reads_max_ms": max(reads),
+        "status_command_p50_ms": percentile(command, 50),
+        "jobs_page_p50_ms": percentile(page, 50),
+        "jobs_page_max_ms": max(page),
+    }
+
+
+def _ceiling(opts: Options, n_history: int, model: str) -> dict[str, Any]:
+    """``ceiling``'s bulk jobs on the instant engine (the history is of the realtime lane, so
+    the bulk lane's rows are this run's)."""
+    fill_info: dict[str, Any] = {}
+    specs = [Spec(f"history {i}", 1, "bulk") for i in range(opts.n(20000))]
+    env = opts.stack_env(
+        engine="simulated",
+        sim_time_scale=0,
+        worker_concurrency=CEILING_SLOTS,
+        sim_max_num_seqs=CEILING_SLOTS,
+        bulk_chunk_size=CEILING_CHUNK,
+    )
+    what = f"history: ceiling, {n_history} finished jobs"
+    with BenchStack(opts.postgres, env, opts.workdir) as stack:
+        prefill = _filled(n_history, model, (29.0, 1.0), fill_info) if n_history else None
+        stack.start(prefill=prefill)
+        start = stack.submit([s.body() for s in specs])
+        ended = (
+            select(func.count())
+            .select_from(Job)
+            .where(Job.lane == "bulk", Job.status.in_(list(TERMINAL)))
+        )
+        deadline = time.monotonic() + 3600
+        done = 0
+        while done < len(specs) and time.monotonic() < deadline:
+            with stack.db().connect() as connection:
+                done = int(connection.execute(ended).scalar_one())
+            opts.progress(what, done, len(specs))
+            time.sleep(0.2)
+        metrics = summarize(stack.rows(lane="bulk"), start)
+    return {"jobs_per_s": metrics["request_throughput"], "fill": fill_info}
+
+
+def _overhead(opts: Options, n_history: int, model: str, *, due: bool = False) -> dict[str, Any]:
+    """16 streaming clients on a stack whose database holds ``n_history`` finished jobs (past
+    their retention when ``due``, swept meanwhile by this process)."""
+    clients = 16
+    bodies = overhead._bodies(opts.n(overhead.REQUESTS_PER_CLIENT * clients) + 2 * clients, model)
+    days = (60.0, 31.0) if due else (29.0, 1.0)
+    fill_info: dict[str, Any] = {}
+    result: dict[str, Any] = {}
+    with BenchStack(opts.postgres, opts.stack_env(engine="simulated"), opts.workdir) as stack:
+        stack.start(prefill=_filled(n_history, model, days, fill_info) if n_history else None)
+        swept: dict[str, float] = {}
+        sweeper = None
+        if due:
+            # The ops worker's sweep, in this process against the stack's database and Redis,
+            # run back to back (beat would start one a minute, each for up to 48 s).
+            bench_env = {k: stack.env[k] for k in ("INFERQ_DATABASE_URL", "INFERQ_REDIS_URL")}
+
+            def sweep() -> None:
+                with environment(bench_env) as settings:
+                    started = time.monotonic()
+                    deleted = 0
+                    while time.monotonic() - started < 600:
+                        step = retention.sweep(settings, budget_s=48)
+                        deleted += step
+                        if step == 0:
+                            break
+                    swept.update(deleted=deleted, seconds=time.monotonic() - started)
+
+            sweeper = threading.Thread(target=sweep, daemon=True)
+        records_started = time.monotonic()
+        if sweeper is not None:
+            sweeper.start()
+        records = overhead._run(stack.url, bodies, clients, "history: overhead 16", opts)
+        result["load_s"] = time.monotonic() - records_started
+        if sweeper is not None:
+            sweeper.join(660)
+            result["sweep"] = {
+                **swept,
+                "jobs_per_s": swept.get("deleted", 0) / max(1e-9, swept.get("seconds", 0)),
+            }
+        measured = summarize(records)
+        result.update(
+            ttft_p50_ms=measured["median_ttft_ms"],
+            ttft_p99_ms=measured["p99_ttft_ms"],
+            completed=measured["completed"],
+            fill=fill_info,
+        )
+        if n_history and not due:
+            result["looks"] = looks(stack)
+            result["size"] = size_mb(stack.db())
+    return result
+
+
+def history(opts: Options) -> dict[str, Any]:
+    model = opts.settings().model_name
+    n_history = opts.n(HISTORY)
+    empty = {"ceiling": _ceiling(opts, 0, model), "overhead": _overhead(opts, 0, model)}
+    full = {
+        "ceiling": _ceiling(opts, n_history, model),
+        "overhead": _overhead(opts, n_history, model),
+    }
+    sweep = _overhead(opts, n_history, model, due=True)
+    size = full["overhead"].get("size", {})
+    per_million = {k: v * 1_000_000 / n_history for k, v in size.items()}
+    seen = full["overhead"].get("looks", {})
+    return {
+        "status_max_ms": seen.get("status_reads_max_ms"),
+        "jobs_page_max_ms": seen.get("jobs_page_max_ms"),
+        "engine": "simulated",
+        "database": "postgresql",
+        "history_jobs": n_history,
+        "empty": empty,
+        "history": full,
+        "sweep": sweep,
+        "jobs_per_s_ratio": full["ceiling"]["jobs_per_s"] / empty["ceiling"]["jobs_per_s"],
+        "ttft_p50_ratio": full["overhead"]["ttft_p50_ms"] / empty["overhead"]["ttft_p50_ms"],
+        "ttft_p99_ratio": full["overhead"]["ttft_p99_ms"] / empty["overhead"]["ttft_p99_ms"],
+        "sweep_jobs_per_s": sweep.get("sweep", {}).get("jobs_per_s"),
+        "sweep_ttft_p99_ratio": sweep["ttft_p99_ms"] / full["overhead"]["ttft_p99_ms"],
+        "size_mb_per_million": per_million,
+    }
