@@ -26,8 +26,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -36,9 +35,8 @@ from sqlalchemy import Engine, func, select, text
 from app.core import db
 from app.core.lifecycle import retention, transitions
 from app.core.lifecycle.changes import changes
-from app.core.messaging import clients
 from app.core.models import TERMINAL, Job, JobStatus, new_id
-from app.core.settings import Settings, get_settings
+from app.core.processes.environment import environment
 from bench import overhead
 from bench.harness import BenchStack
 from bench.metrics import percentile, summarize
@@ -51,25 +49,12 @@ TENANTS = ["default", *(f"history-{i}" for i in range(1, 10))]
 LOOKS = 5  # timed runs of `inferq status` and of a first page
 
 
-@contextmanager
-def environment(values: dict[str, str]) -> Iterator[Settings]:
-    """This process's settings read with ``values`` set (and forgotten after)."""
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    get_settings.cache_clear()
-    clients.reset()
-    db.dispose()
-    try:
-        yield get_settings()
-    finally:
-        for key, old in saved.items():
-            if old is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = old
-        get_settings.cache_clear()
-        clients.reset()
-        db.dispose()
+def _stack_settings(stack: BenchStack) -> dict[str, str]:
+    """The stack's database and Redis, as ``environment`` takes them."""
+    return {
+        "database_url": stack.env["INFERQ_DATABASE_URL"],
+        "redis_url": stack.env["INFERQ_REDIS_URL"],
+    }
 
 
 def rows(
@@ -115,7 +100,7 @@ def fill(url: str, n: int, model: str, *, ended_days_ago: tuple[float, float]) -
     (``transitions.create_ended``: COPY on PostgreSQL), through the app's own engine; returns
     the seconds it took."""
     started = time.monotonic()
-    with environment({"INFERQ_DATABASE_URL": url}):
+    with environment(database_url=url):
         for offset in range(0, n, FILL_CHUNK):
             chunk = rows(
                 min(FILL_CHUNK, n - offset), model, ended_days_ago=ended_days_ago, seed=offset
@@ -159,9 +144,8 @@ def looks(stack: BenchStack) -> dict[str, float | None]:
     from app.cli import status as status_command
 
     reads, command, page = [], [], []
-    bench_env = {k: stack.env[k] for k in ("INFERQ_DATABASE_URL", "INFERQ_REDIS_URL")}
     for _ in range(LOOKS):
-        with environment(bench_env):
+        with environment(**_stack_settings(stack)):
             started = time.monotonic()
             status_command.collect()
             reads.append((time.monotonic() - started) * 1000)
@@ -234,10 +218,8 @@ def _overhead(opts: Options, n_history: int, model: str, *, due: bool = False) -
         if due:
             # The ops worker's sweep, in this process against the stack's database and Redis,
             # run back to back (beat would start one a minute, each for up to 48 s).
-            bench_env = {k: stack.env[k] for k in ("INFERQ_DATABASE_URL", "INFERQ_REDIS_URL")}
-
             def sweep() -> None:
-                with environment(bench_env) as settings:
+                with environment(**_stack_settings(stack)) as settings:
                     started = time.monotonic()
                     deleted = 0
                     while time.monotonic() - started < 600:

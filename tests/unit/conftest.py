@@ -10,8 +10,6 @@ functions made for it, docs/architecture.md, "Settings").
 
 from __future__ import annotations
 
-import contextlib
-import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,36 +17,9 @@ from pathlib import Path
 import pytest
 
 from app.core import db
-from app.core.messaging import clients
-from app.core.settings import Settings, get_settings
+from app.core.processes.environment import environment
+from app.core.settings import Settings
 from tests.conftest import fresh_redis_url
-
-
-def _forget() -> None:
-    get_settings.cache_clear()
-    clients.reset()
-    db.dispose()
-
-
-@contextlib.contextmanager
-def environment(**values: str) -> Iterator[Settings]:
-    """``INFERQ_<NAME>=value`` for each of ``values`` while the block runs, with everything
-    built from the settings before dropped on the way in and out."""
-    saved = {}
-    for name, value in values.items():
-        key = f"INFERQ_{name.upper()}"
-        saved[key] = os.environ.get(key)
-        os.environ[key] = value
-    _forget()
-    try:
-        yield get_settings()
-    finally:
-        for key, old in saved.items():
-            if old is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = old
-        _forget()
 
 
 @pytest.fixture(scope="session")
