@@ -379,10 +379,11 @@ def tenant_retention(name: str, days: float | None, use_default: bool) -> None:
             retention.set_retention(session, name, round(days * 86400))
         elif use_default:
             retention.set_retention(session, name, None)
-        seconds = retention.retention_of(session, name)
-        through = retention.horizon(session, name).swept_through
-    kept = "forever" if seconds == 0 else f"{seconds / 86400:g} days ({seconds} s)"
-    click.echo(f"tenant {name}: finished jobs kept {kept}; deleted through {through or '-'}")
+        history = retention.horizon(session, name)
+    seconds = history.retention_s
+    kept = "forever" if seconds is None else f"{seconds / 86400:g} days ({seconds} s)"
+    deleted = history.swept_through or "-"
+    click.echo(f"tenant {name}: finished jobs kept {kept}; deleted through {deleted}")
 
 
 @contextlib.contextmanager

@@ -109,18 +109,12 @@ def create(tx: Tx, jobs: Sequence[NewJob], *, direct: bool = False) -> None:
     by the dispatcher, in its order, or with ``direct`` by the caller itself: one job whose queue
     was empty (nobody waits, so no order is at stake); its row says it is sent already, so the
     dispatcher leaves it alone (docs/architecture.md, "Fair share")."""
-    table = cast(Table, Job.__table__)
-    # Core executemany, not the ORM unit of work: it was a third of a bulk request's cost. A
-    # single row (a realtime call) is a plain execute: no executemany machinery for one.
     for start in range(0, len(jobs), INSERT_CHUNK):
         chunk = [job.row() for job in jobs[start : start + INSERT_CHUNK]]
         if direct:
             for row in chunk:
                 row["enqueued_at"] = row["created_at"]
-        if len(chunk) > 1 and tx.postgresql:
-            copy_rows(tx.connection, table, chunk)  # one stream, not a statement a row
-        else:
-            tx.connection.execute(insert(table), chunk[0] if len(chunk) == 1 else chunk)
+        _insert_rows(tx, chunk)
     queues = [(job.id, queue_of(job.lane, job.model)) for job in jobs]
     after = tx.after
     after.moved += [
@@ -140,11 +134,20 @@ def create_ended(tx: Tx, rows: Sequence[dict[str, Any]]) -> None:
     for row in rows:
         if row["status"] not in TERMINAL or row.get("finished_at") is None:
             raise ValueError(f"job {row['id']}: only an ended job is inserted as ended")
+    _insert_rows(tx, rows)
+
+
+def _insert_rows(tx: Tx, rows: Sequence[dict[str, Any]]) -> None:
+    """Job rows inserted: on PostgreSQL more than one by COPY (one stream, not a statement a
+    row); else Core's executemany, not the ORM unit of work (it was a third of a bulk request's
+    cost), and a single row (a realtime call) as a plain execute."""
+    if not rows:
+        return
     table = cast(Table, Job.__table__)
-    if tx.postgresql:
+    if len(rows) > 1 and tx.postgresql:
         copy_rows(tx.connection, table, rows)
-    elif rows:
-        tx.connection.execute(insert(table), list(rows))
+    else:
+        tx.connection.execute(insert(table), rows[0] if len(rows) == 1 else list(rows))
 
 
 def cancel(tx: Tx, job_id: str, stamp: float) -> None:
