@@ -73,7 +73,11 @@ def submit(client: httpx.Client, bodies: list[dict[str, Any]]) -> list[str]:
 def take(stack: Stack, queue: str, timeout: float = 10) -> list[str]:
     """The next message of ``queue`` (the oldest: kombu pushes left, consumers pop right): its
     job ids."""
-    popped = redis.Redis.from_url(stack.redis_url).brpop([queue], timeout=timeout)
+    # A socket timeout past the command's own: redis-py 8 reads with a 5 s one by default, so
+    # a longer BRPOP raised TimeoutError at 5 s (CI, a dispatcher slow to start beside two
+    # other stacks).
+    client = redis.Redis.from_url(stack.redis_url, socket_timeout=timeout + 5)
+    popped = client.brpop([queue], timeout=timeout)
     assert popped is not None, f"no message on {queue} within {timeout} s"
     message = json.loads(popped[1])
     args, _kwargs, _embed = json.loads(base64.b64decode(message["body"]))

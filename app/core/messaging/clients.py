@@ -82,7 +82,9 @@ def redis_client() -> redis.Redis:
 
 
 def async_redis() -> redis.asyncio.Redis:
-    """The asyncio client of the API's event loop (no socket timeout: a subscription waits)."""
+    """The asyncio client of the API's event loop. No socket timeout is set here: the reply
+    subscription reads with none of its own (``relay.Replies``: a quiet channel is a normal
+    one), and other commands keep redis-py's default (5 s from redis-py 8, none before)."""
 
     def build() -> redis.asyncio.Redis:
         settings = get_settings()
