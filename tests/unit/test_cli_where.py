@@ -28,8 +28,10 @@ WORKER = {"role": "inference", "worker_id": "gpu-host:4242", "engine": "simulate
 
 
 def clean_env(**values: str) -> dict[str, str]:
-    """This process's environment without any INFERQ_ variable, plus ``values``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("INFERQ_")}
+    """This process's environment without any INFERQ_ variable, plus ``values``; and without
+    COLUMNS, so the output is a pipe's (200 columns, app/cli/status.py): under pytest-xdist
+    COLUMNS said 80, and the workers table folded "gpu-host:4242" over five lines."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("INFERQ_") and k != "COLUMNS"}
     return {**env, "PYTHONPATH": str(REPO), **values}
 
 
@@ -88,7 +90,7 @@ def test_status_beside_a_stack_reads_its_redis_and_says_what_it_read(
     assert f"Redis {url}, database sqlite:///{data.resolve() / 'inferq.db'}" in first, first
     assert f"files local directory {data.resolve() / 'files'}" in first, first
     assert str(data.resolve() / where.SETTINGS_FILE) in first, first
-    assert "gpu-host:4242" in done.stdout
+    assert "gpu-host:4242" in done.stdout, done.stdout
     assert "no worker is announced" not in done.stdout
 
     # The environment still wins over the file: here, another Redis database with no worker.
