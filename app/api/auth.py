@@ -1,4 +1,5 @@
-"""The request's tenant: the bearer key checked on every /v1 route, and the key's limits."""
+"""The request's tenant: the bearer key checked on every /v1 route, the key's limits, and
+whether it is an operator's (the admin routes')."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from app.core.scheduling import limits
 from app.core.settings import get_settings
 from app.core.tenants.keys import DEFAULT_TENANT, key_for
 
-_Found = tuple[str, tuple[int | None, int | None, int | None]]
+_Found = tuple[str, tuple[int | None, int | None, int | None], bool]
 
 
 async def current_tenant(request: Request) -> str:
@@ -25,6 +26,7 @@ async def current_tenant(request: Request) -> str:
     """
     if not get_settings().require_auth:
         request.state.limits = limits.defaults()
+        request.state.operator = True  # keys off: one user, the console's operator too
         return DEFAULT_TENANT
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
@@ -39,8 +41,9 @@ async def current_tenant(request: Request) -> str:
         raise DomainError(
             Kind.UNAUTHENTICATED, "invalid_api_key", "the API key is invalid or revoked"
         )
-    tenant, overrides = found
+    tenant, overrides, operator = found
     request.state.limits = limits.for_key(*overrides)
+    request.state.operator = operator
     return tenant
 
 
@@ -50,7 +53,8 @@ def _lookup(token: str) -> _Found | None:
         row = key_for(session, token)
         if row is None:
             return None
-        return row.tenant, (row.requests_per_minute, row.tokens_per_minute, row.max_queued)
+        overrides = (row.requests_per_minute, row.tokens_per_minute, row.max_queued)
+        return row.tenant, overrides, row.operator
     finally:
         # Ends the read transaction: left open, it would hold SQLite's write lock.
         session.close()
@@ -63,3 +67,18 @@ def caller_limits(request: Request) -> limits.Limits:
 
 
 Tenant = Annotated[str, Depends(current_tenant)]
+
+
+async def operator(request: Request, tenant: Tenant) -> str:
+    """FastAPI dependency of the admin routes: the request's key must be an operator's
+    (``inferq keys create --admin``; every request is the operator's with keys off)."""
+    if not getattr(request.state, "operator", False):
+        raise DomainError(
+            Kind.FORBIDDEN,
+            "operator_key_required",
+            "this route is the operator's: use a key made with `inferq keys create --admin`",
+        )
+    return tenant
+
+
+Operator = Annotated[str, Depends(operator)]

@@ -10,7 +10,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app import __version__
 from app.api import console, errors, handlers, watch
-from app.api.routes import batches, health, jobs, openai, responses, tokenize, webhooks
+from app.api.routes import batches, health, jobs, openai, responses, tenants, tokenize, webhooks
 from app.core.settings import get_settings
 
 # Multipart framing around an uploaded file: its size is checked exactly by
@@ -131,6 +131,7 @@ def create_app() -> FastAPI:
     app.include_router(responses.router)
     app.include_router(batches.router)
     app.include_router(webhooks.router)
+    app.include_router(tenants.router)
     console.install(app)
     settings = get_settings()
     app.add_middleware(HeadAsGet)

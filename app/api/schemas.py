@@ -13,6 +13,7 @@ from pydantic import BaseModel, Field, field_validator
 
 from app.core.contract.base import StrictModel, secs
 from app.core.contract.jobs import JobCreate, JobOut
+from app.core.lifecycle.retention import Kept
 from app.core.models import File, WebhookAttempt, WebhookEndpoint, WebhookEvent
 from app.core.settings import get_settings
 from app.core.storage import files
@@ -191,6 +192,34 @@ class WebhookEndpointCreate(StrictModel):
     event_types: list[str]
     name: str
     url: str
+
+
+class TenantUpdate(StrictModel):
+    """``POST /v1/admin/tenants/{tenant}``: the tenant's own retention of finished jobs in
+    seconds (0: forever), or null for the deployment's (``INFERQ_JOB_RETENTION_S``)."""
+
+    job_retention_s: int | None
+
+
+class TenantOut(BaseModel):
+    """What is kept of a tenant's history (docs/api.md, "What is kept")."""
+
+    id: str
+    object: Literal["tenant"] = "tenant"
+    job_retention_s: int | None  # its own; null: the deployment's
+    retention_s: int | None  # in force; null: kept forever
+    expired_through: str | None  # the newest job id retention has deleted
+    swept_at: int | None
+
+    @classmethod
+    def of(cls, found: Kept) -> Self:
+        return cls(
+            id=found.tenant,
+            job_retention_s=found.own_s,
+            retention_s=found.retention_s or None,
+            expired_through=found.swept_through,
+            swept_at=secs(found.swept_at),
+        )
 
 
 class WebhookEndpointUpdate(StrictModel):

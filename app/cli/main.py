@@ -374,15 +374,15 @@ def tenant_retention(name: str, days: float | None, use_default: bool) -> None:
 
     if days is not None and use_default:
         raise click.UsageError("give --days or --default, not both")
-    with session_scope() as session:
+    with _refused(), session_scope() as session:
         if days is not None:
             retention.set_retention(session, name, round(days * 86400))
         elif use_default:
             retention.set_retention(session, name, None)
-        history = retention.horizon(session, name)
-    seconds = history.retention_s
-    kept = "forever" if seconds is None else f"{seconds / 86400:g} days ({seconds} s)"
-    deleted = history.swept_through or "-"
+        found = retention.kept(session, name)
+    seconds = found.retention_s
+    kept = f"{seconds / 86400:g} days ({seconds} s)" if seconds else "forever"
+    deleted = found.swept_through or "-"
     click.echo(f"tenant {name}: finished jobs kept {kept}; deleted through {deleted}")
 
 

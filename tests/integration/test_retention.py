@@ -23,6 +23,7 @@ from app.core import db
 from app.core.lifecycle import retention
 from app.core.models import Job, WebhookEvent, WebhookStatus, now
 from app.core.settings import Settings
+from app.core.tenants.keys import create_key
 from tests.unit.conftest import environment
 from tests.unit.inprocess import call, create_batch
 
@@ -106,6 +107,71 @@ def test_a_tenant_keeps_its_own_retention(core: Settings) -> None:
 
     shown = CliRunner().invoke(cli, ["tenant", "retention", "default", "--default"])
     assert "30 days" in shown.output and kept in shown.output, shown.output
+
+    # Past ten years (the column's seconds) is refused, and the retention stays as it was.
+    shown = CliRunner().invoke(cli, ["tenant", "retention", "default", "--days", "5000"])
+    assert shown.exit_code == 1 and "retention_out_of_range" in shown.output, shown.output
+    assert call("GET", "/v1/jobs").json()["retention_s"] == 30 * 86400
+
+
+def test_an_operator_sets_a_tenants_retention_through_the_admin_api(
+    migrated_settings: Settings,
+) -> None:
+    with environment(require_auth="true") as settings, db.session_scope() as session:
+        _, acme = create_key(session, "acme")
+        _, ops = create_key(session, "ops", operator=True)
+    as_acme = {"Authorization": f"Bearer {acme}"}
+    as_ops = {"Authorization": f"Bearer {ops}"}
+    with environment(require_auth="true") as settings:
+        made = call(
+            "POST", "/v1/jobs", headers=as_acme, json={"model": settings.model_name, "prompt": "x"}
+        )
+        job_id = made.json()["id"]
+        assert call("POST", f"/v1/jobs/{job_id}/cancel", headers=as_acme).status_code == 200
+
+        # A tenant's own key may not: the route is the operator's.
+        refused = call(
+            "POST", "/v1/admin/tenants/acme", headers=as_acme, json={"job_retention_s": 0}
+        )
+        assert refused.status_code == 403, refused.text
+        assert refused.json()["error"]["code"] == "operator_key_required"
+        assert call("GET", "/v1/admin/tenants/acme", headers=as_acme).status_code == 403
+
+        shown = call("GET", "/v1/admin/tenants/acme", headers=as_ops).json()
+        assert shown == {
+            "id": "acme",
+            "object": "tenant",
+            "job_retention_s": None,
+            "retention_s": 30 * 86400,
+            "expired_through": None,
+            "swept_at": None,
+        }
+        # Bad values are refused and change nothing: below 0, past the longest, not given.
+        for body in ({"job_retention_s": -1}, {"job_retention_s": 10**12}, {}, {"days": 1}):
+            bad = call("POST", "/v1/admin/tenants/acme", headers=as_ops, json=body)
+            assert bad.status_code == 422, (body, bad.text)
+        for name in ("a" * 65, "a%00b"):
+            bad = call("GET", f"/v1/admin/tenants/{name}", headers=as_ops)
+            assert bad.status_code == 422, (name, bad.text)
+        assert call("GET", "/v1/admin/tenants/acme", headers=as_ops).json() == shown
+
+        day = call(
+            "POST", "/v1/admin/tenants/acme", headers=as_ops, json={"job_retention_s": 86400}
+        )
+        assert day.status_code == 200, day.text
+        assert day.json()["job_retention_s"] == day.json()["retention_s"] == 86400
+        assert retention.sweep(settings, budget_s=30, stamp=now() + DAY / 2) == 0
+        assert retention.sweep(settings, budget_s=30, stamp=now() + 2 * DAY) == 1
+        after = call("GET", "/v1/admin/tenants/acme", headers=as_ops).json()
+        assert after["expired_through"] == job_id and after["swept_at"] is not None
+        gone = call("GET", f"/v1/jobs/{job_id}", headers=as_acme).json()["error"]
+        assert gone["code"] == "job_expired" and "1 days" in gone["message"], gone
+
+        back = call(
+            "POST", "/v1/admin/tenants/acme", headers=as_ops, json={"job_retention_s": None}
+        )
+        assert back.json()["job_retention_s"] is None
+        assert back.json()["retention_s"] == 30 * 86400
 
 
 def test_a_pending_webhook_keeps_its_job_until_it_is_delivered(core: Settings) -> None:

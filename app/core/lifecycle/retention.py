@@ -39,6 +39,7 @@ from sqlalchemy.dialects import sqlite as sqlite_dialect
 from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.orm import Session
 
+from app.core.errors import DomainError, Kind
 from app.core.lifecycle import transitions
 from app.core.lifecycle.after import Tx
 from app.core.lifecycle.changes import changes
@@ -57,6 +58,8 @@ from app.core.settings import Settings, get_settings
 log = logging.getLogger("inferq.retention")
 
 CHUNK = 1000  # jobs a transaction: short enough that nothing waits on it
+# The longest retention a tenant may be given: ten years, in the column's 32-bit seconds.
+MAX_RETENTION_S = 3650 * 86400
 JOB_ID = re.compile(r"job_[0-9a-z]{26}")
 
 
@@ -105,8 +108,41 @@ def kept_for(found: Horizon) -> str:
     return f"finished jobs are deleted {span} after they end (retention)"
 
 
+@dataclass(frozen=True, slots=True)
+class Kept:
+    """What is kept of a tenant's history: its own retention (None: the deployment's), the
+    one in force (0: forever), and how far retention has deleted, and when it last did."""
+
+    tenant: str
+    own_s: int | None
+    retention_s: int
+    swept_through: str | None
+    swept_at: float | None
+
+
+def kept(session: Session, tenant: str) -> Kept:
+    row = session.get(Tenant, tenant)
+    own = None if row is None else row.job_retention_s
+    return Kept(
+        tenant=tenant,
+        own_s=own,
+        retention_s=get_settings().job_retention_s if own is None else own,
+        swept_through=None if row is None else row.swept_through,
+        swept_at=None if row is None else row.swept_at,
+    )
+
+
 def set_retention(session: Session, tenant: str, retention_s: int | None) -> None:
-    """Give ``tenant`` its own retention (``None``: the deployment's again)."""
+    """Give ``tenant`` its own retention (``None``: the deployment's again); one over
+    ``MAX_RETENTION_S`` is refused (keep such a tenant's jobs forever: 0)."""
+    if retention_s is not None and not 0 <= retention_s <= MAX_RETENTION_S:
+        raise DomainError(
+            Kind.INVALID,
+            "retention_out_of_range",
+            f"a retention is 0 (forever) to {MAX_RETENTION_S} seconds "
+            f"({MAX_RETENTION_S // 86400} days), not {retention_s}",
+            param="job_retention_s",
+        )
     stamp = now()
     row = session.get(Tenant, tenant)
     if row is None:
