@@ -409,6 +409,23 @@ class Job(Base):
     )
 
 
+def status_is(*statuses: str) -> ColumnElement[bool]:
+    """The status test of a statement that finds its jobs another way (by id, by batch):
+    ``status || '' = …``, which PostgreSQL cannot answer from ``ix_jobs_status_lane``.
+
+    Where history is large the planner's statistics say that almost no job is queued or
+    running (a burst of 20,000 queued jobs is 2 % of a million finished ones, and autovacuum
+    analyzes after 10 %): it estimated one row for ``status = 'queued'``, found that index
+    cheaper than the primary key, and a claim of 256 ids walked the whole backlog (20,000 rows:
+    7 to 180 ms), an outcome write every running job (docs/benchmarks.md, "Issue 66"). The
+    index stays for what is found by status: the reaper's, the counts' and the limits' live
+    jobs.
+    """
+    unindexed = Job.status.concat("")
+    values = [str(s) for s in statuses]
+    return unindexed == values[0] if len(values) == 1 else unindexed.in_(values)
+
+
 @dataclass(frozen=True, slots=True)
 class NewJob:
     """The row of a job about to be inserted (``transitions.create``): the columns a request

@@ -34,7 +34,7 @@ from sqlalchemy import Connection, tuple_, update
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from app.core.db import SQLITE_BUSY_TIMEOUT_MS, get_engine
-from app.core.models import Job, JobStatus, now
+from app.core.models import Job, JobStatus, now, status_is
 from app.core.processes.presence import Presence
 from app.core.settings import Settings
 from workers import metrics
@@ -117,7 +117,7 @@ class Heartbeat:
                 update(Job)
                 .where(
                     tuple_(Job.id, Job.lease_token).in_(list(held.items())),
-                    Job.status == JobStatus.RUNNING,
+                    status_is(JobStatus.RUNNING),
                 )
                 .values(lease_expires_at=stamp + self.settings.lease_ttl_s)
                 .returning(Job.id, Job.cancel_requested_at)

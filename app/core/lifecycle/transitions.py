@@ -48,7 +48,15 @@ from app.core.db import copy_rows
 from app.core.lifecycle.after import Transition, Tx
 from app.core.messaging import relay
 from app.core.messaging.names import queue_of
-from app.core.models import TERMINAL, Job, JobStatus, NewJob, among, can_transition
+from app.core.models import (
+    TERMINAL,
+    Job,
+    JobStatus,
+    NewJob,
+    among,
+    can_transition,
+    status_is,
+)
 from app.core.scheduling import fairshare
 from app.core.webhooks import outbox
 
@@ -95,7 +103,7 @@ def compare_and_set(
         which = job_id
     else:
         which = Job.id == job_id if isinstance(job_id, str) else Job.id.in_(list(job_id))
-    statement = update(Job).where(which, Job.status == expect)
+    statement = update(Job).where(which, status_is(expect))
     if token is not None:
         statement = statement.where(Job.lease_token == token)
     return statement.values(**values)
@@ -163,9 +171,7 @@ def delete_finished(tx: Tx, which: ColumnElement[bool]) -> list[tuple[str, str]]
     and retention's sweep (app/core/lifecycle/retention.py). Returns the removed jobs' tenant
     and id."""
     deleted = tx.connection.execute(
-        delete(Job)
-        .where(which, Job.status.in_([str(s) for s in TERMINAL]))
-        .returning(Job.tenant, Job.id)
+        delete(Job).where(which, status_is(*TERMINAL)).returning(Job.tenant, Job.id)
     )
     return [(tenant, job_id) for tenant, job_id in deleted]
 
@@ -212,7 +218,7 @@ def mark_sent(
             update(Job)
             .where(
                 Job.id.in_(chosen),
-                Job.status == JobStatus.QUEUED,
+                status_is(JobStatus.QUEUED),
                 Job.enqueued_at.is_(None),
             )
             .values(enqueued_at=stamp, charged=Job.cost)
@@ -229,7 +235,7 @@ def send_failed(tx: Tx, job_ids: Collection[str]) -> None:
         return
     rows = tx.connection.execute(
         update(Job)
-        .where(Job.id.in_(list(job_ids)), Job.status == JobStatus.QUEUED)
+        .where(Job.id.in_(list(job_ids)), status_is(JobStatus.QUEUED))
         .values(enqueued_at=None, charged=0)
         .returning(Job.lane, Job.model)
         .execution_options(synchronize_session=False)
@@ -246,7 +252,7 @@ def take_back(tx: Tx, job_ids: Collection[str]) -> None:
         return
     which = (
         Job.id.in_(list(job_ids)),
-        Job.status == JobStatus.QUEUED,
+        status_is(JobStatus.QUEUED),
         Job.enqueued_at.is_not(None),
     )
     rows = tx.connection.execute(
@@ -279,7 +285,7 @@ def forget_lost(
     unlocked = select(Job.id).where(*conditions).with_for_update(skip_locked=True)
     result = tx.connection.execute(
         update(Job)
-        .where(Job.id.in_(unlocked.scalar_subquery()), Job.status == JobStatus.QUEUED)
+        .where(Job.id.in_(unlocked.scalar_subquery()), status_is(JobStatus.QUEUED))
         .values(enqueued_at=None)
         .execution_options(synchronize_session=False)
     )
@@ -329,7 +335,7 @@ def _stop(
         raise ValueError(f"a job cannot go from queued to {to}")
     ended = tx.connection.execute(
         update(Job)
-        .where(which, Job.status == JobStatus.QUEUED)
+        .where(which, status_is(JobStatus.QUEUED))
         .values(
             status=to,
             finished_at=stamp,
@@ -343,7 +349,7 @@ def _stop(
     ).all()
     running = tx.connection.execute(
         update(Job)
-        .where(which, Job.status == JobStatus.RUNNING)
+        .where(which, status_is(JobStatus.RUNNING))
         .values(cancel_requested_at=stamp, updated_at=stamp)
         .returning(Job.id)
         .execution_options(synchronize_session=False)
@@ -533,7 +539,7 @@ _RECORD = (
     .where(
         Job.id == bindparam("b_id"),
         Job.lease_token == bindparam("b_token"),
-        Job.status == JobStatus.RUNNING,
+        status_is(JobStatus.RUNNING),
     )
     .values(
         status=bindparam("b_status"),
@@ -596,7 +602,7 @@ def batches_done(tx: Tx, batch_ids: set[str | None]) -> set[str]:
         return set()
     left = tx.connection.execute(
         select(Job.batch_id)
-        .where(among(Job.batch_id, batch_ids, postgresql=tx.postgresql), Job.status.in_(_LEFT))
+        .where(among(Job.batch_id, batch_ids, postgresql=tx.postgresql), status_is(*_LEFT))
         .distinct()
     ).scalars()
     return {b for b in batch_ids if b is not None} - set(left)

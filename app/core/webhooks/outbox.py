@@ -43,6 +43,7 @@ from app.core.models import (
     among,
     new_id,
     now,
+    status_is,
 )
 from app.core.webhooks import rules
 from app.core.webhooks.rules import BATCH_EVENT_PREFIX, JOB_EVENT_PREFIX
@@ -81,7 +82,7 @@ def job_events(job_ids: Collection[str], stamp: float, *, postgresql: bool) -> I
     ).where(
         among(Job.id, job_ids, postgresql=postgresql),
         Job.webhook_url.is_not(None),
-        Job.status.in_(list(TERMINAL)),
+        status_is(*TERMINAL),
         Job.finished_at == stamp,
     )
     return _insert_events("job_id", source)
