@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -87,6 +88,23 @@ def test_the_sweep_goes_on_chunk_by_chunk(core: Settings, monkeypatch: pytest.Mo
         cancel(job_id)
     assert retention.sweep_once(core, now() + LATER) == 2  # one transaction, one chunk
     assert retention.sweep(core, budget_s=30, stamp=now() + LATER) == 3
+    assert left(ids) == set()
+
+
+def test_the_sweep_keeps_to_its_pace_and_its_budget(
+    core: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(retention, "CHUNK", 2)
+    ids = [submit(core) for _ in range(9)]
+    for job_id in ids:
+        cancel(job_id)
+    paced = core.model_copy(update={"retention_sweep_jobs_per_s": 10})
+    # 10 jobs a second: after the chunk that deleted its fourth job it would wait until 0.4 s;
+    # its budget of 0.35 s has passed by then, and the next sweep goes on.
+    assert retention.sweep(paced, budget_s=0.35, stamp=now() + LATER) == 4
+    started = time.monotonic()
+    assert retention.sweep(paced, budget_s=30, stamp=now() + LATER) == 5
+    assert time.monotonic() - started >= 4 / 10  # two full chunks of two: 0.4 s at least
     assert left(ids) == set()
 
 
