@@ -6,8 +6,9 @@ finished jobs, side by side, and retention's sweep at work (issue 66; docs/bench
   each on a stack of its own; on the history side the database first holds ``HISTORY`` finished
   jobs (1,000,000 at scale 1), written by ``COPY`` on PostgreSQL (an executemany on SQLite)
   before the stack starts, finished within the retention so that nothing sweeps them. Then,
-  with history, how long ``inferq status`` and a first page of ``GET /v1/jobs`` take, and the
-  database's size per million finished jobs (PostgreSQL: the table and its indexes).
+  with history, how long ``inferq status``, a first page of ``GET /v1/jobs`` and the console's
+  pages take, and the database's size per million finished jobs (PostgreSQL: the table and its
+  indexes; SQLite: the file).
 - **sweep**: a database holding ``HISTORY`` jobs past their retention, the 16-client load
   running, and retention's sweep (``retention.sweep``, as the ops worker runs it) deleting in
   this process meanwhile: jobs deleted a second, and the load's TTFT p99 against the history
@@ -127,20 +128,66 @@ def _filled(
     return prefill
 
 
+def _dialect(opts: Options) -> str:
+    return "postgresql" if opts.database.startswith("postgresql") else "sqlite"
+
+
 def size_mb(engine: Engine) -> dict[str, float]:
-    """The jobs table's size and its indexes' (PostgreSQL), in MB."""
+    """The jobs table's size and its indexes' (PostgreSQL), in MB; SQLite: the whole file's
+    (every table), its write-ahead log included."""
     if engine.dialect.name != "postgresql":
-        return {}
+        path = str(engine.url.database)
+        files = [path, path + "-wal"]
+        return {"file_mb": sum(os.path.getsize(f) for f in files if os.path.exists(f)) / 1e6}
     with engine.connect() as connection:
         table = connection.execute(text("SELECT pg_table_size('jobs')")).scalar_one()
         indexes = connection.execute(text("SELECT pg_indexes_size('jobs')")).scalar_one()
     return {"table_mb": table / 1e6, "indexes_mb": indexes / 1e6}
 
 
-def looks(stack: BenchStack) -> dict[str, float | None]:
+# The console's pages an operator opens (the first page of each; {job}: a job of the history).
+CONSOLE_PAGES = [
+    "/console",
+    "/console/jobs",
+    "/console/jobs?status=succeeded",
+    "/console/jobs?tenant=history-3",
+    "/console/jobs/{job}",
+    "/console/batches",
+    "/console/tenants",
+]
+# A search of the jobs list (a job's id or metadata containing the text): one that finds
+# recent jobs at once, one that finds none and so reads the whole history.
+CONSOLE_SEARCHES = {"found": "/console/jobs?q=job_", "none": "/console/jobs?q=no-such-text"}
+
+
+def console_looks(stack: BenchStack) -> dict[str, Any]:
+    """The slowest of ``LOOKS`` of each console page, in ms, as the operator (keys are off in
+    the bench: the first page signs in as the operator, the session cookie is kept)."""
+    with stack.db().connect() as connection:
+        job = connection.execute(select(func.max(Job.id)).where(Job.lane == "realtime")).scalar()
+    slowest: dict[str, float] = {}
+    with httpx.Client(base_url=stack.url, timeout=120) as client:
+        for path in [*CONSOLE_PAGES, *CONSOLE_SEARCHES.values()]:
+            url = path.format(job=job)
+            times = []
+            for _ in range(LOOKS):
+                started = time.monotonic()
+                client.get(url).raise_for_status()
+                times.append((time.monotonic() - started) * 1000)
+            slowest[path] = max(times)
+    pages = [slowest[p] for p in CONSOLE_PAGES]
+    return {
+        "pages_max_ms": max(pages),
+        "search_found_max_ms": slowest[CONSOLE_SEARCHES["found"]],
+        "search_none_max_ms": slowest[CONSOLE_SEARCHES["none"]],
+        "each_max_ms": slowest,
+    }
+
+
+def looks(stack: BenchStack) -> dict[str, Any]:
     """Median and slowest of ``LOOKS`` of: what `inferq status` reads (``status.collect``, in
     this process on the stack's database and Redis), the whole command (a new process: its
-    start-up included), and a first page of GET /v1/jobs."""
+    start-up included), a first page of GET /v1/jobs, and the console's pages."""
     from app.cli import status as status_command
 
     reads, command, page = [], [], []
@@ -165,8 +212,10 @@ def looks(stack: BenchStack) -> dict[str, float | None]:
         "status_reads_p50_ms": percentile(reads, 50),
         "status_reads_max_ms": max(reads),
         "status_command_p50_ms": percentile(command, 50),
+        "status_command_max_ms": max(command),
         "jobs_page_p50_ms": percentile(page, 50),
         "jobs_page_max_ms": max(page),
+        "console": console_looks(stack),
     }
 
 
@@ -183,7 +232,7 @@ def _ceiling(opts: Options, n_history: int, model: str) -> dict[str, Any]:
         bulk_chunk_size=CEILING_CHUNK,
     )
     what = f"history: ceiling, {n_history} finished jobs"
-    with BenchStack(opts.postgres, env, opts.workdir) as stack:
+    with BenchStack(opts.database, env, opts.workdir) as stack:
         prefill = _filled(n_history, model, (29.0, 1.0), fill_info) if n_history else None
         stack.start(prefill=prefill)
         start = stack.submit([s.body() for s in specs])
@@ -211,7 +260,7 @@ def _overhead(opts: Options, n_history: int, model: str, *, due: bool = False) -
     days = (60.0, 31.0) if due else (29.0, 1.0)
     fill_info: dict[str, Any] = {}
     result: dict[str, Any] = {}
-    with BenchStack(opts.postgres, opts.stack_env(engine="simulated"), opts.workdir) as stack:
+    with BenchStack(opts.database, opts.stack_env(engine="simulated"), opts.workdir) as stack:
         stack.start(prefill=_filled(n_history, model, days, fill_info) if n_history else None)
         swept: dict[str, float] = {}
         sweeper = None
@@ -268,9 +317,11 @@ def history(opts: Options) -> dict[str, Any]:
     seen = full["overhead"].get("looks", {})
     return {
         "status_max_ms": seen.get("status_reads_max_ms"),
+        "status_command_max_ms": seen.get("status_command_max_ms"),
         "jobs_page_max_ms": seen.get("jobs_page_max_ms"),
+        "console_pages_max_ms": seen.get("console", {}).get("pages_max_ms"),
         "engine": "simulated",
-        "database": "postgresql",
+        "database": _dialect(opts),
         "history_jobs": n_history,
         "empty": empty,
         "history": full,
