@@ -82,7 +82,7 @@ def _interrupt(signum: int, _frame: FrameType | None) -> None:
     default=1,
     show_default=True,
     help="efficiency: run the direct/platform pair this many times (alternating); the median "
-    "pair is reported.",
+    "pair is reported. history: the same for its ceiling pair (empty / with history).",
 )
 @click.option("--json", "json_path", type=click.Path(path_type=Path), default=None)
 @click.option("--markdown", "md_path", type=click.Path(path_type=Path), default=None)

@@ -1,12 +1,19 @@
-"""The statements that name their jobs by id take the primary key on PostgreSQL, whatever its
-statistics say (``models.status_is``; issue 66, docs/benchmarks.md).
+"""On a database with a large history, what runs per job or per look reads what is live, not
+the history (issue 66, docs/benchmarks.md), on PostgreSQL, whatever its statistics say.
 
 A database with a history of finished jobs, analyzed, then a burst of queued jobs the
 statistics do not know yet (autovacuum analyzes after a tenth of the table has changed): the
 planner estimated one row for ``status = 'queued'`` and answered a claim from
 ``ix_jobs_status_lane``, walking the whole backlog for each message a worker took, and an
-outcome write walked every running job. Each statement is run as the worker runs it, under
-``EXPLAIN ANALYZE`` and rolled back.
+outcome write walked every running job (now ``models.status_is``). Each statement is run as
+the worker runs it, under ``EXPLAIN ANALYZE`` and rolled back.
+
+Then every statement of the paths that look at the jobs (the API's submission and its
+admission checks, GET /v1/jobs, the dispatcher's refill and fair share, the reaper, retention's
+sweep, `inferq status`, /metrics, the console's pages) is caught as it runs and explained the
+same way: no scan of the jobs table reads more rows than there are live jobs and a page. The
+console's search is left out: a text that no job has reads every job of the scope
+(docs/console.md).
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from sqlalchemy import Connection, text
+from sqlalchemy import Connection, event, text
 
 from app.core import db
 from app.core.contract.jobs import JobCreate
@@ -24,10 +31,13 @@ from app.core.lifecycle import jobs, transitions
 from app.core.lifecycle.changes import changes
 from app.core.settings import Settings
 from bench.history import rows
-from tests.conftest import PostgresDatabases
+from tests.conftest import PostgresDatabases, fresh_redis_url
 from tests.unit.conftest import environment
+from tests.unit.inprocess import call
 
-HISTORY = 20_000  # finished jobs, analyzed
+# Finished jobs, analyzed: enough that reading them all is never the planner's cheap way to a
+# few hundred rows (at 20,000 a reclaim of 500 ids by an IN list was a sequential scan).
+HISTORY = 100_000
 BACKLOG = 3_000  # queued jobs after the ANALYZE
 RUNNING = 500  # of them claimed
 CLAIM = 256  # ids a claim names (CEILING_CHUNK's size of message)
@@ -48,11 +58,14 @@ OUTCOME_NULLS = [
 
 @pytest.fixture
 def history(postgres: PostgresDatabases) -> Iterator[Settings]:
-    with environment(database_url=postgres.create()) as settings:
+    url = postgres.create()
+    with environment(
+        database_url=url, redis_url=fresh_redis_url(), require_auth="false"
+    ) as settings:
         db.migrate()
-        for offset in range(0, HISTORY, 5000):
+        for offset in range(0, HISTORY, 20_000):
             with changes("ops") as tx:
-                made = rows(5000, settings.model_name, ended_days_ago=(20.0, 1.0), seed=offset)
+                made = rows(20_000, settings.model_name, ended_days_ago=(20.0, 1.0), seed=offset)
                 transitions.create_ended(tx, made)
         with db.get_engine().connect() as connection:
             connection.execution_options(isolation_level="AUTOCOMMIT").execute(
@@ -127,3 +140,88 @@ def test_a_claim_and_an_outcome_write_take_the_primary_key_after_a_burst(
         # ix_jobs_status_lane: no scan reads more rows than the statement names.
         assert {index for _, index, _ in found if index} == {"jobs_pkey"}, found
         assert max(read for _, _, read in found) == named, found
+
+
+def scans_of_jobs(node: dict[str, Any]) -> list[tuple[str, int]]:
+    """Every scan of the jobs table in the plan: (node type and index, rows it read, all
+    loops)."""
+    found = []
+    if node.get("Relation Name") == "jobs":
+        read = node["Actual Rows"] + node.get("Rows Removed by Filter", 0)
+        read += node.get("Rows Removed by Index Recheck", 0)
+        found.append(
+            (f"{node['Node Type']} {node.get('Index Name', '')}", read * node["Actual Loops"])
+        )
+    for child in node.get("Plans", []):
+        found += scans_of_jobs(child)
+    return found
+
+
+def test_what_runs_per_job_or_per_look_reads_what_is_live(history: Settings) -> None:
+    from app.cli import status
+    from app.core.lifecycle import retention
+    from app.core.messaging import clients
+    from app.dispatcher import refill
+    from workers.ops import reaper
+
+    engine = db.get_engine()
+    caught: list[tuple[str, str, Any]] = []
+
+    def catch(
+        _conn: Any, _cursor: Any, statement: str, parameters: Any, _context: Any, many: bool
+    ) -> None:
+        head = statement.lstrip().split(None, 1)[0].upper()
+        if not many and head in ("SELECT", "UPDATE", "DELETE", "WITH") and " jobs" in statement:
+            caught.append((looking[0], statement, parameters))
+
+    looking = [""]  # the look whose statements are being caught
+    looks = {
+        "submit": lambda: call(
+            "POST", "/v1/jobs", json={"model": history.model_name, "prompt": "one more"}
+        ),
+        "GET /v1/jobs": lambda: call("GET", "/v1/jobs"),
+        "refill": lambda: refill.refill(
+            refill.Route("bulk", history.model_name),
+            64,
+            policy="fair",
+            unit=8,
+            waited=set(),
+            client=clients.redis_client(),
+        ),
+        "reaper": lambda: reaper.sweep(history),
+        "retention": lambda: retention.sweep(history, budget_s=5),
+        "inferq status": status.collect,
+        "/metrics": lambda: call("GET", "/metrics"),
+        **{
+            f"console {page}": (lambda page=page: call("GET", page))
+            for page in (
+                "/console",
+                "/console/jobs",
+                "/console/jobs?status=succeeded",
+                "/console/tenants",
+            )
+        },
+    }
+    event.listen(engine, "before_cursor_execute", catch)
+    try:
+        for name, look in looks.items():
+            looking[0] = name
+            look()
+    finally:
+        event.remove(engine, "before_cursor_execute", catch)
+    assert {w for w, _, _ in caught} >= set(looks) - {"retention"}, "a look ran no statement"
+
+    live = BACKLOG + 1  # the jobs not finished, the one submitted here included
+    page = 100  # the most rows a page or a chunk asks for
+    over = []
+    with engine.connect() as connection:
+        for look, statement, parameters in caught:
+            found = connection.exec_driver_sql(
+                "EXPLAIN (ANALYZE, FORMAT JSON) " + statement, parameters
+            ).scalar_one()
+            connection.rollback()
+            tree = (json.loads(found) if isinstance(found, str) else found)[0]["Plan"]
+            for scan, read in scans_of_jobs(tree):
+                if read > live + page:
+                    over.append((look, scan, read, statement[:300]))
+    assert not over, "\n".join(map(str, over))
