@@ -113,12 +113,14 @@ def fill(url: str, n: int, model: str, *, ended_days_ago: tuple[float, float]) -
             with changes("ops") as tx:
                 transitions.create_ended(tx, chunk)
         if db.get_engine().dialect.name == "postgresql":
-            # A month of history has long been vacuumed and analyzed by autovacuum: so is this
-            # one, before the stack starts, rather than by autovacuum in the middle of the run.
+            # A month of history has long been vacuumed and analyzed by autovacuum, and written
+            # out by checkpoints: so is this one, before the stack starts, rather than in the
+            # middle of the run (the checkpoint that the fill's WAL starts spreads its writes
+            # over minutes, and every page a run touched first then went to the WAL whole).
             with db.get_engine().connect() as connection:
-                connection.execution_options(isolation_level="AUTOCOMMIT").execute(
-                    text("VACUUM (ANALYZE) jobs")
-                )
+                autocommit = connection.execution_options(isolation_level="AUTOCOMMIT")
+                autocommit.execute(text("VACUUM (ANALYZE) jobs"))
+                autocommit.execute(text("CHECKPOINT"))
     return time.monotonic() - started
 
 
