@@ -84,6 +84,12 @@ def _interrupt(signum: int, _frame: FrameType | None) -> None:
     help="efficiency: run the direct/platform pair this many times (alternating); the median "
     "pair is reported. history: the same for its ceiling pair (empty / with history).",
 )
+@click.option(
+    "--history-jobs",
+    type=click.IntRange(min=1),
+    default=None,
+    help="history: finished jobs in the database (default: 1,000,000 times --scale).",
+)
 @click.option("--json", "json_path", type=click.Path(path_type=Path), default=None)
 @click.option("--markdown", "md_path", type=click.Path(path_type=Path), default=None)
 @click.option(
@@ -99,6 +105,7 @@ def main(
     postgres: str,
     scale: float,
     repeat: int,
+    history_jobs: int | None,
     json_path: Path | None,
     md_path: Path | None,
     plots_dir: Path | None,
@@ -138,6 +145,7 @@ def main(
             workdir=workdir.resolve(),
             scale=scale,
             repeat=repeat,
+            history_jobs=history_jobs,
             progress=tick,
         )
         for name in names:

@@ -333,7 +333,7 @@ def _sweep(opts: Options, n_history: int, model: str) -> dict[str, Any]:
 
 def history(opts: Options) -> dict[str, Any]:
     model = opts.settings().model_name
-    n_history = opts.n(HISTORY)
+    n_history = opts.history_jobs or opts.n(HISTORY)
     # ``--repeat`` pairs of ceiling, alternating (its run-to-run spread on a small host is
     # wider than the 10 % the ratio is held to): the median ratio counts.
     pairs = []

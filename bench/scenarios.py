@@ -42,6 +42,7 @@ class Options:
     workdir: Path = Path(".inferq/bench")
     scale: float = 1.0  # multiplies job counts (0.1 for a quick look)
     repeat: int = 1  # efficiency: direct/platform pairs, alternating; the median pair counts
+    history_jobs: int | None = None  # history: finished jobs (None: HISTORY times the scale)
     progress: Progress = field(default=lambda what, done, total: None)
     env: dict[str, str] = field(default_factory=dict)
 
