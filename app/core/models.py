@@ -509,7 +509,11 @@ class IdempotencyKey(Base):
     tenant: Mapped[str] = mapped_column(String(64), primary_key=True)
     key: Mapped[str] = mapped_column(String(255), primary_key=True)
     request_hash: Mapped[str] = mapped_column(String(64))
-    job_id: Mapped[str] = mapped_column(String(40), ForeignKey("jobs.id", ondelete="CASCADE"))
+    # Indexed: deleting a job (retention, DELETE /v1/responses) deletes its key by this column,
+    # which without an index read the whole table once per job (migration 0015).
+    job_id: Mapped[str] = mapped_column(
+        String(40), ForeignKey("jobs.id", ondelete="CASCADE"), index=True
+    )
     created_at: Mapped[float] = mapped_column(Double)
     expires_at: Mapped[float] = mapped_column(Double, index=True)
 

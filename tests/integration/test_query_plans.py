@@ -14,6 +14,9 @@ sweep, `inferq status`, /metrics, the console's pages) is caught as it runs and 
 same way: no scan of the jobs table reads more rows than there are live jobs and a page. The
 console's search is left out: a text that no job has reads every job of the scope
 (docs/console.md).
+
+And every foreign key that cascades a job's deletion has an index on its column: without one,
+each job retention deletes read the whole referencing table (idempotency keys had none).
 """
 
 from __future__ import annotations
@@ -225,3 +228,24 @@ def test_what_runs_per_job_or_per_look_reads_what_is_live(history: Settings) -> 
                 if read > live + page:
                     over.append((look, scan, read, statement[:300]))
     assert not over, "\n".join(map(str, over))
+
+
+def test_every_cascading_foreign_key_has_an_index(postgres: PostgresDatabases) -> None:
+    with environment(database_url=postgres.create()):
+        db.migrate()
+        with db.get_engine().connect() as connection:
+            keys = connection.execute(
+                text(
+                    """
+                    SELECT c.conrelid::regclass::text, a.attname,
+                           EXISTS (SELECT 1 FROM pg_index i
+                                   WHERE i.indrelid = c.conrelid AND i.indkey[0] = c.conkey[1])
+                    FROM pg_constraint c
+                    JOIN pg_attribute a ON a.attrelid = c.conrelid AND a.attnum = c.conkey[1]
+                    WHERE c.contype = 'f' AND c.confdeltype = 'c'
+                    """
+                )
+            ).all()
+        db.dispose()
+    assert ("idempotency_keys", "job_id", True) in keys
+    assert [(table, column) for table, column, indexed in keys if not indexed] == []
