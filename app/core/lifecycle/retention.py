@@ -76,10 +76,29 @@ class Horizon:
     swept_through: str | None
 
 
-def retention_of(session: Session, tenant: str, settings: Settings | None = None) -> int:
-    """The tenant's retention in seconds (0: forever)."""
-    own = session.scalar(select(Tenant.job_retention_s).where(Tenant.tenant == tenant))
-    return (settings or get_settings()).job_retention_s if own is None else own
+@dataclass(frozen=True, slots=True)
+class Kept:
+    """What is kept of a tenant's history: its own retention (None: the deployment's), the
+    one in force (0: forever), and how far retention has deleted, and when it last did."""
+
+    tenant: str
+    own_s: int | None
+    retention_s: int
+    swept_through: str | None
+    swept_at: float | None
+
+
+def kept(session: Session, tenant: str) -> Kept:
+    """``tenant``'s row read once: what the admin API and the CLI show, and its horizon."""
+    row = session.get(Tenant, tenant)
+    own = None if row is None else row.job_retention_s
+    return Kept(
+        tenant=tenant,
+        own_s=own,
+        retention_s=get_settings().job_retention_s if own is None else own,
+        swept_through=None if row is None else row.swept_through,
+        swept_at=None if row is None else row.swept_at,
+    )
 
 
 def horizon(session: Session, tenant: str | None) -> Horizon:
@@ -88,8 +107,8 @@ def horizon(session: Session, tenant: str | None) -> Horizon:
     if tenant is None:
         through = session.scalar(select(func.max(Tenant.swept_through)))
         return Horizon(get_settings().job_retention_s or None, through)
-    through = session.scalar(select(Tenant.swept_through).where(Tenant.tenant == tenant))
-    return Horizon(retention_of(session, tenant) or None, through)
+    found = kept(session, tenant)
+    return Horizon(found.retention_s or None, found.swept_through)
 
 
 def expired(session: Session, tenant: str | None, job_id: str) -> Horizon | None:
@@ -110,30 +129,6 @@ def kept_for(found: Horizon) -> str:
     days = found.retention_s / 86400
     span = f"{days:g} days" if days >= 1 else f"{found.retention_s} seconds"
     return f"finished jobs are deleted {span} after they end (retention)"
-
-
-@dataclass(frozen=True, slots=True)
-class Kept:
-    """What is kept of a tenant's history: its own retention (None: the deployment's), the
-    one in force (0: forever), and how far retention has deleted, and when it last did."""
-
-    tenant: str
-    own_s: int | None
-    retention_s: int
-    swept_through: str | None
-    swept_at: float | None
-
-
-def kept(session: Session, tenant: str) -> Kept:
-    row = session.get(Tenant, tenant)
-    own = None if row is None else row.job_retention_s
-    return Kept(
-        tenant=tenant,
-        own_s=own,
-        retention_s=get_settings().job_retention_s if own is None else own,
-        swept_through=None if row is None else row.swept_through,
-        swept_at=None if row is None else row.swept_at,
-    )
 
 
 def set_retention(session: Session, tenant: str, retention_s: int | None) -> None:
