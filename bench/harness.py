@@ -230,10 +230,12 @@ class BenchStack:
         with self.db().connect() as conn:
             return list(conn.execute(query).scalars())
 
-    def _count_finished(self, ids: list[str] | None = None) -> int:
+    def _count_finished(self, ids: list[str] | None = None, **equal: str) -> int:
         query = select(func.count()).select_from(Job).where(Job.status.in_(list(TERMINAL)))
         if ids is not None:
             query = query.where(Job.id.in_(ids))
+        for column, value in equal.items():
+            query = query.where(getattr(Job, column) == value)
         with self.db().connect() as conn:
             return int(conn.execute(query).scalar_one())
 
@@ -243,11 +245,13 @@ class BenchStack:
         timeout_s: float,
         progress: Callable[[int], None] | None = None,
         ids: list[str] | None = None,
+        **equal: str,
     ) -> None:
-        """Wait until ``total`` jobs (of ``ids``, or of all) are terminal."""
+        """Wait until ``total`` jobs (of ``ids``, or of all; ``lane=``/``model=`` filter, as
+        :meth:`rows`) are terminal."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            done = self._count_finished(ids)
+            done = self._count_finished(ids, **equal)
             if progress is not None:
                 progress(done)
             if done >= total:

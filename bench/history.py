@@ -39,7 +39,7 @@ from sqlalchemy import Engine, func, select, text
 from app.core import db
 from app.core.lifecycle import retention, transitions
 from app.core.lifecycle.changes import changes
-from app.core.models import TERMINAL, Job, JobStatus, new_id
+from app.core.models import Job, JobStatus, new_id
 from app.core.processes.environment import environment
 from bench import overhead
 from bench.harness import BenchStack
@@ -242,25 +242,21 @@ def _ceiling(opts: Options, n_history: int, model: str) -> dict[str, Any]:
         prefill = _filled(n_history, model, (29.0, 1.0), fill_info) if n_history else None
         stack.start(prefill=prefill)
         start = stack.submit([s.body() for s in specs])
-        ended = (
-            select(func.count())
-            .select_from(Job)
-            .where(Job.lane == "bulk", Job.status.in_(list(TERMINAL)))
+        stack.wait_all(
+            len(specs), 3600, lambda done: opts.progress(what, done, len(specs)), lane="bulk"
         )
-        deadline = time.monotonic() + 3600
-        done = 0
-        while done < len(specs) and time.monotonic() < deadline:
-            with stack.db().connect() as connection:
-                done = int(connection.execute(ended).scalar_one())
-            opts.progress(what, done, len(specs))
-            time.sleep(0.2)
         metrics = summarize(stack.rows(lane="bulk"), start)
     return {"jobs_per_s": metrics["request_throughput"], "fill": fill_info}
 
 
+def _bodies(opts: Options, model: str) -> list[dict[str, Any]]:
+    """A 16-client load's calls, as ``overhead``'s (its warm-up rounds included)."""
+    return overhead._bodies(opts.n(overhead.REQUESTS_PER_CLIENT * CLIENTS) + 2 * CLIENTS, model)
+
+
 def _overhead(opts: Options, n_history: int, model: str) -> dict[str, Any]:
     """16 streaming clients on a stack whose database holds ``n_history`` finished jobs."""
-    bodies = overhead._bodies(opts.n(overhead.REQUESTS_PER_CLIENT * CLIENTS) + 2 * CLIENTS, model)
+    bodies = _bodies(opts, model)
     fill_info: dict[str, Any] = {}
     with BenchStack(opts.database, opts.stack_env(engine="simulated"), opts.workdir) as stack:
         prefill = _filled(n_history, model, (29.0, 1.0), fill_info) if n_history else None
@@ -297,7 +293,7 @@ def _sweep(opts: Options, n_history: int, model: str) -> dict[str, Any]:
     worker runs it, in this process) deletes them at its default pace
     (``INFERQ_RETENTION_SWEEP_JOBS_PER_S``); while it deletes them unpaced (0); and after it has
     stopped. The stack's own ops worker keeps every job (retention 0): nothing else sweeps."""
-    bodies = overhead._bodies(opts.n(overhead.REQUESTS_PER_CLIENT * CLIENTS) + 2 * CLIENTS, model)
+    bodies = _bodies(opts, model)
     fill_info: dict[str, Any] = {}
     env = opts.stack_env(engine="simulated", job_retention_s=0)
     with BenchStack(opts.database, env, opts.workdir) as stack:
