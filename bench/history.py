@@ -315,8 +315,9 @@ def _sweep(opts: Options, n_history: int, model: str) -> dict[str, Any]:
             time.sleep(1.0)  # under way
             left = _jobs(stack)
             load = _load(stack, bodies, f"history: sweeping, {name}", opts)
-            # Deleted while the load ran, its own jobs (added meanwhile, none due) counted back.
-            deleted = left - _jobs(stack) + load["completed"]
+            # Deleted while the load ran, its own jobs (every call, its warm-up rounds too:
+            # added meanwhile, none due) counted back.
+            deleted = left - _jobs(stack) + len(bodies)
             stop.set()
             sweeper.join(120)
             result[name] = {**load, "jobs_per_s": deleted / load["load_s"]}
