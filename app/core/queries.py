@@ -45,13 +45,18 @@ def check_limit(limit: int) -> int:
     return limit
 
 
+def cursor(after: str | None) -> str | None:
+    """``after`` when it can be an id (a page's cursor), else 400 ``invalid_cursor``."""
+    if after is not None and not storable(after):
+        raise DomainError(Kind.INVALID, "invalid_cursor", "after is not an id", param="after")
+    return after
+
+
 def page(
     session: Session, query: Select[T], id_column: Any, limit: int, after: str | None
 ) -> tuple[list[T], bool]:
     """Newest first, at most ``limit`` rows after the cursor; (rows, has_more)."""
-    if after is not None:
-        if not storable(after):
-            raise DomainError(Kind.INVALID, "invalid_cursor", "after is not an id", param="after")
+    if cursor(after) is not None:
         query = query.where(id_column < after)
     rows = list(session.scalars(query.order_by(id_column.desc()).limit(check_limit(limit) + 1)))
     return rows[:limit], len(rows) > limit

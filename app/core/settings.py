@@ -103,6 +103,12 @@ class Settings(BaseSettings):
         description="How long a console sign-in lasts (docs/console.md); a revoked key's "
         "ends at its next page.",
     )
+    console_search_window: int = Field(
+        50_000,
+        ge=1,
+        description="How many of the newest jobs in scope one console search page reads; "
+        "a link searches the next as many older (docs/console.md).",
+    )
     max_body_bytes: int = Field(
         8 * 1_048_576,
         description="Largest request body and batch line (413 above): room for an embedding "

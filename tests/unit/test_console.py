@@ -122,6 +122,36 @@ def test_the_jobs_page_pages_like_the_api_and_filters(core: Settings) -> None:
     assert sum(f'id="row-{i}"' in bulk for i in ids) == 10
 
 
+def test_a_search_reads_a_window_of_the_newest_jobs_and_links_the_older_ones(
+    core: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A text that only old jobs have is not looked for through the whole history at once:
+    the page says how many jobs it searched and links the next window, where it is found."""
+    monkeypatch.setenv("INFERQ_CONSOLE_SEARCH_WINDOW", "5")
+    get_settings.cache_clear()
+
+    async def scenario(client: httpx.AsyncClient) -> tuple[list[str], list[str]]:
+        ids = []
+        for i in range(9):
+            tag = "needle" if i < 2 else "hay"
+            body = {**JOB, "metadata": {"tag": f"{tag}-{i}"}}
+            ids.append((await client.post("/v1/jobs", json=body)).json()["id"])
+        pages = [(await client.get("/console/jobs", params={"q": "needle"})).text]
+        marker = 'id="older" href="'
+        while marker in pages[-1] and len(pages) < 5:
+            start = pages[-1].index(marker) + len(marker)
+            link = pages[-1][start : pages[-1].index('"', start)].replace("&amp;", "&")
+            pages.append((await client.get(link)).text)
+        return ids, pages
+
+    ids, pages = run(scenario)
+    # Newest 5 (ids 8..4): none; the next 5 (3..0): both, and nothing older to search.
+    assert len(pages) == 2, [("searched the 5 newest" in p) for p in pages]
+    assert "no jobs" in pages[0] and "searched the 5 newest jobs" in pages[0]
+    assert [i for i in ids if f'id="row-{i}"' in pages[1]] == ids[:2]
+    assert 'id="older"' not in pages[1] and 'id="next"' not in pages[1]
+
+
 def test_the_tenants_page_shows_what_each_tenant_used_of_its_limits(
     core: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:

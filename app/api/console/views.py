@@ -188,7 +188,7 @@ class JobFilters:
 
 def jobs_page(session: Session, viewer: Viewer, filters: JobFilters, now: float) -> dict[str, Any]:
     scope = viewer.scope if not viewer.operator else filters.tenant
-    rows, has_more = jobs.list_page(
+    listed = jobs.list_page(
         session,
         scope,
         status=filters.status,
@@ -199,9 +199,13 @@ def jobs_page(session: Session, viewer: Viewer, filters: JobFilters, now: float)
         batch_id=filters.batch,
         search=filters.q,
     )
+    rows = listed.rows
     return {
         "jobs": [job_row(j) for j in rows],
-        "next": filters.query(after=rows[-1].id) if has_more and rows else None,
+        "next": filters.query(after=rows[-1].id) if listed.has_more and rows else None,
+        # A search read its window without filling the page: the next window, older.
+        "older": filters.query(after=listed.searched_to) if listed.searched_to else None,
+        "window": get_settings().console_search_window,
         "filters": filters,
         "statuses": [s.value for s in JobStatus],
         "lanes": LANES,

@@ -72,13 +72,11 @@ def list_jobs(
     after: str | None = None,
 ) -> JobList:
     """List jobs, newest first; pass the last id as `after` for the next page."""
-    rows, has_more = jobs.list_page(
-        session, tenant, status=status, lane=lane, limit=limit, after=after
-    )
+    listed = jobs.list_page(session, tenant, status=status, lane=lane, limit=limit, after=after)
     history = retention.horizon(session, tenant)
     return JobList(
-        data=[JobOut.from_row(r) for r in rows],
-        has_more=has_more,
+        data=[JobOut.from_row(r) for r in listed.rows],
+        has_more=listed.has_more,
         retention_s=history.retention_s,
         expired_through=history.swept_through,
     )

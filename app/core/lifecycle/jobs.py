@@ -276,6 +276,18 @@ def get(session: Session, tenant: str | None, job_id: str) -> Job:
         ) from None
 
 
+@dataclass(frozen=True)
+class Listed:
+    """A page of jobs. ``searched_to``: a search that read its whole window (the scope's
+    ``console_search_window`` newest jobs after the cursor) without filling the page names the
+    oldest job it read, and the next window starts below it (``after``); None when it read to
+    the scope's first job or filled the page."""
+
+    rows: list[Job]
+    has_more: bool
+    searched_to: str | None = None
+
+
 def list_page(
     session: Session,
     tenant: str | None,
@@ -287,10 +299,13 @@ def list_page(
     model: str | None = None,
     batch_id: str | None = None,
     search: str | None = None,
-) -> tuple[list[Job], bool]:
+) -> Listed:
     """Newest first. ``after`` is the last id of the previous page (ids sort by time);
-    ``search`` finds a text in a job's id or its metadata (keys and values)."""
-    query = queries.scoped(select(Job), Job.tenant, tenant)
+    ``search`` finds a text in a job's id or its metadata (keys and values), in a window of the
+    scope's newest jobs, so that a text no job has reads a bounded number of rows, not every
+    job retention keeps (docs/console.md, "Jobs")."""
+    scope = queries.scoped(select(Job), Job.tenant, tenant)
+    query = scope
     if status is not None:
         query = query.where(Job.status == status)
     if lane is not None:
@@ -299,14 +314,25 @@ def list_page(
         query = query.where(Job.model == model)
     if batch_id is not None:
         query = query.where(Job.batch_id == batch_id)
-    if search:
-        query = query.where(
-            or_(
-                Job.id.contains(search, autoescape=True),
-                cast(Job.meta, Text).contains(search, autoescape=True),
-            )
+    if not search:
+        return Listed(*queries.page(session, query, Job.id, limit, after))
+    # The window's oldest id: the scope's index (the primary key, or ix_jobs_tenant_id) walked
+    # ``window`` entries, whatever the other filters; they and the text apply inside it.
+    window = get_settings().console_search_window
+    bound_query = scope.with_only_columns(Job.id).order_by(Job.id.desc())
+    if queries.cursor(after) is not None:
+        bound_query = bound_query.where(Job.id < after)
+    bound = session.scalar(bound_query.offset(window - 1).limit(1))
+    if bound is not None:
+        query = query.where(Job.id >= bound)
+    query = query.where(
+        or_(
+            Job.id.contains(search, autoescape=True),
+            cast(Job.meta, Text).contains(search, autoescape=True),
         )
-    return queries.page(session, query, Job.id, limit, after)
+    )
+    rows, has_more = queries.page(session, query, Job.id, limit, after)
+    return Listed(rows, has_more, None if has_more else bound)
 
 
 def cancel(session: Session, tenant: str | None, job_id: str) -> tuple[Job, bool]:
