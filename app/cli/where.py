@@ -17,7 +17,6 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
 import psutil
 import redis
 from pydantic import SecretStr
@@ -232,6 +231,8 @@ def unreachable(exc: BaseException) -> str | None:
     """One line for a command whose API, database or Redis could not be reached or read: the
     URL it tried and the setting that chose it; None for any other error (the settings are
     read only for these: another error may be a refusal of the settings themselves)."""
+    import httpx  # here: a command that calls no API starts without it
+
     if isinstance(exc, httpx.TransportError):
         settings = get_settings()
         reason = str(exc) or type(exc).__name__

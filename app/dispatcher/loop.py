@@ -51,6 +51,7 @@ from app.core.messaging.names import (
     AFFINITY_SENT_KEY,
     WAKE_KEY,
     own_queue,
+    own_queues,
     owner_of,
     shared_of,
 )
@@ -367,7 +368,7 @@ class Dispatcher:
         now, each once (a job is claimed by a compare-and-set). The queues of live workers,
         even of another model, stay."""
         live = {w.worker_id for w in workers}
-        for name in broker.own_queues():
+        for name in own_queues(self.client):
             if owner_of(name) in live:
                 continue
             held = int(self.client.llen(name))

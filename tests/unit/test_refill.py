@@ -14,7 +14,7 @@ from app.core.contract.jobs import JobCreate
 from app.core.lifecycle import jobs, transitions
 from app.core.lifecycle.changes import changes
 from app.core.messaging import broker, clients
-from app.core.messaging.names import own_queue
+from app.core.messaging.names import own_queue, own_queues
 from app.core.models import Job, now
 from app.core.scheduling import fairshare
 from app.core.settings import Settings
@@ -244,7 +244,7 @@ def test_a_refill_sends_each_prefix_to_its_home_and_the_rest_to_the_shared_queue
         for [job_id] in own_messages(route, worker):
             assert home(by_id[job_id].prefix, WORKERS) == worker
     assert [m.job_ids for m in messages(route)] == [[plain]]
-    assert set(broker.own_queues()) == {
+    assert set(own_queues(clients.redis_client())) == {
         own_queue("standard", core.model_name, w) for w in done.sent_to
     }
 
@@ -272,7 +272,7 @@ def test_a_gone_workers_own_queue_is_taken_back_and_forgotten(core: Settings) ->
     held = [job_id for [job_id] in own_messages(route, WORKERS[1])]
     assert held
     dispatcher._take_back_gone([alive])
-    assert clients.redis_client().llen(gone) == 0 and gone not in broker.own_queues()
+    assert clients.redis_client().llen(gone) == 0 and gone not in own_queues(clients.redis_client())
     assert all(rows(held)[i].enqueued_at is None for i in held)  # unsent: sent again
     kept = [i for i in ids if i not in held]
     assert all(rows(kept)[i].enqueued_at is not None for i in kept)

@@ -451,14 +451,6 @@ def take_newest(name: str, messages: int) -> list[RunJobs]:
     return taken
 
 
-def own_queues(client: redis.Redis | None = None) -> set[str]:
-    """Every worker's own queue that messages were sent to and that was not yet forgotten
-    (``client``: this process's Redis client unless given)."""
-    found = (client or clients.redis_client()).smembers(OWN_QUEUES_KEY)
-    members: set[bytes] = found  # type: ignore[assignment]
-    return {m.decode() if isinstance(m, bytes) else str(m) for m in members}
-
-
 def forget_own(name: str) -> bool:
     """Forget a gone worker's own queue once its list is empty; False while it holds messages.
     Watched: a message pushed between the look and the forgetting (the send notes the queue

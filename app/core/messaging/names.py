@@ -13,9 +13,12 @@ lane's shared queue.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from app.core.settings import LANES, get_settings
+
+if TYPE_CHECKING:
+    import redis
 
 # --- Celery tasks (messages carry ids, never payloads: the row is the truth) -------------------
 RUN_JOBS_TASK = "inferq.run_jobs"  # inference workers: run one message's jobs
@@ -114,6 +117,14 @@ def own_queue(lane: str, model: str, worker_id: str) -> str:
     """The queue of ``model``'s ``lane`` that only the worker ``worker_id`` consumes, before the
     lane's shared queue (docs/scheduling.md, "Prefix affinity")."""
     return f"{queue_of(lane, model)}{OWN_SEP}{worker_id}"
+
+
+def own_queues(client: redis.Redis) -> set[str]:
+    """Every worker's own queue that messages were sent to and that was not yet forgotten
+    (the send notes it, app/core/messaging/broker.py; the dispatcher forgets a gone worker's).
+    Here, not in the broker, so that `inferq status` reads them without importing Celery."""
+    members: set[bytes] = client.smembers(OWN_QUEUES_KEY)  # type: ignore[assignment]
+    return {m.decode() if isinstance(m, bytes) else str(m) for m in members}
 
 
 def shared_of(queue: str) -> str:

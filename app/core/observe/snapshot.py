@@ -14,18 +14,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
 import redis
-from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import BigInteger, Connection, case, cast, func, literal_column, select
 from sqlalchemy.orm import Session
 
-from app.core.messaging import broker
 from app.core.messaging.names import (
     AFFINITY_OVERFLOW_KEY,
     AFFINITY_SENT_KEY,
     DRAIN_METRIC,
     Route,
+    own_queues,
     queue_of,
     routes,
     shared_of,
@@ -136,7 +134,7 @@ def queue_messages(client: redis.Redis, routes: Sequence[Route]) -> dict[Route, 
     names: dict[str, list[Route]] = {}
     for lane, model in routes:
         names.setdefault(queue_of(lane, model), []).append((lane, model))
-    own = broker.own_queues(client)
+    own = own_queues(client)
     lists = [*names, *(q for q in sorted(own) if shared_of(q) in names)]
     with client.pipeline(transaction=False) as pipe:
         for name in lists:
@@ -279,6 +277,9 @@ def drain_estimates(client: redis.Redis, timeout_s: float = 1.0) -> dict[Route, 
     """The backlog's drain estimate per (lane, model), as the ops worker exports it on its
     /metrics (docs/kubernetes.md, "Autoscaling on the backlog"): {} when no ops worker answers
     in time (the estimate needs the worker rate it measures; nothing else has it)."""
+    import httpx  # here: `inferq status` does not scrape, and starts without them
+    from prometheus_client.parser import text_string_to_metric_families
+
     for record in ops_workers(client):
         url = str(record.get("metrics_url") or "")
         if not url:

@@ -34,17 +34,20 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
-from tokenizers import Tokenizer
 
-from app.core.contract.jobs import JobCreate, Prompt
-from app.core.contract.pooling import Inputs
 from app.core.errors import DomainError, Kind
 from app.core.messaging import clients
 from app.core.messaging.names import CARD_KEY_PREFIX, TOKENIZER_KEY_PREFIX
 from app.core.settings import get_settings
+
+if TYPE_CHECKING:  # annotations only: `inferq status` reads model cards without the contract
+    from tokenizers import Tokenizer
+
+    from app.core.contract.jobs import JobCreate, Prompt
+    from app.core.contract.pooling import Inputs
 
 log = logging.getLogger("inferq.tokens")
 
@@ -245,6 +248,8 @@ def _load(client: redis.Redis, model: str) -> Counter | None:
             source = client.get(TOKENIZER_KEY_PREFIX + digest)
             if source is None:
                 return None
+            from tokenizers import Tokenizer  # here: a process that counts no prompt skips it
+
             tokenizer = Tokenizer.from_str(source.decode() if isinstance(source, bytes) else source)
             # A model's tokenizer.json may pad or truncate (sentence-transformers' often pad to
             # a fixed length): a count is of the text's own tokens, as the engine sees them.
