@@ -31,6 +31,7 @@ from sqlalchemy import (
     String,
     Text,
     TypeDecorator,
+    and_,
     any_,
     bindparam,
     text,
@@ -228,6 +229,8 @@ TRANSITIONS: dict[str, frozenset[str]] = {
 
 # A job the dispatcher has still to send (app/dispatcher): queued, with no message out.
 UNSENT = text("status = 'queued' AND enqueued_at IS NULL")
+# The jobs not finished, written out (``live``): see there why a literal.
+LIVE = text("status IN ('queued', 'running')")
 
 
 def can_transition(current: str, new: str) -> bool:
@@ -407,6 +410,23 @@ class Job(Base):
             sqlite_where=UNSENT,
         ),
     )
+
+
+def live(*statuses: str) -> ColumnElement[bool]:
+    """The status test of a statement that finds live jobs by their status (``queued``,
+    ``running``): ``LIVE``, a literal, then the statuses asked for.
+
+    psycopg prepares a statement on its fifth run, and PostgreSQL may then plan it once for
+    every value (a generic plan: docs/architecture.md, "Plans on a growing table"). For
+    ``status = $1`` that plan cannot know that the value is a rare one, and it read every job,
+    history and all (a sequential scan of 100,000 finished jobs in
+    tests/integration/test_query_plans.py); the literal lets it estimate the live jobs from the
+    statistics and take ``ix_jobs_status_lane`` or ``ix_jobs_tenant_status``.
+    """
+    values = [str(s) for s in statuses]
+    if not values or not set(values) <= {JobStatus.QUEUED, JobStatus.RUNNING}:
+        raise ValueError(f"not live statuses: {values}")
+    return and_(LIVE, Job.status == values[0] if len(values) == 1 else Job.status.in_(values))
 
 
 def status_is(*statuses: str) -> ColumnElement[bool]:

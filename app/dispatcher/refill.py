@@ -45,7 +45,7 @@ from app.core.lifecycle.after import Charge, Tx
 from app.core.lifecycle.changes import changes
 from app.core.messaging import broker
 from app.core.messaging.names import own_queue, queue_of
-from app.core.models import UNSENT, Job, JobStatus, now
+from app.core.models import UNSENT, Job, JobStatus, live, now
 from app.core.scheduling import catalog, fairshare
 from app.dispatcher.affinity import Placement
 
@@ -113,7 +113,7 @@ def _running_charges(tx: Tx, route: Route, tenants: Sequence[str]) -> dict[str, 
     rows = tx.connection.execute(
         select(Job.tenant, func.coalesce(func.sum(Job.charged), 0))
         .where(
-            Job.status == JobStatus.RUNNING,
+            live(JobStatus.RUNNING),
             Job.lane == route.lane,
             Job.model.in_(catalog.served_names(route.model)),
             Job.tenant.in_(tenants),
@@ -205,7 +205,7 @@ def _running(tx: Tx, route: Route, workers: Sequence[str]) -> dict[str, int]:
     rows = tx.connection.execute(
         select(Job.lease_owner, func.count())
         .where(
-            Job.status == JobStatus.RUNNING,
+            live(JobStatus.RUNNING),
             Job.model.in_(catalog.served_names(route.model)),
             Job.lease_owner.in_(workers),
         )

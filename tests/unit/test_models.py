@@ -7,7 +7,7 @@ import time
 import pytest
 
 from app.core.lifecycle.transitions import compare_and_set
-from app.core.models import TERMINAL, TRANSITIONS, JobStatus, can_transition, new_id
+from app.core.models import TERMINAL, TRANSITIONS, JobStatus, can_transition, live, new_id
 
 
 def test_terminal_states_have_no_way_out() -> None:
@@ -44,3 +44,12 @@ def test_compare_and_set_refuses_transitions_the_machine_does_not_allow() -> Non
     sql = str(statement.compile(compile_kwargs={"literal_binds": True}))
     # The status test is not one ix_jobs_status_lane answers (models.status_is).
     assert "(jobs.status || '') = 'running'" in sql and "jobs.lease_token = 3" in sql
+
+
+def test_a_live_status_test_names_only_live_statuses() -> None:
+    """``models.live`` writes ``status IN ('queued', 'running')`` into the statement; a
+    finished status there would find nothing, so it is refused where it is written."""
+    assert "status IN ('queued', 'running')" in str(live(JobStatus.QUEUED))
+    for wrong in ((JobStatus.SUCCEEDED,), (JobStatus.QUEUED, JobStatus.FAILED), ()):
+        with pytest.raises(ValueError, match="not live statuses"):
+            live(*wrong)

@@ -44,7 +44,7 @@ from app.core.lifecycle import transitions
 from app.core.lifecycle.changes import changes
 from app.core.messaging import clients
 from app.core.messaging.names import EPOCH_KEY, queue_of, routes
-from app.core.models import Job, JobStatus, now
+from app.core.models import Job, JobStatus, live, now
 from app.core.observe import snapshot
 from app.core.scheduling import catalog
 from app.core.settings import Settings
@@ -69,11 +69,11 @@ def sweep(settings: Settings) -> dict[str, int]:
 def _sweep(settings: Settings) -> dict[str, int]:
     stamp = now()
     with changes("reaper") as tx:
-        overdue = _take(tx.connection, Job.status == JobStatus.QUEUED, Job.deadline_at <= stamp)
+        overdue = _take(tx.connection, live(JobStatus.QUEUED), Job.deadline_at <= stamp)
         transitions.expire_queued(tx, [r.id for r in overdue], stamp)
         transitions.reclaim(
             tx,
-            _take(tx.connection, Job.status == JobStatus.RUNNING, Job.lease_expires_at < stamp),
+            _take(tx.connection, live(JobStatus.RUNNING), Job.lease_expires_at < stamp),
             stamp,
             max_attempts=settings.max_attempts,
         )
@@ -151,7 +151,7 @@ def _empty_queues_with_waiting_jobs(stamp: float, settings: Settings) -> list[tu
         waiting = session.execute(
             select(Job.lane, Job.model)
             .where(
-                Job.status == JobStatus.QUEUED,
+                live(JobStatus.QUEUED),
                 _routes(empty),
                 Job.enqueued_at < stamp - REAPER_GRACE_S,
             )

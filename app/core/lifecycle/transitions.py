@@ -55,6 +55,7 @@ from app.core.models import (
     NewJob,
     among,
     can_transition,
+    live,
     status_is,
 )
 from app.core.scheduling import fairshare
@@ -279,7 +280,7 @@ def forget_lost(
     Their tenants are charged again when they are sent again, and not refunded now: after a
     wipe the counters are gone anyway, and a lost message is rare enough that the share it
     shifts does not matter (app/core/scheduling/fairshare.py)."""
-    conditions = [Job.status == JobStatus.QUEUED, Job.enqueued_at < stamp]
+    conditions = [live(JobStatus.QUEUED), Job.enqueued_at < stamp]
     if which is not None:
         conditions.append(which)
     unlocked = select(Job.id).where(*conditions).with_for_update(skip_locked=True)

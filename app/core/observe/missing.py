@@ -25,7 +25,7 @@ from sqlalchemy.orm import Session
 
 from app.core.db import session_scope
 from app.core.messaging import clients
-from app.core.models import BATCH_TERMINAL, UNSENT, Batch, File, Job, JobStatus, WebhookEvent
+from app.core.models import BATCH_TERMINAL, UNSENT, Batch, File, Job, JobStatus, WebhookEvent, live
 from app.core.models import WebhookStatus as Hook
 from app.core.processes import presence
 from app.core.scheduling import catalog
@@ -83,16 +83,16 @@ def find(db: Session | Connection, client: redis.Redis, settings: Settings) -> l
             found.append(Missing("ops", int(hooks), "webhook events"))
         if batches:
             found.append(Missing("ops", int(batches), "batches"))
-    live = catalog.counts(presence.workers(client))
+    serving = catalog.counts(presence.workers(client))
     queued: dict[str, int] = {}
     rows = db.execute(
-        select(Job.model, func.count()).where(Job.status == JobStatus.QUEUED).group_by(Job.model)
+        select(Job.model, func.count()).where(live(JobStatus.QUEUED)).group_by(Job.model)
     ).all()
     for model, count in rows:
         base = settings.base_of(model)
         queued[base] = queued.get(base, 0) + int(count)
     for model, count in sorted(queued.items()):
-        if not live.get(model):
+        if not serving.get(model):
             found.append(Missing("worker", count, "jobs", model))
     reason = store.check()
     if reason is not None:

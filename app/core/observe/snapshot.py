@@ -28,7 +28,7 @@ from app.core.messaging.names import (
     routes,
     shared_of,
 )
-from app.core.models import Job, JobStatus
+from app.core.models import Job, JobStatus, live
 from app.core.processes.presence import ops_workers
 from app.core.settings import LANES
 
@@ -152,7 +152,7 @@ def lane_jobs(db: Session | Connection, now: float, models: Sequence[str]) -> di
     job: every lane of ``models``, and of any other model that has such jobs."""
     rows = db.execute(
         select(Job.lane, Job.model, Job.status, func.count(), func.min(Job.created_at))
-        .where(Job.status.in_([JobStatus.QUEUED, JobStatus.RUNNING]))
+        .where(live(JobStatus.QUEUED, JobStatus.RUNNING))
         .group_by(Job.lane, Job.model, Job.status)
     ).all()
     counts: dict[tuple[str, str, str], int] = {}
@@ -211,7 +211,7 @@ def tenant_jobs(
     """
     active = db.execute(
         select(Job.lane, Job.model, Job.tenant, Job.status, func.count())
-        .where(Job.status.in_([JobStatus.QUEUED, JobStatus.RUNNING]))
+        .where(live(JobStatus.QUEUED, JobStatus.RUNNING))
         .group_by(Job.lane, Job.model, Job.tenant, Job.status)
     ).all()
     completion = func.coalesce(func.sum(Job.completion_tokens), 0)

@@ -50,7 +50,7 @@ from sqlalchemy import Connection, Integer, cast, func, select
 from sqlalchemy.orm import Session
 
 from app.core.messaging.names import Route
-from app.core.models import UNSENT, Job, JobStatus
+from app.core.models import UNSENT, Job, JobStatus, live
 from app.core.settings import LANES, Settings
 
 SAMPLE_S = 5.0  # how often the ops worker reads the backlog and takes a rate sample
@@ -77,7 +77,7 @@ def read(db: Session | Connection, settings: Settings) -> list[Queued]:
     bucket = cast(Job.deadline_at / BUCKET_S, Integer)
     rows = db.execute(
         select(Job.model, Job.lane, bucket, func.count(), func.coalesce(func.sum(Job.cost), 0))
-        .where(Job.status.in_([JobStatus.QUEUED, JobStatus.RUNNING]))
+        .where(live(JobStatus.QUEUED, JobStatus.RUNNING))
         .group_by(Job.model, Job.lane, bucket)
     ).all()
     # CAST truncates on SQLite and rounds on PostgreSQL: bucket k holds deadlines from
@@ -224,7 +224,7 @@ def queued_jobs(db: Session | Connection) -> dict[Route, int]:
     """
     rows = db.execute(
         select(Job.lane, Job.model, func.count())
-        .where(Job.status == JobStatus.QUEUED)
+        .where(live(JobStatus.QUEUED))
         .group_by(Job.lane, Job.model)
     ).all()
     return {(lane, model): int(count) for lane, model, count in rows}

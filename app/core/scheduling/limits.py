@@ -48,7 +48,7 @@ from app.core.contract.jobs import JobCreate
 from app.core.errors import BROKER_DOWN, DomainError, Kind, unavailable
 from app.core.messaging import clients
 from app.core.messaging.names import LIMIT_KEY_PREFIX
-from app.core.models import LANE_PRIORITY, Job, JobStatus
+from app.core.models import LANE_PRIORITY, Job, JobStatus, live
 from app.core.scheduling import backlog, tokens
 from app.core.settings import get_settings
 
@@ -124,7 +124,7 @@ def _check_queued(session: Session, tenant: str, limit: int, n: int) -> None:
             session.scalar(
                 select(func.count())
                 .select_from(Job)
-                .where(Job.tenant == tenant, Job.status == JobStatus.QUEUED)
+                .where(Job.tenant == tenant, live(JobStatus.QUEUED))
             )
             or 0
         )
