@@ -162,7 +162,8 @@ CONSOLE_PAGES = [
     "/console/tenants",
 ]
 # A search of the jobs list (a job's id or metadata containing the text): one that finds
-# recent jobs at once, one that finds none and so reads the whole history.
+# recent jobs at once, one that finds none and so reads its whole window
+# (INFERQ_CONSOLE_SEARCH_WINDOW of the newest jobs; before it, the whole history).
 CONSOLE_SEARCHES = {"found": "/console/jobs?q=job_", "none": "/console/jobs?q=no-such-text"}
 
 
