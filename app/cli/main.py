@@ -539,12 +539,14 @@ def status_command(watch: bool, interval: float) -> None:
     # Most of what this command takes is importing what it reads with (docs/benchmarks.md,
     # "`inferq status`"): the collector would walk the objects they make over and over while they
     # load, and once more at exit; it waits until they are in, then leaves them out for good.
+    collecting = gc.isenabled()
     gc.disable()
     try:
         from app.cli.status import run
     finally:
         gc.freeze()
-        gc.enable()
+        if collecting:
+            gc.enable()
     sys.exit(run(watch=watch, interval=interval))
 
 

@@ -126,6 +126,7 @@ def explain_generic(connection: Connection, sql: str, parameters: Any) -> dict[s
     prepared = _PLACEHOLDER.sub(number, sql)  # its %% stay: the driver reads them as %
     raw = connection.connection.driver_connection
     values = ", ".join(psycopg.sql.Literal(parameters[n]).as_string(raw) for n in names)
+    values = values.replace("%", "%%")  # the driver reads the text's % as its placeholders
     connection.exec_driver_sql("SET plan_cache_mode = force_generic_plan")
     connection.exec_driver_sql(f"PREPARE look AS {prepared}")
     try:
@@ -226,6 +227,12 @@ def test_what_runs_per_job_or_per_look_reads_what_is_live(history: Settings) -> 
             "POST", "/v1/jobs", json={"model": history.model_name, "prompt": "one more"}
         ),
         "GET /v1/jobs": lambda: call("GET", "/v1/jobs"),
+        **{
+            f"GET /v1/jobs?status={status}": (
+                lambda status=status: call("GET", f"/v1/jobs?status={status}")
+            )
+            for status in ("queued", "failed")
+        },
         "refill": lambda: refill.refill(
             refill.Route("bulk", history.model_name),
             64,
@@ -247,6 +254,7 @@ def test_what_runs_per_job_or_per_look_reads_what_is_live(history: Settings) -> 
                 "/console/tenants",
                 "/console/jobs?q=no-such-text",
                 "/console/jobs?tenant=t&q=no-such-text",
+                "/console/jobs?status=succeeded&q=no-such-text",
             )
         },
     }

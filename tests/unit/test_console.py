@@ -132,7 +132,7 @@ def test_a_search_reads_a_window_of_the_newest_jobs_and_links_the_older_ones(
 
     async def scenario(client: httpx.AsyncClient) -> tuple[list[str], list[str]]:
         ids = []
-        for i in range(9):
+        for i in range(10):
             tag = "needle" if i < 2 else "hay"
             body = {**JOB, "metadata": {"tag": f"{tag}-{i}"}}
             ids.append((await client.post("/v1/jobs", json=body)).json()["id"])
@@ -145,7 +145,8 @@ def test_a_search_reads_a_window_of_the_newest_jobs_and_links_the_older_ones(
         return ids, pages
 
     ids, pages = run(scenario)
-    # Newest 5 (ids 8..4): none; the next 5 (3..0): both, and nothing older to search.
+    # Newest 5 (ids 9..5): none; the next 5 (4..0), the last jobs there are: both, and no
+    # link to a window below them, which would be empty.
     assert len(pages) == 2, [("searched the 5 newest" in p) for p in pages]
     assert "no jobs" in pages[0] and "searched the 5 newest jobs" in pages[0]
     assert [i for i in ids if f'id="row-{i}"' in pages[1]] == ids[:2]

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Text, cast, or_, select
+from sqlalchemy import Text, bindparam, cast, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -307,7 +307,11 @@ def list_page(
     scope = queries.scoped(select(Job), Job.tenant, tenant)
     query = scope
     if status is not None:
-        query = query.where(Job.status == status)
+        # Written into the statement as a literal (quoted by the dialect), so that even a
+        # generic plan knows how rare the status is and takes ix_jobs_tenant_status: with
+        # ``status = $1`` it walked the tenant's whole history for a status none of it has
+        # (tests/integration/test_query_plans.py; models.live says why generic plans).
+        query = query.where(Job.status == bindparam("status", status, literal_execute=True))
     if lane is not None:
         query = query.where(Job.lane == lane)
     if model is not None:
@@ -322,7 +326,9 @@ def list_page(
     bound_query = scope.with_only_columns(Job.id).order_by(Job.id.desc())
     if queries.cursor(after) is not None:
         bound_query = bound_query.where(Job.id < after)
-    bound = session.scalar(bound_query.offset(window - 1).limit(1))
+    # The window's oldest and the job below it: none below, the window reached the first job.
+    edge = list(session.scalars(bound_query.offset(window - 1).limit(2)))
+    bound = edge[0] if edge else None
     if bound is not None:
         query = query.where(Job.id >= bound)
     query = query.where(
@@ -332,7 +338,7 @@ def list_page(
         )
     )
     rows, has_more = queries.page(session, query, Job.id, limit, after)
-    return Listed(rows, has_more, None if has_more else bound)
+    return Listed(rows, has_more, bound if len(edge) == 2 and not has_more else None)
 
 
 def cancel(session: Session, tenant: str | None, job_id: str) -> tuple[Job, bool]:
