@@ -16,6 +16,9 @@ from pydantic import BaseModel, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEMO_MODEL_NAME = "inferq-demo"
+# The longest retention, the deployment's or a tenant's: ten years, in a tenant's 32-bit column
+# of seconds (app/core/lifecycle/retention.py).
+MAX_RETENTION_S = 3650 * 86400
 DEMO_ADAPTER_NAME = "inferq-demo-lora"  # `inferq up`'s second model: a LoRA adapter of the demo
 LANES: tuple[str, ...] = ("realtime", "standard", "bulk")
 
@@ -485,10 +488,11 @@ class Settings(BaseSettings):
     job_retention_s: int = Field(
         30 * 24 * 3600,
         ge=0,
+        le=MAX_RETENTION_S,
         description="How long a finished job (its result, webhook events and stored response) "
         "is kept after it ends, unless its tenant has its own (`inferq tenant retention`); 0 "
-        "keeps jobs forever. A batch's jobs stay while its output file does (docs/api.md, "
-        '"What is kept").',
+        "keeps jobs forever; at most ten years. A batch's jobs stay while its output file does "
+        '(docs/api.md, "What is kept").',
     )
     retention_sweep_interval_s: float = Field(
         60.0, gt=0, description="How often the ops worker deletes jobs past their retention."

@@ -12,10 +12,12 @@ import json
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 from click.testing import CliRunner
+from pydantic import ValidationError
 from sqlalchemy import select, text, update
 
 from app.batches import finalize, validation
@@ -23,7 +25,7 @@ from app.cli.main import main as cli
 from app.core import db
 from app.core.lifecycle import retention
 from app.core.models import Job, WebhookEvent, WebhookStatus, now
-from app.core.settings import Settings
+from app.core.settings import MAX_RETENTION_S, Settings
 from app.core.tenants.keys import create_key
 from tests.unit.conftest import environment
 from tests.unit.inprocess import call, create_batch
@@ -130,6 +132,14 @@ def test_a_tenant_keeps_its_own_retention(core: Settings) -> None:
     shown = CliRunner().invoke(cli, ["tenant", "retention", "default", "--days", "5000"])
     assert shown.exit_code == 1 and "retention_out_of_range" in shown.output, shown.output
     assert call("GET", "/v1/jobs").json()["retention_s"] == 30 * 86400
+
+
+def test_a_deployment_retention_past_ten_years_refuses_to_start(tmp_path: Path) -> None:
+    """The deployment's retention has a tenant's bound (it is never stored, but a tenant that
+    follows the default shows it, and one rule for both is simpler to say)."""
+    assert Settings(data_dir=tmp_path, job_retention_s=MAX_RETENTION_S).job_retention_s > 0
+    with pytest.raises(ValidationError, match="job_retention_s"):
+        Settings(data_dir=tmp_path, job_retention_s=MAX_RETENTION_S + 1)
 
 
 def test_an_operator_sets_a_tenants_retention_through_the_admin_api(

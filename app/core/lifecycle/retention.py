@@ -53,7 +53,7 @@ from app.core.models import (
     WebhookStatus,
     now,
 )
-from app.core.settings import Settings, get_settings
+from app.core.settings import MAX_RETENTION_S, Settings, get_settings
 
 log = logging.getLogger("inferq.retention")
 
@@ -62,8 +62,6 @@ log = logging.getLogger("inferq.retention")
 # that submissions wait for): at 8,000 jobs/s the load's TTFT p99 rose 2.3 times with 2,000
 # against 5 times with 1,000 on SQLite, and less on PostgreSQL (docs/benchmarks.md, "Issue 66").
 CHUNK = 2000
-# The longest retention a tenant may be given: ten years, in the column's 32-bit seconds.
-MAX_RETENTION_S = 3650 * 86400
 JOB_ID = re.compile(r"job_[0-9a-z]{26}")
 
 
