@@ -130,18 +130,11 @@ def explain_generic(connection: Connection, sql: str, parameters: Any) -> dict[s
     connection.exec_driver_sql("SET plan_cache_mode = force_generic_plan")
     connection.exec_driver_sql(f"PREPARE look AS {prepared}")
     try:
-        found = connection.exec_driver_sql(
-            f"EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE look({values})"
-            if names
-            else "EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE look"
-        )
-        tree = found.scalar_one()
+        return explain(connection, f"EXECUTE look({values})" if names else "EXECUTE look", {})
     finally:
-        connection.rollback()
+        connection.rollback()  # a PREPARE outlives its transaction: deallocated apart
         connection.exec_driver_sql("DEALLOCATE look")
         connection.rollback()
-    plan: dict[str, Any] = (json.loads(tree) if isinstance(tree, str) else tree)[0]["Plan"]
-    return plan
 
 
 def plan(connection: Connection, statement: Any, params: dict[str, Any]) -> dict[str, Any]:
