@@ -192,26 +192,40 @@ def console_looks(stack: BenchStack) -> dict[str, Any]:
 
 
 def looks(stack: BenchStack) -> dict[str, Any]:
-    """Median and slowest of ``LOOKS`` of: what `inferq status` reads (``status.collect``, in
+    """Median and slowest of ``LOOKS`` of: what `inferq status` reads (``status.read_here``, in
     this process on the stack's database and Redis), the whole command (a new process: its
-    start-up included), a first page of GET /v1/jobs, and the console's pages."""
+    start-up included) as it runs beside the stack (asking its API) and with no API to ask
+    (reading Redis and the database itself), a first page of GET /v1/jobs, and the console's
+    pages."""
     from app.cli import status as status_command
 
-    reads, command, page = [], [], []
+    command_env = {**os.environ, **stack.env}
+    # Nothing listens on the discard port: the command reads for itself, as with the API down.
+    no_api = {**command_env, "INFERQ_API_URL": "http://127.0.0.1:9"}
+    reads: list[float] = []
+    command: list[float] = []
+    here: list[float] = []
+    page: list[float] = []
     for _ in range(LOOKS):
         with environment(**_stack_settings(stack)):
             started = time.monotonic()
-            status_command.collect()
+            status_command.read_here()
             reads.append((time.monotonic() - started) * 1000)
-        started = time.monotonic()
-        subprocess.run(
-            [sys.executable, "-m", "app.cli", "status"],
-            env={**os.environ, **stack.env},
-            capture_output=True,
-            check=True,
-            timeout=120,
-        )
-        command.append((time.monotonic() - started) * 1000)
+        for env, timed in ((command_env, command), (no_api, here)):
+            started = time.monotonic()
+            done = subprocess.run(
+                [sys.executable, "-m", "app.cli", "status"],
+                env=env,
+                capture_output=True,
+                check=True,
+                text=True,
+                timeout=120,
+            )
+            timed.append((time.monotonic() - started) * 1000)
+            # The heading says what was read: the API, or the Redis and database themselves.
+            heading = done.stdout.splitlines()[0]
+            if (": the API at " in heading) != (env is command_env):
+                raise RuntimeError(f"inferq status read the wrong source: {heading}")
         started = time.monotonic()
         httpx.get(f"{stack.url}/v1/jobs", params={"limit": 20}, timeout=60).raise_for_status()
         page.append((time.monotonic() - started) * 1000)
@@ -220,6 +234,8 @@ def looks(stack: BenchStack) -> dict[str, Any]:
         "status_reads_max_ms": max(reads),
         "status_command_p50_ms": percentile(command, 50),
         "status_command_max_ms": max(command),
+        "status_command_no_api_p50_ms": percentile(here, 50),
+        "status_command_no_api_max_ms": max(here),
         "jobs_page_p50_ms": percentile(page, 50),
         "jobs_page_max_ms": max(page),
         "console": console_looks(stack),
@@ -347,6 +363,8 @@ def history(opts: Options) -> dict[str, Any]:
     return {
         "status_max_ms": seen.get("status_reads_max_ms"),
         "status_command_max_ms": seen.get("status_command_max_ms"),
+        # Reported, no target: the command where no API answers (it reads for itself).
+        "status_command_no_api_max_ms": seen.get("status_command_no_api_max_ms"),
         "jobs_page_max_ms": seen.get("jobs_page_max_ms"),
         "console_pages_max_ms": seen.get("console", {}).get("pages_max_ms"),
         "engine": "simulated",

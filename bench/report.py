@@ -77,6 +77,7 @@ TARGETS: dict[str, list[tuple[str, str, float | str, str]]] = {
         ("ttft_p99_ratio", "<=", 1.1, "16 clients: TTFT p99, with history / empty"),
         ("status_max_ms", "<=", 500.0, "`inferq status`'s reads with history, slowest of 5"),
         ("status_command_max_ms", "<=", 500.0, "the `inferq status` command, start-up too (ms)"),
+        # (status_command_no_api_max_ms: the same with no API to ask, reported beside it)
         ("jobs_page_max_ms", "<=", 500.0, "GET /v1/jobs with history, slowest of 5 (ms)"),
         ("console_pages_max_ms", "<=", 500.0, "the console's pages with history, slowest (ms)"),
         ("sweep_jobs_per_s", ">=", 4000.0, "retention sweep, jobs deleted/s under load"),

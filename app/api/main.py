@@ -10,7 +10,17 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app import __version__
 from app.api import console, errors, handlers, watch
-from app.api.routes import batches, health, jobs, openai, responses, tenants, tokenize, webhooks
+from app.api.routes import (
+    batches,
+    health,
+    jobs,
+    openai,
+    responses,
+    status,
+    tenants,
+    tokenize,
+    webhooks,
+)
 from app.core.settings import get_settings
 
 # Multipart framing around an uploaded file: its size is checked exactly by
@@ -132,6 +142,7 @@ def create_app() -> FastAPI:
     app.include_router(batches.router)
     app.include_router(webhooks.router)
     app.include_router(tenants.router)
+    app.include_router(status.router)
     console.install(app)
     settings = get_settings()
     app.add_middleware(HeadAsGet)

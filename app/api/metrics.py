@@ -34,7 +34,7 @@ from prometheus_client.registry import Collector
 from app.core.db import session_scope
 from app.core.messaging import clients
 from app.core.messaging.names import routes
-from app.core.observe import missing, snapshot
+from app.core.observe import missing, shapes, snapshot
 from app.core.scheduling import catalog
 
 log = logging.getLogger("inferq.metrics")
@@ -138,7 +138,7 @@ def _missing_gauge(models: list[str]) -> Iterator[GaugeMetricFamily]:
 
 
 def _tenant_gauges(
-    tenants: dict[snapshot.TenantRoute, snapshot.TenantJobs],
+    tenants: dict[shapes.TenantRoute, shapes.TenantJobs],
 ) -> Iterator[GaugeMetricFamily]:
     """Each tenant's queued and running jobs and tokens served per lane of a model; a tenant
     with none of them in the window has no series."""

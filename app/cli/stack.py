@@ -35,7 +35,7 @@ import httpx
 import psutil
 import redis
 
-from app.cli.where import RECORD_FILE, keep
+from app.cli.where import DEV_KEY_FILE, RECORD_FILE, keep
 from app.core.db import migrate, session_scope
 from app.core.messaging import clients
 from app.core.messaging.names import Role
@@ -249,7 +249,7 @@ class Stack:
         return f"{url} (private redis-server started by inferq, data in {redis_dir})"
 
     def dev_key(self) -> str:
-        path = self.data_dir / "dev-api-key"
+        path = self.data_dir / DEV_KEY_FILE
         with session_scope() as session:
             if path.exists():
                 key = path.read_text().strip()

@@ -1,35 +1,32 @@
 """`inferq status`: a terminal view of lanes, tenants, workers, ops workers and the last minute's
 throughput.
 
-The numbers come from :mod:`app.core.observe.snapshot` (the same reads as the API's /metrics); this
-module only collects them once and draws them with rich.
+The numbers are a snapshot (:mod:`app.core.observe.snapshot`, the same reads as the API's
+/metrics): the API's, asked for first, or read here where no API answers; this module only
+collects one and draws it with rich.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import sys
 import threading
 import time
+import urllib.request
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-import redis
 from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
-from sqlalchemy.exc import SQLAlchemyError
 
 from app.cli import where
-from app.core.db import session_scope
-from app.core.messaging import clients
-from app.core.messaging.names import routes
-from app.core.observe import missing, snapshot
-from app.core.processes import presence
-from app.core.scheduling import catalog
+from app.core.observe import shapes
+from app.core.observe.shapes import Snapshot
 from app.core.settings import get_settings
-from app.core.storage import store
 
 THROUGHPUT_WINDOW_S = 60.0
 
@@ -38,41 +35,76 @@ class Unavailable(Exception):
     """Redis or the database could not be read; the message is one line for a person."""
 
 
-def collect() -> snapshot.Snapshot:
-    now = time.time()
+@dataclass(frozen=True)
+class Status:
+    """A snapshot and where it came from: the heading's account of what was read."""
+
+    snapshot: Snapshot
+    read: str
+
+
+def collect() -> Status:
+    """The API's snapshot where it answers; else Redis and the database read here."""
+    return from_api() or read_here()
+
+
+def from_api() -> Status | None:
+    """``GET /v1/admin/status`` of the API the settings name (the one `inferq submit` talks
+    to), with ``INFERQ_API_KEY`` or the operator's key `inferq up` keeps; None where it does not
+    answer within ``INFERQ_DEPENDENCY_TIMEOUT_S``, refuses the key (it must be an operator's),
+    or answers anything but a snapshot.
+
+    Asked first because it is quicker: the API has SQLAlchemy, redis-py and the models loaded
+    already, which are most of what reading here costs (docs/benchmarks.md, "`inferq status`").
+    The standard library's client: httpx would take back part of what this saves.
+    """
+    settings = get_settings()
+    url = f"{settings.base_url.rstrip('/')}/v1/admin/status"
+    if not url.startswith(("http://", "https://")):
+        return None  # urllib would also open file: and ftp: URLs
+    key = where.api_key(settings)
+    request = urllib.request.Request(  # noqa: S310 (the scheme is checked above)
+        url, headers={"Authorization": f"Bearer {key}"} if key else {}
+    )
+    try:
+        with urllib.request.urlopen(  # noqa: S310
+            request, timeout=settings.dependency_timeout_s
+        ) as answer:
+            found = shapes.from_json(json.load(answer))
+    except (OSError, ValueError, KeyError, TypeError):
+        # OSError: refused, timed out, or an HTTP error status (urllib's HTTPError is one).
+        return None
+    return Status(found, f"the API at {settings.base_url}, which read {found.sources}")
+
+
+def read_here() -> Status:
+    """The snapshot read from Redis and the database by this process, as the API reads it."""
+    # Imported here: where the API answers, the command loads none of them.
+    import redis
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from app.core.db import session_scope
+    from app.core.messaging import clients
+    from app.core.observe import snapshot
+
     if (why := where.no_database("status")) is not None:
         raise Unavailable(why)
-    try:
-        client = clients.redis_client()
-        workers = presence.workers(client)
-        models = catalog.names(catalog.counts(workers))
-        messages = snapshot.queue_messages(client, routes(models))
-        ops = presence.ops_workers(client)
-        dispatchers = presence.dispatchers(client)
-        affinity = snapshot.affinity_counts(client)
-    except redis.RedisError as exc:
-        raise Unavailable(where.no_redis(exc)) from None
+    settings = get_settings()
     try:
         with session_scope() as session:
-            lanes = snapshot.lane_jobs(session, now, models)
-            throughput = snapshot.throughput(session, now, THROUGHPUT_WINDOW_S)
-            tenants = snapshot.tenant_jobs(session, now, THROUGHPUT_WINDOW_S)
-            warnings = [m.message() for m in missing.find(session, client, get_settings())]
+            taken = snapshot.take(clients.redis_client(), session, settings, THROUGHPUT_WINDOW_S)
     except redis.RedisError as exc:
         raise Unavailable(where.no_redis(exc)) from None
     except SQLAlchemyError as exc:
         raise Unavailable(where.no_reading(exc)) from None
-    return snapshot.Snapshot(
-        now, messages, lanes, workers, throughput, ops, tenants, dispatchers, warnings, affinity
-    )
+    return Status(taken, taken.sources)
 
 
-def heading(taken_at: float) -> str:
-    """The first line: when, and which Redis, database and file store were read."""
-    stamp = datetime.fromtimestamp(taken_at).strftime("%Y-%m-%d %H:%M:%S")
-    settings = get_settings()
-    read = where.reading().summary(settings, store.describe(settings))
-    return f"inferq status at {stamp}: {read}"
+def heading(taken: Status) -> str:
+    """The first line: when, and what was read (the API, or which Redis, database and file
+    store), with the settings that chose it."""
+    stamp = datetime.fromtimestamp(taken.snapshot.taken_at).strftime("%Y-%m-%d %H:%M:%S")
+    return f"inferq status at {stamp}: {where.reading().summary(taken.read)}"
 
 
 def _age(seconds: float) -> str:
@@ -87,7 +119,7 @@ def _number(value: object, fmt: str = "{}") -> str:
     return "-" if value is None else fmt.format(value)
 
 
-def _lanes_table(snap: snapshot.Snapshot) -> Table:
+def _lanes_table(snap: Snapshot) -> Table:
     table = Table(title="Lanes", title_justify="left")
     table.add_column("lane")
     table.add_column("model", overflow="fold")
@@ -107,7 +139,7 @@ def _lanes_table(snap: snapshot.Snapshot) -> Table:
     return table
 
 
-def _tenants_table(snap: snapshot.Snapshot) -> Table:
+def _tenants_table(snap: Snapshot) -> Table:
     table = Table(title="Tenants", title_justify="left")
     table.add_column("lane")
     table.add_column("model", overflow="fold")
@@ -126,12 +158,12 @@ def _tenants_table(snap: snapshot.Snapshot) -> Table:
     return table
 
 
-def _seen(snap: snapshot.Snapshot, record: dict[str, Any]) -> str:
+def _seen(snap: Snapshot, record: dict[str, Any]) -> str:
     seen = record.get("seen_at")
     return "-" if seen is None else f"{_age(max(0.0, snap.taken_at - float(seen)))} ago"
 
 
-def _workers_table(snap: snapshot.Snapshot) -> Table:
+def _workers_table(snap: Snapshot) -> Table:
     table = Table(title="Workers", title_justify="left")
     # The worker id is hostname:pid. Long names (a model's repository) wrap rather than hide.
     for name in ("worker", "engine", "model", "lanes"):
@@ -156,7 +188,7 @@ def _workers_table(snap: snapshot.Snapshot) -> Table:
         table.add_row("no worker is announced (start one: inferq worker)")
     for record in snap.workers:
         kv = record.get("kv_cache_usage")
-        hits = snapshot.prefix_hit_rate(record)
+        hits = shapes.prefix_hit_rate(record)
         routed = snap.affinity.get(str(record["worker_id"]))
         table.add_row(
             str(record["worker_id"]),
@@ -176,7 +208,7 @@ def _workers_table(snap: snapshot.Snapshot) -> Table:
     return table
 
 
-def _ops_table(snap: snapshot.Snapshot) -> Table:
+def _ops_table(snap: Snapshot) -> Table:
     # Apart from the workers: an ops worker runs no engine and takes no lane.
     table = Table(title="Ops workers", title_justify="left")
     for name in ("worker", "queues", "beat", "metrics"):
@@ -196,7 +228,7 @@ def _ops_table(snap: snapshot.Snapshot) -> Table:
     return table
 
 
-def _dispatchers_table(snap: snapshot.Snapshot) -> Table:
+def _dispatchers_table(snap: Snapshot) -> Table:
     table = Table(title="Dispatchers", title_justify="left")
     for name in ("dispatcher", "policy", "sending to"):
         table.add_column(name, overflow="fold")
@@ -216,7 +248,7 @@ def _dispatchers_table(snap: snapshot.Snapshot) -> Table:
     return table
 
 
-def _throughput_table(snap: snapshot.Snapshot) -> Table:
+def _throughput_table(snap: Snapshot) -> Table:
     done = snap.throughput
     table = Table(title=f"Throughput, last {done.window_s:.0f} s", title_justify="left")
     table.add_column("finished")
@@ -229,9 +261,10 @@ def _throughput_table(snap: snapshot.Snapshot) -> Table:
     return table
 
 
-def render(snap: snapshot.Snapshot) -> RenderableType:
+def render(taken: Status) -> RenderableType:
+    snap = taken.snapshot
     return Group(
-        Text(heading(snap.taken_at), style="bold"),
+        Text(heading(taken), style="bold"),
         *(Text(f"warning: {line}", style="bold yellow") for line in snap.warnings),
         _lanes_table(snap),
         _tenants_table(snap),

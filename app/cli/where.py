@@ -16,17 +16,21 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psutil
-import redis
 from pydantic import SecretStr
-from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
-from app.core.settings import Settings, get_settings
+from app.core.settings import Settings, get_settings, hide_password
+
+if TYPE_CHECKING:
+    # Imported where used: `inferq status` reading the API's snapshot starts without them.
+    import redis
+    from sqlalchemy.exc import SQLAlchemyError
 
 RECORD_FILE = "up.json"  # in data_dir: the running supervisor's and children's pids
 SETTINGS_FILE = "up-settings.json"  # in data_dir: the settings the running stack uses
+DEV_KEY_FILE = "dev-api-key"  # in data_dir: the operator's key `inferq up` made (0600)
 
 # Secrets are never written to the settings file (it is 0600, but a key or a signing secret is
 # not needed to find a stack, and the dev key has a file of its own).
@@ -35,16 +39,6 @@ SECRET_VARIABLES = frozenset(
     for name, info in Settings.model_fields.items()
     if info.annotation is not None and SecretStr in getattr(info.annotation, "__args__", ())
 )
-
-
-def hide_password(value: str) -> str:
-    """A URL, printed: its password hidden."""
-    if "@" not in value:
-        return value
-    try:
-        return make_url(value).render_as_string(hide_password=True)
-    except (ArgumentError, ValueError):
-        return "<a URL with credentials>"
 
 
 def keep(settings: Settings, env: dict[str, str]) -> Path:
@@ -85,13 +79,10 @@ class Reading:
     running: bool = False  # whether that `inferq up` still runs
     overridden: set[str] = field(default_factory=set)
 
-    def summary(self, settings: Settings, files: str) -> str:
-        """One line: the Redis, database and file store read, and where those came from."""
-        where = settings.data_dir
-        read = (
-            f"Redis {hide_password(settings.redis_url)}, "
-            f"database {hide_password(settings.sqlalchemy_url)}, files {files}"
-        )
+    def summary(self, read: str) -> str:
+        """One line: what was read (``snapshot.sources``, or an API and what it read), and
+        where the settings that chose it came from."""
+        where = get_settings().data_dir
         if self.path is None:
             return f"{read} (the environment's and defaults: no {SETTINGS_FILE} in {where})"
         if self.running:
@@ -102,6 +93,17 @@ class Reading:
         if over:
             kept += f"; {', '.join(over)} from the environment"
         return f"{read} ({kept})"
+
+
+def api_key(settings: Settings) -> str | None:
+    """The key a command sends the API: ``INFERQ_API_KEY``, else the operator's key that
+    `inferq up` keeps in its data directory (None: neither)."""
+    if settings.api_key is not None:
+        return settings.api_key.get_secret_value()
+    try:
+        return (settings.data_dir / DEV_KEY_FILE).read_text().strip() or None
+    except OSError:
+        return None
 
 
 _WHERE = {"INFERQ_REDIS_URL", "INFERQ_DATABASE_URL", "INFERQ_FILES_URL"}  # data_dir found it
@@ -163,6 +165,9 @@ def database_setting(settings: Settings) -> str:
 def no_database(command: str) -> str | None:
     """Why there is nothing to read, when the settings name a SQLite file that does not exist
     (opening it would create an empty one: a command that reads must not); else None."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
     settings = get_settings()
     try:
         url = make_url(settings.sqlalchemy_url)
@@ -232,6 +237,8 @@ def unreachable(exc: BaseException) -> str | None:
     URL it tried and the setting that chose it; None for any other error (the settings are
     read only for these: another error may be a refusal of the settings themselves)."""
     import httpx  # here: a command that calls no API starts without it
+    import redis
+    from sqlalchemy.exc import SQLAlchemyError
 
     if isinstance(exc, httpx.TransportError):
         settings = get_settings()

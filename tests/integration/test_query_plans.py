@@ -236,7 +236,8 @@ def test_what_runs_per_job_or_per_look_reads_what_is_live(history: Settings) -> 
         ),
         "reaper": lambda: reaper.sweep(history),
         "retention": lambda: retention.sweep(history, budget_s=5),
-        "inferq status": status.collect,
+        "inferq status": status.read_here,
+        "GET /v1/admin/status": lambda: call("GET", "/v1/admin/status"),
         "/metrics": lambda: call("GET", "/metrics"),
         **{
             f"console {page}": (lambda page=page: call("GET", page))

@@ -29,7 +29,7 @@ from sqlalchemy.orm import Session
 
 from app.core.messaging.names import routes
 from app.core.models import Job, new_id
-from app.core.observe import snapshot
+from app.core.observe import shapes, snapshot
 from app.core.processes import presence
 from app.core.scheduling import backlog
 from app.core.settings import LANES
@@ -77,6 +77,15 @@ def busy_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             10,
             "the worker to announce its full slots",
         )
+        # And the dispatcher's, once a refill left jobs waiting in the bulk queue (it names
+        # the queues it is filling; a look quicker than its heartbeat would see none yet).
+        client = redis.Redis.from_url(stack.redis_url)
+
+        def filling() -> list[str]:
+            keys = list(client.scan_iter("inferq:dispatcher:*"))
+            return json.loads(client.get(keys[0]) or "{}").get("queues", []) if keys else []
+
+        wait_until(lambda: filling() == [queue("bulk")], 10, "the dispatcher to name its queue")
         yield stack
 
 
@@ -98,9 +107,14 @@ def rows(output: str, first: str) -> list[list[str]]:
     return found
 
 
-def status(stack: Stack, **env: str) -> subprocess.CompletedProcess[str]:
+# Nothing listens on the discard port: the command reads Redis and the database itself, as
+# where the API is down.
+NO_API = {"INFERQ_API_URL": "http://127.0.0.1:9"}
+
+
+def status(stack: Stack, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
     # A fixed width, whatever the terminal running the tests: rows are parsed by their cells.
-    return stack.cli("status", env={"COLUMNS": "200", **env})
+    return stack.cli("status", *args, env={"COLUMNS": "200", **env})
 
 
 def test_status_shows_lanes_workers_and_throughput(busy_stack: Stack) -> None:
@@ -156,6 +170,47 @@ def test_status_shows_lanes_workers_and_throughput(busy_stack: Stack) -> None:
     assert "tokens/s (last 60 s)" in table(out, "Tenants")
 
 
+def test_status_asks_the_api_first_and_reads_itself_where_none_answers(
+    busy_stack: Stack,
+) -> None:
+    """Beside a running API the command draws the API's snapshot, loading none of what reading
+    the database and Redis takes (its start-up, docs/benchmarks.md); with none to ask, it reads
+    them itself, and both say the same."""
+    seen = {}
+    for name, env in (("asked", {}), ("here", NO_API)):
+        done = status(busy_stack, PYTHONPROFILEIMPORTTIME="1", **env)
+        assert done.returncode == 0, done.stderr
+        loaded = {line.split("|")[-1].strip().split(".")[0] for line in done.stderr.splitlines()}
+        seen[name] = (done.stdout, loaded)
+    asked, loaded = seen["asked"]
+    read = f"Redis {busy_stack.redis_url}, database sqlite:///"
+    assert f": the API at http://127.0.0.1:{busy_stack.port}, which read {read}" in asked
+
+    assert not loaded & {"sqlalchemy", "redis", "psycopg", "httpx"}, loaded
+    here, loaded = seen["here"]
+    assert f"{busy_stack.port}" not in here.splitlines()[0]
+    assert f": {read}" in here.splitlines()[0]
+    assert loaded >= {"sqlalchemy", "redis"}
+    assert _steady(table(asked, "Lanes")) == _steady(table(here, "Lanes"))
+    # A tenant's tokens/s is of a sliding minute: its queued and running jobs are compared.
+    for lane in LANES:
+        assert [r[:5] for r in rows(table(asked, "Tenants"), lane)] == [
+            r[:5] for r in rows(table(here, "Tenants"), lane)
+        ]
+    worker = next(p for p in busy_stack.procs if p.name == "worker0")
+    announced = busy_stack.worker_record(worker.pid)
+    assert announced is not None
+    assert rows(asked, announced["worker_id"])[0][:5] == rows(here, announced["worker_id"])[0][:5]
+
+
+def _steady(drawn: str) -> list[list[str]]:
+    """A table's cells but those that move between two looks: ages."""
+    return [
+        [c.strip() for c in cells if not c.strip().endswith((" s", " min", " h"))]
+        for cells in (line.strip("│┃ ").split("│") for line in drawn.splitlines())
+    ]
+
+
 @pytest.mark.parametrize("terminal", [True, False], ids=["terminal", "pipe"])
 def test_watch_redraws_until_ctrl_c(busy_stack: Stack, terminal: bool) -> None:
     argv = [sys.executable, "-m", "app.cli", "status", "--watch", "--interval", "0.3"]
@@ -205,7 +260,9 @@ def test_watch_redraws_until_ctrl_c(busy_stack: Stack, terminal: bool) -> None:
 def test_unreachable_redis_or_database_is_one_line_and_exit_1(
     busy_stack: Stack, tmp_path: Path
 ) -> None:
-    done = status(busy_stack, INFERQ_REDIS_URL="redis://127.0.0.1:1/0")
+    # Where the API answers, it is read instead (test_status_asks_the_api_first): these are
+    # the command's own reads.
+    done = status(busy_stack, INFERQ_REDIS_URL="redis://127.0.0.1:1/0", **NO_API)
     assert done.returncode == 1
     assert done.stdout == ""
     assert done.stderr.startswith(
@@ -215,7 +272,7 @@ def test_unreachable_redis_or_database_is_one_line_and_exit_1(
 
     empty = tmp_path / "empty.db"
     sqlite3.connect(empty).execute("CREATE TABLE other (x)").connection.close()
-    done = status(busy_stack, INFERQ_DATABASE_URL=f"sqlite:///{empty}")
+    done = status(busy_stack, INFERQ_DATABASE_URL=f"sqlite:///{empty}", **NO_API)
     assert done.returncode == 1
     assert done.stderr == (
         f"inferq status: the database at sqlite:///{empty} (INFERQ_DATABASE_URL) has no inferq "
@@ -289,11 +346,11 @@ def test_snapshot_reads_lanes_workers_and_throughput(idle_stack: Stack) -> None:
         (lane, model) for model in ("simulated", "idle", "other") for lane in LANES
     ]
     sim = "simulated"
-    assert lanes["realtime", sim] == snapshot.LaneJobs(queued=2, running=0, oldest_queued_age_s=5.0)
-    assert lanes["standard", sim] == snapshot.LaneJobs(queued=0, running=0, oldest_queued_age_s=0.0)
-    assert lanes["bulk", sim] == snapshot.LaneJobs(queued=1, running=2, oldest_queued_age_s=30.0)
-    assert lanes["bulk", "other"] == snapshot.LaneJobs(queued=1, oldest_queued_age_s=8.0)
-    assert lanes["bulk", "idle"] == snapshot.LaneJobs()
+    assert lanes["realtime", sim] == shapes.LaneJobs(queued=2, running=0, oldest_queued_age_s=5.0)
+    assert lanes["standard", sim] == shapes.LaneJobs(queued=0, running=0, oldest_queued_age_s=0.0)
+    assert lanes["bulk", sim] == shapes.LaneJobs(queued=1, running=2, oldest_queued_age_s=30.0)
+    assert lanes["bulk", "other"] == shapes.LaneJobs(queued=1, oldest_queued_age_s=8.0)
+    assert lanes["bulk", "idle"] == shapes.LaneJobs()
     # Admission's count, per lane of each model.
     assert queued == {("realtime", sim): 2, ("bulk", sim): 1, ("bulk", "other"): 1}
 
@@ -392,13 +449,11 @@ def test_snapshot_reads_each_tenants_jobs_and_tokens(idle_stack: Stack) -> None:
     sim = "simulated"
     # Lane priority first, then tenant.
     assert tenants == {
-        ("realtime", sim, "acme"): snapshot.TenantJobs(
-            60.0, tokens_served=93, completion_tokens=60
-        ),
-        ("realtime", sim, "bee"): snapshot.TenantJobs(60.0, running=2),
-        ("standard", sim, "cid"): snapshot.TenantJobs(60.0),
-        ("bulk", sim, "acme"): snapshot.TenantJobs(60.0, queued=2, running=1),
-        ("bulk", sim, "bee"): snapshot.TenantJobs(
+        ("realtime", sim, "acme"): shapes.TenantJobs(60.0, tokens_served=93, completion_tokens=60),
+        ("realtime", sim, "bee"): shapes.TenantJobs(60.0, running=2),
+        ("standard", sim, "cid"): shapes.TenantJobs(60.0),
+        ("bulk", sim, "acme"): shapes.TenantJobs(60.0, queued=2, running=1),
+        ("bulk", sim, "bee"): shapes.TenantJobs(
             60.0, queued=1, tokens_served=120, completion_tokens=20
         ),
     }
@@ -407,7 +462,7 @@ def test_snapshot_reads_each_tenants_jobs_and_tokens(idle_stack: Stack) -> None:
     # A shorter window leaves the job that finished 10 s ago out.
     with idle_stack.db().connect() as connection:
         recent = snapshot.tenant_jobs(connection, now, window_s=6)
-    assert recent["realtime", sim, "acme"] == snapshot.TenantJobs(6, tokens_served=3)
+    assert recent["realtime", sim, "acme"] == shapes.TenantJobs(6, tokens_served=3)
     assert recent["bulk", sim, "bee"].tokens_per_s == pytest.approx(120 / 6)
 
 

@@ -91,9 +91,11 @@ def test_readyz_metrics_and_status_say_the_same(core: Settings) -> None:
     assert 'inferq_missing_part_waiting{model="",part="ops"} 0.0' in page
     assert f'inferq_missing_part_waiting{{model="{core.model_name}",part="worker"}} 2.0' in page
     console = Console(width=200, record=True)
-    console.print(status.render(status.collect()))
+    console.print(status.render(status.read_here()))
     lines = [line for line in console.export_text().splitlines() if line.startswith("warning:")]
     assert lines == [f"warning: {m['message']}" for m in body["missing"]]
+    said = call("GET", "/v1/admin/status").json()["warnings"]  # what the command asks the API
+    assert said == [m["message"] for m in body["missing"]]
     announce(DISPATCHER_KEY_PREFIX, "d1", role="dispatcher")
     announce(WORKERS_KEY_PREFIX, "w1", model=core.model_name)
     assert call("GET", "/readyz").json() == {

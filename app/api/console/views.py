@@ -31,7 +31,7 @@ from app.core.lifecycle import jobs
 from app.core.messaging import clients
 from app.core.messaging.names import routes
 from app.core.models import TERMINAL, ApiKey, Batch, Job, JobKind, JobStatus
-from app.core.observe import missing, snapshot
+from app.core.observe import missing, shapes, snapshot
 from app.core.processes import presence
 from app.core.scheduling import catalog, fairshare
 from app.core.scheduling.limits import for_key, window_usage
@@ -154,7 +154,7 @@ def parts(client: redis.Redis) -> dict[str, Any]:
             "slots": (w.get("intake") or {}).get("slots"),
             # CUDA_VISIBLE_DEVICES as the worker saw it (None: every GPU, or none)
             "gpu": w.get("devices") or "",
-            "cache_hits": snapshot.prefix_hit_rate(w),
+            "cache_hits": shapes.prefix_hit_rate(w),
             "affinity": routed.get(str(w.get("worker_id"))),
         }
         for w in presence.workers(client)

@@ -10,8 +10,8 @@ process (the CLI, any API process) gives the same answer at the same moment.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import redis
@@ -29,75 +29,49 @@ from app.core.messaging.names import (
     shared_of,
 )
 from app.core.models import Job, JobStatus, live
-from app.core.processes.presence import ops_workers
-from app.core.settings import LANES
-
-TenantRoute = tuple[str, str, str]  # (lane, model, tenant): one tenant's jobs in one queue
-
-
-@dataclass(frozen=True)
-class LaneJobs:
-    queued: int = 0
-    running: int = 0
-    oldest_queued_age_s: float = 0.0
-
-
-@dataclass(frozen=True)
-class Throughput:
-    window_s: float
-    finished: dict[str, int] = field(default_factory=dict)
-    completion_tokens: int = 0
-
-    @property
-    def jobs_per_s(self) -> float:
-        return sum(self.finished.values()) / self.window_s
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.completion_tokens / self.window_s
+from app.core.observe import missing
+from app.core.observe.shapes import (
+    Affinity,
+    LaneJobs,
+    Snapshot,
+    TenantJobs,
+    TenantRoute,
+    Throughput,
+)
+from app.core.processes import presence
+from app.core.scheduling import catalog
+from app.core.settings import LANES, Settings, hide_password
+from app.core.storage import store
 
 
-@dataclass(frozen=True)
-class TenantJobs:
-    """One tenant's queued and running jobs in one model's lane, and the tokens of its jobs
-    there that finished in the last ``window_s`` seconds."""
-
-    window_s: float
-    queued: int = 0
-    running: int = 0
-    # Prompt + completion tokens: what serving the tenant cost, the unit its fair share is
-    # settled in (app/core/scheduling/fairshare.py).
-    tokens_served: int = 0
-    completion_tokens: int = 0
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens_served / self.window_s
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    taken_at: float
-    messages: dict[Route, int]
-    lanes: dict[Route, LaneJobs]
-    workers: list[dict[str, Any]]
-    throughput: Throughput
-    ops: list[dict[str, Any]] = field(default_factory=list)
-    tenants: dict[TenantRoute, TenantJobs] = field(default_factory=dict)
-    dispatchers: list[dict[str, Any]] = field(default_factory=list)
-    # Parts of the deployment whose work waits with no live process (app/core/observe/missing.py).
-    warnings: list[str] = field(default_factory=list)
-    # Jobs sent to each worker by prefix affinity, and those whose worker was past the load
-    # bound (:func:`affinity_counts`).
-    affinity: dict[str, Affinity] = field(default_factory=dict)
+def take(client: redis.Redis, db: Session, settings: Settings, window_s: float = 60.0) -> Snapshot:
+    """Everything `inferq status` draws and ``GET /v1/admin/status`` sends, read now: Redis's
+    presence records and queue lengths first, then the database's counts (a Redis or database
+    error is the caller's to report). ``window_s``: the throughput's and the tenants' window."""
+    now = time.time()
+    workers = presence.workers(client)
+    models = catalog.names(catalog.counts(workers))
+    return Snapshot(
+        taken_at=now,
+        messages=queue_messages(client, routes(models)),
+        ops=presence.ops_workers(client),
+        dispatchers=presence.dispatchers(client),
+        affinity=affinity_counts(client),
+        workers=workers,
+        lanes=lane_jobs(db, now, models),
+        throughput=throughput(db, now, window_s),
+        tenants=tenant_jobs(db, now, window_s),
+        warnings=[m.message() for m in missing.find(db, client, settings)],
+        sources=sources(settings),
+    )
 
 
-@dataclass(frozen=True)
-class Affinity:
-    """A worker's prefix-affinity counts, by the dispatchers (app/dispatcher/loop.py)."""
-
-    sent: int = 0  # jobs sent to its own queue
-    overflow: int = 0  # jobs whose prefix is its own, sent to the shared queue (load bound)
+def sources(settings: Settings) -> str:
+    """The Redis, database and file store that ``settings`` read, passwords hidden."""
+    return (
+        f"Redis {hide_password(settings.redis_url)}, "
+        f"database {hide_password(settings.sqlalchemy_url)}, files {store.describe(settings)}"
+    )
 
 
 def affinity_counts(client: redis.Redis) -> dict[str, Affinity]:
@@ -113,14 +87,6 @@ def affinity_counts(client: redis.Redis) -> dict[str, Affinity]:
     sent = {text(k): int(v) for k, v in sent.items()}
     overflow = {text(k): int(v) for k, v in overflow.items()}
     return {w: Affinity(sent.get(w, 0), overflow.get(w, 0)) for w in sorted({*sent, *overflow})}
-
-
-def prefix_hit_rate(record: dict[str, Any]) -> float | None:
-    """A worker's prefix-cache hit rate since its engine started: prompt tokens found in the
-    cache over prompt tokens looked up (its presence record; None before any lookup)."""
-    cache = record.get("prefix_cache") or {}
-    queries = float(cache.get("queries") or 0)
-    return float(cache.get("hits") or 0) / queries if queries else None
 
 
 def queue_messages(client: redis.Redis, routes: Sequence[Route]) -> dict[Route, int]:
@@ -280,7 +246,7 @@ def drain_estimates(client: redis.Redis, timeout_s: float = 1.0) -> dict[Route, 
     import httpx  # here: `inferq status` does not scrape, and starts without them
     from prometheus_client.parser import text_string_to_metric_families
 
-    for record in ops_workers(client):
+    for record in presence.ops_workers(client):
         url = str(record.get("metrics_url") or "")
         if not url:
             continue
