@@ -24,11 +24,12 @@ more tenants).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
+import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -41,6 +42,7 @@ from app.core.lifecycle import retention, transitions
 from app.core.lifecycle.changes import changes
 from app.core.models import Job, JobStatus, new_id
 from app.core.processes.environment import environment
+from app.core.settings import get_settings
 from bench import overhead
 from bench.harness import BenchStack
 from bench.metrics import percentile, summarize
@@ -91,7 +93,10 @@ def rows(
                 "first_token_at": created + 0.05,
                 "finished_at": created + 2.0,
                 "updated_at": created + 2.0,
-                "result_text": "an answer of some thirty words " * 6,
+                # Answers of different lengths, as a month of them has (docs/benchmarks.md, "Issue
+                # 66 ... fourth session"): rows of one size leave every page of the table the
+                # same free crumb, which every new row then fits (or none does).
+                "result_text": "an answer of some thirty words " * rng.randint(1, 12),
                 "finish_reason": "stop",
                 "prompt_tokens": 12,
                 "completion_tokens": 32,
@@ -304,10 +309,19 @@ def _jobs(stack: BenchStack) -> int:
         return int(connection.execute(select(func.count()).select_from(Job)).scalar_one())
 
 
+def sweeping() -> None:
+    """The sweep's process: ``retention.sweep`` as the ops worker runs it, sweeps of a second's
+    budget back to back until none is left or Ctrl-C (SIGINT); settings from the environment."""
+    settings = get_settings()
+    with contextlib.suppress(KeyboardInterrupt):
+        while retention.sweep(settings, budget_s=1.0):
+            pass
+
+
 def _sweep(opts: Options, n_history: int, model: str) -> dict[str, Any]:
     """The 16-client load four times on one stack whose ``n_history`` finished jobs are past
     their retention: before the sweep; while retention's sweep (``retention.sweep`` as the ops
-    worker runs it, in this process) deletes them at its default pace
+    worker runs it, in a process of its own: :func:`sweeping`) deletes them at its default pace
     (``INFERQ_RETENTION_SWEEP_JOBS_PER_S``); while it deletes them unpaced (0); and after it has
     stopped. The stack's own ops worker keeps every job (retention 0): nothing else sweeps."""
     bodies = _bodies(opts, model)
@@ -317,26 +331,27 @@ def _sweep(opts: Options, n_history: int, model: str) -> dict[str, Any]:
         stack.start(prefill=_filled(n_history, model, (60.0, 31.0), fill_info))
         result: dict[str, Any] = {"fill": fill_info}
         result["before"] = _load(stack, bodies, "history: before the sweep", opts)
-        for name, pace in (("paced", {}), ("unpaced", {"retention_sweep_jobs_per_s": "0"})):
-            stop = threading.Event()
-
-            def sweep(pace: dict[str, str] = pace, stop: threading.Event = stop) -> None:
-                # Sweeps of a second's budget back to back, until stopped. This process's
-                # settings: the default retention (30 days), not the stack's 0.
-                with environment(**_stack_settings(stack), **pace) as settings:
-                    while not stop.is_set() and retention.sweep(settings, budget_s=1.0):
-                        pass
-
-            sweeper = threading.Thread(target=sweep, daemon=True)
-            sweeper.start()
-            time.sleep(1.0)  # under way
+        for name, pace in (("paced", {}), ("unpaced", {"INFERQ_RETENTION_SWEEP_JOBS_PER_S": "0"})):
+            # A process of its own, as the ops worker's sweep is: in this one, its Python would
+            # take turns with the load's clients for the interpreter lock and slow the clock
+            # that times them. Its settings: the default retention (30 days), not the stack's 0.
+            sweeper = subprocess.Popen(
+                [sys.executable, "-c", "from bench.history import sweeping; sweeping()"],
+                env={
+                    **os.environ,
+                    "INFERQ_DATABASE_URL": stack.env["INFERQ_DATABASE_URL"],
+                    "INFERQ_REDIS_URL": stack.env["INFERQ_REDIS_URL"],
+                    **pace,
+                },
+            )
+            time.sleep(3.0)  # started and under way
             left = _jobs(stack)
             load = _load(stack, bodies, f"history: sweeping, {name}", opts)
             # Deleted while the load ran, its own jobs (every call, its warm-up rounds too:
             # added meanwhile, none due) counted back.
             deleted = left - _jobs(stack) + len(bodies)
-            stop.set()
-            sweeper.join(120)
+            sweeper.send_signal(signal.SIGINT)
+            sweeper.wait(120)
             result[name] = {**load, "jobs_per_s": deleted / load["load_s"]}
         result["after"] = _load(stack, bodies, "history: after the sweep", opts)
     unswept = (result["before"]["ttft_p99_ms"] + result["after"]["ttft_p99_ms"]) / 2
