@@ -159,7 +159,9 @@ def test_up_runs_the_whole_stack_and_stops_every_child(tmp_path: Path) -> None:
                 assert job["result"]["text"] and job["result"]["usage"]["total_tokens"] > 0
 
         # `inferq status` in a second shell, without the stack's environment: it reads the
-        # settings `inferq up` keeps beside its data, so the private Redis, not the default one.
+        # settings `inferq up` keeps beside its data, so it asks the stack's API (with the
+        # operator's key `inferq up` keeps there), which read the private Redis, not the
+        # default one.
         bare = {k: v for k, v in env.items() if not k.startswith("INFERQ_")}
         shown = subprocess.run(
             [sys.executable, "-m", "app.cli", "status"],
@@ -171,7 +173,8 @@ def test_up_runs_the_whole_stack_and_stops_every_child(tmp_path: Path) -> None:
         )
         assert shown.returncode == 0, shown.stderr
         first = shown.stdout.splitlines()[0]
-        assert f"Redis redis://127.0.0.1:{redis_port}/0, database sqlite:///{data}/" in first
+        assert f": the API at {url}, which read Redis redis://127.0.0.1:{redis_port}/0, " in first
+        assert f"database sqlite:///{data}/" in first
         assert f"as the `inferq up` running here (pid {proc.pid})" in first, first
         assert "no worker is announced" not in shown.stdout
         assert "inferq-demo" in shown.stdout and "minilm" in shown.stdout
@@ -316,6 +319,9 @@ def test_status_where_no_stack_ran_creates_nothing_and_says_where_it_looked(
     """Outside the checkout (no ./.inferq): one line naming the file it looked for; no
     database, no directory left behind. An explicit SQLite URL to no file: the same."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("INFERQ_")}
+    # No API at the address it asks first (the default one could be a stack another test, or
+    # the machine's user, runs: the command would show that one's status).
+    env["INFERQ_API_URL"] = "http://127.0.0.1:9"
     argv = [sys.executable, "-m", "app.cli", "status"]
     done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and done.stdout == ""
