@@ -82,7 +82,8 @@ def _interrupt(signum: int, _frame: FrameType | None) -> None:
     default=1,
     show_default=True,
     help="efficiency: run the direct/platform pair this many times (alternating); the median "
-    "pair is reported. history: the same for its ceiling pair (empty / with history).",
+    "pair is reported. history: the same for its ceiling pair (empty / with history), and "
+    "as many rounds of its sweep beside the load (the median round is reported).",
 )
 @click.option(
     "--history-jobs",

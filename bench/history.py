@@ -10,12 +10,13 @@ finished jobs, side by side, and retention's sweep at work (issue 66; docs/bench
   pages take, and the database's size per million finished jobs (PostgreSQL: the table and its
   indexes; SQLite: the file).
 - **sweep**: a database holding ``HISTORY`` jobs past their retention and the 16-client load
-  run four times on its stack: before the sweep, while retention's sweep (``retention.sweep``,
-  as the ops worker runs it) deletes them in this process at its pace, then unpaced, and after
-  it is stopped: jobs deleted a second while each load ran, and its TTFT p99 against the mean
-  of the loads before and after.
+  run on its stack alternately without and with retention's sweep (``retention.sweep``, as the
+  ops worker runs it, in a process of its own) deleting them at its pace, then once unpaced:
+  jobs deleted a second while each load ran, and each sweeping load's TTFT p99 against the
+  mean of the loads without on either side.
 
-``--repeat N`` runs N pairs of ``ceiling`` (alternating); the median ratio counts.
+``--repeat N`` runs N pairs of ``ceiling`` (alternating) and N rounds of the sweep; the median
+ratio of each counts.
 
 SIMULATED engine everywhere; the rows are what a realtime chat call leaves (a short prompt, a
 short result, one webhook-less job of tenant ``default`` in ten, the others spread over nine
@@ -312,6 +313,9 @@ def _jobs(stack: BenchStack) -> int:
 def sweeping() -> None:
     """The sweep's process: ``retention.sweep`` as the ops worker runs it, sweeps of a second's
     budget back to back until none is left or Ctrl-C (SIGINT); settings from the environment."""
+    # SIGINT is how the bench stops it: acted on even where this process was started with it
+    # ignored (a bench run in the background of a script hands that on).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     settings = get_settings()
     with contextlib.suppress(KeyboardInterrupt):
         while retention.sweep(settings, budget_s=1.0):
@@ -346,15 +350,29 @@ def _sweep(opts: Options, n_history: int, model: str) -> dict[str, Any]:
                     **pace,
                 },
             )
-            time.sleep(3.0)  # started and under way
-            left = _jobs(stack)
-            load = _load(stack, bodies, f"history: sweeping, {name}", opts)
-            # Deleted while the load ran, its own jobs (every call, its warm-up rounds too:
-            # added meanwhile, none due) counted back.
-            deleted = left - _jobs(stack) + len(bodies)
-            sweeper.send_signal(signal.SIGINT)
-            sweeper.wait(120)
-            return {**load, "jobs_per_s": deleted / load["load_s"]}
+            try:
+                time.sleep(3.0)  # started and under way
+                left = _jobs(stack)
+                load = _load(stack, bodies, f"history: sweeping, {name}", opts)
+                # Deleted while the load ran, its own jobs (every call, its warm-up rounds too:
+                # added meanwhile, none due) counted back.
+                deleted = left - _jobs(stack) + len(bodies)
+                # Ended before it was stopped: it failed, or nothing was left to delete (the
+                # load was not beside a sweep for all of its time).
+                ended = sweeper.poll()
+            finally:
+                sweeper.send_signal(signal.SIGINT)
+                try:
+                    sweeper.wait(60)
+                except subprocess.TimeoutExpired:
+                    sweeper.kill()
+                    sweeper.wait()
+            if ended is not None:
+                raise RuntimeError(
+                    f"the sweep ended during the {name} load (exit {ended}, {left} jobs left "
+                    "when it began): give it more history (--history-jobs) or fewer rounds"
+                )
+            return {**load, "jobs_per_s": deleted / load["load_s"], "left": left}
 
         unswept = [_load(stack, bodies, "history: not sweeping", opts)]
         rounds = []

@@ -534,8 +534,14 @@ def get(job_id: str) -> None:
     show_default=True,
     help="Seconds between refreshes with --watch.",
 )
-def status_command(watch: bool, interval: float) -> None:
-    """Lanes, workers and the last minute's throughput, read from Redis and the database."""
+@click.option(
+    "--no-api",
+    is_flag=True,
+    help="Read Redis and the database here (the ones the settings name), without asking the API.",
+)
+def status_command(watch: bool, interval: float, no_api: bool) -> None:
+    """Lanes, workers and the last minute's throughput: the API's snapshot (GET
+    /v1/admin/status), or read from Redis and the database where no API answers."""
     # Most of what this command takes is importing what it reads with (docs/benchmarks.md,
     # "`inferq status`"): the collector would walk the objects they make over and over while they
     # load, and once more at exit; it waits until they are in, then leaves them out for good.
@@ -547,7 +553,7 @@ def status_command(watch: bool, interval: float) -> None:
         gc.freeze()
         if collecting:
             gc.enable()
-    sys.exit(run(watch=watch, interval=interval))
+    sys.exit(run(watch=watch, interval=interval, ask_api=not no_api))
 
 
 if __name__ == "__main__":

@@ -8,12 +8,14 @@ collects one and draws it with rich.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import queue
 import sys
 import threading
 import time
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from datetime import datetime
@@ -43,36 +45,57 @@ class Status:
     read: str
 
 
-def collect() -> Status:
-    """The API's snapshot where it answers; else Redis and the database read here."""
-    return from_api() or read_here()
+# Where the operator's key that `inferq up` keeps may go, and where no proxy stands between.
+LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
+
+
+def collect(ask_api: bool = True) -> Status:
+    """The API's snapshot where it answers (``ask_api``); else Redis and the database read
+    here."""
+    return (ask_api and from_api()) or read_here()
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """A redirect is not followed (it would carry the key elsewhere): its 3xx is an error, and
+    the command reads for itself."""
+
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None
 
 
 def from_api() -> Status | None:
     """``GET /v1/admin/status`` of the API the settings name (the one `inferq submit` talks
-    to), with ``INFERQ_API_KEY`` or the operator's key `inferq up` keeps; None where it does not
-    answer within ``INFERQ_DEPENDENCY_TIMEOUT_S``, refuses the key (it must be an operator's),
-    or answers anything but a snapshot.
+    to), with ``INFERQ_API_KEY``, or on a loopback address the operator's key `inferq up`
+    keeps; None where it does not answer within ``INFERQ_DEPENDENCY_TIMEOUT_S``, refuses the
+    key (it must be an operator's), or answers anything but a snapshot.
 
     Asked first because it is quicker: the API has SQLAlchemy, redis-py and the models loaded
-    already, which are most of what reading here costs (docs/benchmarks.md, "`inferq status`").
-    The standard library's client: httpx would take back part of what this saves.
+    already, which are most of what reading here costs (docs/benchmarks.md, "Issue 66 ...
+    fourth session"). The standard library's client: httpx would take back part of what this
+    saves. A loopback address is asked directly, never through an ``http_proxy``.
     """
     settings = get_settings()
-    url = f"{settings.base_url.rstrip('/')}/v1/admin/status"
-    if not url.startswith(("http://", "https://")):
+    parts = urllib.parse.urlsplit(settings.base_url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
         return None  # urllib would also open file: and ftp: URLs
-    key = where.api_key(settings)
+    loopback = parts.hostname in LOOPBACK or parts.hostname.startswith("127.")
+    key = where.api_key(settings, kept=loopback)
+    handlers: list[urllib.request.BaseHandler] = [_NoRedirect()]
+    if loopback:
+        handlers.append(urllib.request.ProxyHandler({}))
     request = urllib.request.Request(  # noqa: S310 (the scheme is checked above)
-        url, headers={"Authorization": f"Bearer {key}"} if key else {}
+        f"{settings.base_url.rstrip('/')}/v1/admin/status",
+        headers={"Authorization": f"Bearer {key}"} if key else {},
     )
     try:
-        with urllib.request.urlopen(  # noqa: S310
+        with urllib.request.build_opener(*handlers).open(
             request, timeout=settings.dependency_timeout_s
         ) as answer:
             found = shapes.from_json(json.load(answer))
-    except (OSError, ValueError, KeyError, TypeError):
-        # OSError: refused, timed out, or an HTTP error status (urllib's HTTPError is one).
+    except (OSError, http.client.HTTPException, ValueError, KeyError, TypeError, AttributeError):
+        # OSError: refused, timed out, cut off, or an HTTP error status (urllib's HTTPError);
+        # HTTPException: a URL http.client refuses (a port that is not a number), or an
+        # answer that is not HTTP or ends early; the rest: a body that is not a snapshot.
         return None
     return Status(found, f"the API at {settings.base_url}, which read {found.sources}")
 
@@ -283,14 +306,15 @@ def _console() -> Console:
     return Console(width=200)
 
 
-def run(watch: bool = False, interval: float = 2.0) -> int:
-    """Print the status once, or keep it on screen until Ctrl-C; returns the exit code."""
+def run(watch: bool = False, interval: float = 2.0, ask_api: bool = True) -> int:
+    """Print the status once, or keep it on screen until Ctrl-C; returns the exit code.
+    ``ask_api`` False: always read Redis and the database here (``--no-api``)."""
     from rich.live import Live
 
     console = _console()
     try:
         try:
-            first = render(collect())
+            first = render(collect(ask_api))
         except Unavailable as exc:
             sys.stderr.write(f"inferq status: {exc}\n")
             return 1
@@ -301,20 +325,20 @@ def run(watch: bool = False, interval: float = 2.0) -> int:
             with Live(first, console=console, auto_refresh=False) as live:
                 while True:
                     time.sleep(interval)
-                    live.update(_frame(), refresh=True)
+                    live.update(_frame(ask_api), refresh=True)
         else:
             # Live draws only its last frame where it cannot move the cursor: print each one.
             console.print(first, soft_wrap=True)
             while True:
                 time.sleep(interval)
                 console.print()
-                console.print(_frame(), soft_wrap=True)
+                console.print(_frame(ask_api), soft_wrap=True)
     except KeyboardInterrupt:
         # Ctrl-C is how --watch ends; a one-off status cut short reports it the shell's way.
         return 0 if watch else 130
 
 
-def _frame() -> RenderableType:
+def _frame(ask_api: bool) -> RenderableType:
     """The next frame; a dependency that went away is shown, and tried again next time.
 
     Read on a thread of its own while this one waits: a read that blocks in the driver (on
@@ -325,7 +349,7 @@ def _frame() -> RenderableType:
 
     def read() -> None:
         try:
-            done.put(render(collect()))
+            done.put(render(collect(ask_api)))
         except Unavailable as exc:
             stamp = datetime.now().strftime("%H:%M:%S")
             done.put(Text(f"inferq status at {stamp}: {exc} (retrying)", style="red"))

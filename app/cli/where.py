@@ -95,11 +95,14 @@ class Reading:
         return f"{read} ({kept})"
 
 
-def api_key(settings: Settings) -> str | None:
-    """The key a command sends the API: ``INFERQ_API_KEY``, else the operator's key that
-    `inferq up` keeps in its data directory (None: neither)."""
+def api_key(settings: Settings, kept: bool) -> str | None:
+    """The key a command sends the API: ``INFERQ_API_KEY``, else (``kept``: the API is on this
+    machine's loopback) the operator's key that `inferq up` keeps in its data directory; None:
+    neither. The kept key never goes to another host."""
     if settings.api_key is not None:
         return settings.api_key.get_secret_value()
+    if not kept:
+        return None
     try:
         return (settings.data_dir / DEV_KEY_FILE).read_text().strip() or None
     except OSError:

@@ -666,12 +666,12 @@ def get_settings() -> Settings:
 
 def hide_password(value: str) -> str:
     """A URL of the settings, printed: its password hidden."""
+    if "@" not in value:
+        return value
     # Imported here: `inferq status` asking the API starts without SQLAlchemy.
     from sqlalchemy.engine import make_url
     from sqlalchemy.exc import ArgumentError
 
-    if "@" not in value:
-        return value
     try:
         return make_url(value).render_as_string(hide_password=True)
     except (ArgumentError, ValueError):

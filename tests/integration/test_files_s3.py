@@ -237,10 +237,15 @@ def test_wrong_credentials_are_a_missing_part(two: Two, weed: Seaweed) -> None:
     assert error["code"] == "file_store_unavailable"
     assert error["message"].startswith(f"the file store {where} is unavailable: access denied")
     assert "AWS_SECRET_ACCESS_KEY" in error["message"]
-    status = two.stack.cli("status", env={"AWS_SECRET_ACCESS_KEY": "wrong-secret"})
-    assert "file store is unavailable" in status.stdout + status.stderr
-    assert "access denied" in status.stdout + status.stderr
-    assert "wrong-secret" not in status.stdout + status.stderr + bad.tail(400) + answer.text
+    # The command reading for itself with the wrong secret, and asking the API that has it.
+    for status in (
+        two.stack.cli("status", "--no-api", env={"AWS_SECRET_ACCESS_KEY": "wrong-secret"}),
+        two.stack.cli("status", env={"INFERQ_API_URL": url}),
+    ):
+        assert "file store is unavailable" in status.stdout + status.stderr
+        assert "access denied" in status.stdout + status.stderr
+        assert "wrong-secret" not in status.stdout + status.stderr + bad.tail(400) + answer.text
+    assert f"the API at {url}, which read" in status.stdout
     bad.stop()
     # The right secret: ready.
     assert httpx.get(f"{two.stack.url}/readyz").json()["status"] == "ready"

@@ -84,7 +84,9 @@ def test_status_beside_a_stack_reads_its_redis_and_says_what_it_read(
     and the file store, and where they came from."""
     url = fresh_redis_url()
     data = stack_dir(tmp_path, migrated, url)
-    done = inferq(tmp_path, "status")
+    # --no-api: what it reads itself (an API on the kept address, a stack someone else runs
+    # there, would answer instead: test_status.py has the command asking one).
+    done = inferq(tmp_path, "status", "--no-api")
     assert done.returncode == 0, done.stderr
     first = done.stdout.splitlines()[0]
     assert f"Redis {url}, database sqlite:///{data.resolve() / 'inferq.db'}" in first, first
@@ -95,7 +97,7 @@ def test_status_beside_a_stack_reads_its_redis_and_says_what_it_read(
 
     # The environment still wins over the file: here, another Redis database with no worker.
     other = fresh_redis_url()
-    done = inferq(tmp_path, "status", INFERQ_REDIS_URL=other)
+    done = inferq(tmp_path, "status", "--no-api", INFERQ_REDIS_URL=other)
     assert done.returncode == 0, done.stderr
     first = done.stdout.splitlines()[0]
     assert f"Redis {other}," in first and "INFERQ_REDIS_URL from the environment" in first

@@ -3,8 +3,16 @@ same snapshot the command reads itself where no API answers (app/core/observe/sh
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
 
+import pytest
+
+from app.cli import status, where
 from app.core import db
 from app.core.contract.jobs import JobCreate
 from app.core.lifecycle import jobs, transitions
@@ -59,3 +67,53 @@ def test_an_operator_reads_the_snapshot_that_status_reads_itself(core: Settings)
     assert {r: (j.queued, j.running) for r, j in taken.lanes.items()} == {
         r: (j.queued, j.running) for r, j in here.lanes.items()
     }
+
+
+def _answering(reply: bytes) -> Iterator[str]:
+    """A loopback server that answers every connection with ``reply`` and hangs up; its URL."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(10)
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = listener.accept()
+                with conn:
+                    conn.recv(65536)
+                    conn.sendall(reply)
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        listener.close()
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        b'HTTP/1.1 200 OK\r\nContent-Length: 500\r\n\r\n{"taken_at": 1',  # cut off
+        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n[]",  # not a snapshot
+        b'HTTP/1.1 200 OK\r\nContent-Length: 13\r\n\r\n{"affinity":1',  # not JSON
+        b"SSH-2.0-OpenSSH_9.2\r\n",  # not HTTP
+        b"HTTP/1.1 307 Temporary Redirect\r\nLocation: http://127.0.0.1:9/\r\n\r\n",
+    ],
+    ids=["cut-off", "not-a-snapshot", "not-json", "not-http", "redirect"],
+)
+def test_an_answer_that_is_not_a_snapshot_leaves_the_command_to_read_itself(
+    core: Settings, reply: bytes
+) -> None:
+    for url in _answering(reply):
+        with environment(api_url=url):
+            assert status.from_api() is None
+    with environment(api_url="http://127.0.0.1:80x0"):  # a port http.client refuses
+        assert status.from_api() is None
+
+
+def test_the_kept_operator_key_goes_to_a_loopback_api_only(core: Settings, tmp_path: Path) -> None:
+    (tmp_path / where.DEV_KEY_FILE).write_text("iq_kept\n")
+    with environment(data_dir=str(tmp_path)) as settings:
+        assert where.api_key(settings, kept=True) == "iq_kept"
+        assert where.api_key(settings, kept=False) is None
+    with environment(data_dir=str(tmp_path), api_key="iq_given") as settings:
+        assert where.api_key(settings, kept=False) == "iq_given"
