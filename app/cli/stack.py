@@ -35,7 +35,7 @@ import httpx
 import psutil
 import redis
 
-from app.cli.where import DEV_KEY_FILE, RECORD_FILE, keep
+from app.cli.where import DEV_KEY_FILE, LOOPBACK, RECORD_FILE, keep
 from app.core.db import migrate, session_scope
 from app.core.messaging import clients
 from app.core.messaging.names import Role
@@ -45,8 +45,6 @@ from app.core.settings import Settings
 from app.core.storage import store
 from app.core.tenants.keys import create_key, key_for
 from app.core.webhooks.rules import SECRET_FILE, load_secret
-
-LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 
 class StackError(RuntimeError):

@@ -45,10 +45,6 @@ class Status:
     read: str
 
 
-# Where the operator's key that `inferq up` keeps may go, and where no proxy stands between.
-LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
-
-
 def collect(ask_api: bool = True) -> Status:
     """The API's snapshot where it answers (``ask_api``); else Redis and the database read
     here."""
@@ -78,7 +74,7 @@ def from_api() -> Status | None:
     parts = urllib.parse.urlsplit(settings.base_url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         return None  # urllib would also open file: and ftp: URLs
-    loopback = parts.hostname in LOOPBACK or parts.hostname.startswith("127.")
+    loopback = parts.hostname in where.LOOPBACK or parts.hostname.startswith("127.")
     key = where.api_key(settings, kept=loopback)
     handlers: list[urllib.request.BaseHandler] = [_NoRedirect()]
     if loopback:

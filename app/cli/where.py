@@ -31,6 +31,9 @@ if TYPE_CHECKING:
 RECORD_FILE = "up.json"  # in data_dir: the running supervisor's and children's pids
 SETTINGS_FILE = "up-settings.json"  # in data_dir: the settings the running stack uses
 DEV_KEY_FILE = "dev-api-key"  # in data_dir: the operator's key `inferq up` made (0600)
+# This machine's own addresses: where `inferq up` may start a redis-server, and where a
+# command may send the operator's key it keeps.
+LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
 
 # Secrets are never written to the settings file (it is 0600, but a key or a signing secret is
 # not needed to find a stack, and the dev key has a file of its own).

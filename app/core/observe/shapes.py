@@ -9,7 +9,7 @@ of its start-up; docs/benchmarks.md, "`inferq status`").
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from app.core.messaging.names import Route
@@ -102,18 +102,18 @@ def to_json(snap: Snapshot) -> dict[str, Any]:
             for (lane, model), n in snap.messages.items()
         ],
         "lanes": [
-            {"lane": lane, "model": model, **_fields(jobs)}
+            {"lane": lane, "model": model, **asdict(jobs)}
             for (lane, model), jobs in snap.lanes.items()
         ],
         "tenants": [
-            {"lane": lane, "model": model, "tenant": tenant, **_fields(jobs)}
+            {"lane": lane, "model": model, "tenant": tenant, **asdict(jobs)}
             for (lane, model, tenant), jobs in snap.tenants.items()
         ],
         "workers": snap.workers,
         "ops_workers": snap.ops,
         "dispatchers": snap.dispatchers,
-        "throughput": _fields(snap.throughput),
-        "affinity": {worker: _fields(counts) for worker, counts in snap.affinity.items()},
+        "throughput": asdict(snap.throughput),
+        "affinity": {worker: asdict(counts) for worker, counts in snap.affinity.items()},
         "warnings": snap.warnings,
         "sources": snap.sources,
     }
@@ -137,11 +137,6 @@ def from_json(body: dict[str, Any]) -> Snapshot:
         warnings=[str(line) for line in body["warnings"]],
         sources=str(body["sources"]),
     )
-
-
-def _fields(shape: LaneJobs | TenantJobs | Throughput | Affinity) -> dict[str, Any]:
-    # The fields only (not the rates derived from them): asdict would also deep-copy.
-    return {name: getattr(shape, name) for name in shape.__dataclass_fields__}
 
 
 def _copies(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
