@@ -224,6 +224,11 @@ def _raise_horizons(tx: Tx, deleted: Iterable[Any], stamp: float) -> None:
 def sweep_once(settings: Settings, stamp: float) -> int:
     """One chunk: up to ``CHUNK`` due jobs deleted in one transaction; returns how many."""
     with changes("ops", reason="retention") as tx:
+        if tx.postgresql:
+            # On a large history the choice's plan is estimated dear (its LIMIT's share of every
+            # due row), above ``jit_above_cost``, so PostgreSQL compiled it with JIT every chunk:
+            # 38 ms of a 107 ms chunk of 2,000 (docs/benchmarks.md, "Issue 66 ... fifth session").
+            tx.connection.exec_driver_sql("SET LOCAL jit = off")
         own = {
             row.tenant: row.job_retention_s
             for row in tx.connection.execute(
