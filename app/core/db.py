@@ -61,7 +61,10 @@ def _sqlite_engine(url: str) -> Engine:
 
     @event.listens_for(engine, "begin")
     def _on_begin(connection: Any) -> None:
-        connection.exec_driver_sql("BEGIN IMMEDIATE")
+        # Not where the caller asked for none: a migration's autocommit block runs what SQLite
+        # reads only outside a transaction (PRAGMA foreign_keys; migrations/versions/0016).
+        if connection.get_execution_options().get("isolation_level") != "AUTOCOMMIT":
+            connection.exec_driver_sql("BEGIN IMMEDIATE")
 
     return engine
 

@@ -529,11 +529,9 @@ class IdempotencyKey(Base):
     tenant: Mapped[str] = mapped_column(String(64), primary_key=True)
     key: Mapped[str] = mapped_column(String(255), primary_key=True)
     request_hash: Mapped[str] = mapped_column(String(64))
-    # Indexed: deleting a job (retention, DELETE /v1/responses) deletes its key by this column,
-    # which without an index read the whole table once per job (migration 0015).
-    job_id: Mapped[str] = mapped_column(
-        String(40), ForeignKey("jobs.id", ondelete="CASCADE"), index=True
-    )
+    # Deleted with its job by this column (``transitions.delete_finished``; no foreign key:
+    # migration 0016), which without an index read the whole table once per job (0015).
+    job_id: Mapped[str] = mapped_column(String(40), index=True)
     created_at: Mapped[float] = mapped_column(Double)
     expires_at: Mapped[float] = mapped_column(Double, index=True)
 
@@ -554,9 +552,7 @@ class StoredResponse(Base):
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
     tenant: Mapped[str] = mapped_column(String(64))
-    job_id: Mapped[str] = mapped_column(
-        String(40), ForeignKey("jobs.id", ondelete="CASCADE"), unique=True
-    )
+    job_id: Mapped[str] = mapped_column(String(40), unique=True)  # deleted with its job (0016)
     previous_response_id: Mapped[str | None] = mapped_column(String(40), nullable=True)
     # JSON: the request's fields the Response object repeats (responses_format.echo).
     request: Mapped[str] = mapped_column(AnyText)
@@ -610,9 +606,9 @@ class WebhookEvent(Base):
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
     tenant: Mapped[str] = mapped_column(String(64))
     type: Mapped[str] = mapped_column(String(32))
-    job_id: Mapped[str | None] = mapped_column(
-        String(40), ForeignKey("jobs.id", ondelete="CASCADE"), nullable=True, index=True
-    )
+    # Deleted with its job (``transitions.delete_finished``; no foreign key: migration 0016),
+    # its attempts with it (theirs cascades).
+    job_id: Mapped[str | None] = mapped_column(String(40), nullable=True, index=True)
     batch_id: Mapped[str | None] = mapped_column(String(40), nullable=True, index=True)
     # Deleting an endpoint drops its events: nothing more is sent to a URL its tenant removed.
     endpoint_id: Mapped[str | None] = mapped_column(
@@ -656,6 +652,12 @@ class WebhookAttempt(Base):
     ok: Mapped[bool] = mapped_column(Boolean)
     error: Mapped[str | None] = mapped_column(AnyText, nullable=True)
     response_body: Mapped[str | None] = mapped_column(AnyText, nullable=True)
+
+
+# What hangs on a job by its id and is deleted with it (``transitions.delete_finished``), by
+# this column of each table: no foreign key, whose ON DELETE CASCADE ran a statement per job and
+# table (migration 0016). Each is indexed (tests/integration/test_query_plans.py).
+HANGING_ON_A_JOB = (IdempotencyKey.job_id, StoredResponse.job_id, WebhookEvent.job_id)
 
 
 class File(Base):

@@ -353,3 +353,67 @@ def test_planted_effects_are_caught(planted: str) -> None:
 )
 def test_the_construct_and_other_runs_are_not_taken_for_effects(harmless: str) -> None:
     assert effects_run(f"def f():\n    {harmless}\n", Path("app/batches/finalize.py")) == []
+
+
+# --- deleting a job: one writer, which takes what hangs on it too ---------------------------
+
+JOB_DELETER = Path("app/core/lifecycle/transitions.py")
+DELETE_JOBS = re.compile(r"\bdelete\s+from\s+jobs\b", re.I)
+
+
+def job_deletes(source: str) -> list[int]:
+    """Lines of ``source`` that delete jobs: ``delete(Job ...)`` (or of a name bound to the
+    model) or raw SQL. What hangs on a job has no foreign key to it (migration 0016), so a job
+    deleted elsewhere would leave its idempotency key, stored response and events behind."""
+    tree = ast.parse(source)
+    aliases = _aliases(tree, JOB_STATUS)
+    found: set[int] = set()
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "delete"
+            and node.args
+            and _is_model(node.args[0], JOB_STATUS, aliases)
+        ) or (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and DELETE_JOBS.search(node.value)
+        ):
+            found.add(node.lineno)
+    return sorted(found)
+
+
+def test_only_delete_finished_deletes_jobs() -> None:
+    offenders = {
+        str(path): lines
+        for path in product_modules()
+        if path != JOB_DELETER and (lines := job_deletes((REPO / path).read_text()))
+    }
+    assert offenders == {}, f"jobs are deleted outside {JOB_DELETER}: {offenders}"
+    assert job_deletes((REPO / JOB_DELETER).read_text())  # and the owner's own is seen
+
+
+@pytest.mark.parametrize(
+    "planted",
+    [
+        "connection.execute(delete(Job).where(Job.id == i))",
+        "connection.execute(delete(Job.__table__))",
+        "table = cast(Table, Job.__table__); connection.execute(delete(table))",
+        "session.execute(text('DELETE FROM jobs WHERE id = :i'))",
+    ],
+)
+def test_planted_job_deletes_are_caught(planted: str) -> None:
+    assert job_deletes(f"def f():\n    {planted}\n") == [2]
+
+
+@pytest.mark.parametrize(
+    "harmless",
+    [
+        "connection.execute(delete(WebhookEvent).where(WebhookEvent.job_id == i))",
+        "connection.execute(delete(File).where(File.id == i))",
+        "session.execute(text('DELETE FROM jobs_archive'))",
+    ],
+)
+def test_other_deletes_are_not_taken_for_job_deletes(harmless: str) -> None:
+    assert job_deletes(f"def f():\n    {harmless}\n") == []

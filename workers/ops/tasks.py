@@ -68,4 +68,4 @@ def register(app: Celery, settings: Settings) -> None:
     @app.task(name=SWEEP_HISTORY_TASK)  # type: ignore[untyped-decorator]
     def sweep_history() -> int:
         """Delete finished jobs past their tenant's retention (beat)."""
-        return retention.sweep(settings, budget_s=settings.retention_sweep_interval_s * 0.8)
+        return retention.sweep_beat(settings)

@@ -276,3 +276,13 @@ def sweep(settings: Settings, *, budget_s: float, stamp: float | None = None) ->
             if total:
                 log.info("retention: %d finished jobs deleted", total)
             return total
+
+
+# The share of the beat's interval one sweep may take: the next one starts at the interval.
+BEAT_BUDGET = 0.8
+
+
+def sweep_beat(settings: Settings) -> int:
+    """One sweep as the ops worker's beat sends it: until nothing is due or ``BEAT_BUDGET`` of
+    ``retention_sweep_interval_s`` has passed, at ``retention_sweep_jobs_per_s``."""
+    return sweep(settings, budget_s=settings.retention_sweep_interval_s * BEAT_BUDGET)
