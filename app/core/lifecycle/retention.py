@@ -1,7 +1,7 @@
 """Retention: finished jobs deleted once their tenant's retention has passed (issue 66).
 
 A job that has ended is deleted, with what hangs on it (its idempotency key, a stored response,
-its webhook events and their attempts: ON DELETE CASCADE), once::
+its webhook events and their attempts: ``transitions.delete_finished``), once::
 
     finished_at + retention(tenant) <= now        retention(tenant) > 0
 

@@ -187,7 +187,10 @@ def delete_finished(tx: Tx, which: ColumnElement[bool]) -> list[tuple[str, str]]
     ids = [job_id for _, job_id in deleted]
     if ids:
         for column in HANGING_ON_A_JOB:
-            tx.connection.execute(delete(column.class_).where(column.in_(ids)))
+            # One array parameter on PostgreSQL (``among``): an IN of 2,000 bound values cost
+            # the sweep's Python 60-100 ms a chunk, more than the deletes themselves.
+            where = among(column, ids, postgresql=tx.postgresql)
+            tx.connection.execute(delete(column.class_).where(where))
     return deleted
 
 
