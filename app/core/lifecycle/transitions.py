@@ -178,19 +178,22 @@ def delete_finished(tx: Tx, which: ColumnElement[bool]) -> list[tuple[str, str]]
     inside the DELETE: 44 of a 72 ms chunk of 2,000 on PostgreSQL (migration 0016;
     docs/benchmarks.md, "Issue 66 ... fifth session"). This is the only place jobs are deleted
     (tests/unit/test_one_status_writer.py)."""
-    deleted = [
-        (tenant, job_id)
-        for tenant, job_id in tx.connection.execute(
-            delete(Job).where(which, status_is(*TERMINAL)).returning(Job.tenant, Job.id)
-        )
-    ]
-    ids = [job_id for _, job_id in deleted]
-    if ids:
+    jobs = delete(Job).where(which, status_is(*TERMINAL)).returning(Job.tenant, Job.id)
+    if tx.postgresql:
+        # One statement, each table's DELETE reading the jobs' RETURNING: the ids never come
+        # back as parameters (2,000 of them a chunk, as an array, cost psycopg's Python 27 ms).
+        gone = jobs.cte("gone")
+        hanging = [
+            delete(column.class_).where(column.in_(select(gone.c.id))).cte(f"hanging_{n}")
+            for n, column in enumerate(HANGING_ON_A_JOB)
+        ]
+        found = tx.connection.execute(select(gone.c.tenant, gone.c.id).add_cte(*hanging))
+        return [(tenant, job_id) for tenant, job_id in found]
+    deleted = [(tenant, job_id) for tenant, job_id in tx.connection.execute(jobs)]
+    if deleted:
+        ids = [job_id for _, job_id in deleted]
         for column in HANGING_ON_A_JOB:
-            # One array parameter on PostgreSQL (``among``): an IN of 2,000 bound values cost
-            # the sweep's Python 60-100 ms a chunk, more than the deletes themselves.
-            where = among(column, ids, postgresql=tx.postgresql)
-            tx.connection.execute(delete(column.class_).where(where))
+            tx.connection.execute(delete(column.class_).where(column.in_(ids)))
     return deleted
 
 
