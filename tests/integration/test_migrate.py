@@ -100,7 +100,7 @@ def test_0016_drops_the_keys_to_jobs_and_keeps_every_row(
         # And delete_finished takes them all with the job.
         with changes("ops") as tx:
             assert transitions.delete_finished(tx, Job.id == job["id"]) == [
-                (job["tenant"], job["id"])
+                transitions.Deleted(job["tenant"], job["id"], 1)
             ]
         with engine.connect() as connection:
             counts = [

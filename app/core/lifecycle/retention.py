@@ -191,11 +191,9 @@ def _chosen(due: ColumnElement[bool], postgresql: bool) -> Select[Any]:
     return chosen.with_for_update(skip_locked=True) if postgresql else chosen
 
 
-def _raise_horizons(tx: Tx, deleted: Iterable[Any], stamp: float) -> None:
+def _raise_horizons(tx: Tx, deleted: Iterable[transitions.Deleted], stamp: float) -> None:
     """Each tenant's ``swept_through`` up to the newest id deleted (never down)."""
-    newest: dict[str, str] = {}
-    for tenant, job_id in deleted:
-        newest[tenant] = max(job_id, newest.get(tenant, job_id))
+    newest = {d.tenant: d.newest for d in deleted}
     if not newest:
         return
     dialect = pg_dialect if tx.postgresql else sqlite_dialect
@@ -244,7 +242,7 @@ def sweep_once(settings: Settings, stamp: float) -> int:
             tx, Job.id.in_(_chosen(or_(*due), tx.postgresql).scalar_subquery())
         )
         _raise_horizons(tx, deleted, stamp)
-    return len(deleted)
+    return sum(d.count for d in deleted)
 
 
 def sweep(settings: Settings, *, budget_s: float, stamp: float | None = None) -> int:
