@@ -26,6 +26,7 @@ counted, announced or sent.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -40,6 +41,7 @@ from sqlalchemy import (
     delete,
     func,
     insert,
+    literal_column,
     or_,
     select,
     update,
@@ -208,9 +210,14 @@ def delete_finished(tx: Tx, which: ColumnElement[bool]) -> list[Deleted]:
     for tenant, job_id in tx.connection.execute(jobs):
         ids.setdefault(tenant, []).append(job_id)
     if ids:
-        every = [job_id for some in ids.values() for job_id in some]
+        # SQLite: the ids as one JSON text that SQLite itself lists (json_each), not 2,000
+        # bound values, which SQLAlchemy expands in Python: a chunk took 10-25 % longer than
+        # with the old cascades, and the one writer's lock is held meanwhile.
+        listed: Select[tuple[str]] = select(literal_column("value")).select_from(
+            func.json_each(json.dumps([job_id for some in ids.values() for job_id in some]))
+        )
         for column in HANGING_ON_A_JOB:
-            tx.connection.execute(delete(column.class_).where(column.in_(every)))
+            tx.connection.execute(delete(column.class_).where(column.in_(listed)))
     return [Deleted(tenant, max(some), len(some)) for tenant, some in ids.items()]
 
 
