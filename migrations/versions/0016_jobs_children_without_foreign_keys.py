@@ -11,6 +11,8 @@ On SQLite a constraint is dropped by rebuilding its table (Alembic's batch mode)
 keys off meanwhile: dropping the old ``webhook_events`` with them on would first delete its
 rows, and their ``webhook_attempts`` by that table's own cascade. ``PRAGMA foreign_keys`` is
 only read outside a transaction, hence the autocommit blocks (which commit what ran before).
+A rebuild copies the table: on a SQLite file with millions of webhook events, expect seconds to
+minutes with the database locked; on PostgreSQL a constraint is dropped at once.
 
 Revision ID: 0016
 Revises: 0015
