@@ -46,7 +46,7 @@ from app.core.processes.environment import environment
 from app.core.settings import get_settings
 from bench import overhead
 from bench.harness import BenchStack
-from bench.metrics import percentile, summarize
+from bench.metrics import percentile, summarize, ttfts_s
 from bench.scenarios import CEILING_CHUNK, CEILING_SLOTS, Options, Spec
 
 HISTORY = 1_000_000  # finished jobs at scale 1
@@ -305,11 +305,7 @@ def _load(
         "completed": measured["completed"],
         "load_s": time.monotonic() - started,
         # Each call's, for the p99 of several loads' calls together (``_sweep``).
-        "ttfts_ms": [
-            (r["first_token_at"] - r["created_at"]) * 1000
-            for r in records
-            if r.get("status") == "succeeded" and r.get("first_token_at")
-        ],
+        "ttfts_ms": [t * 1000 for t in ttfts_s(records)],
     }
 
 

@@ -32,9 +32,23 @@ def _dist(name: str, values_s: list[float]) -> dict[str, float | None]:
     }
 
 
+def _succeeded(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in records if r.get("status") == "succeeded" and r.get("finished_at")]
+
+
+def ttfts_s(records: list[dict[str, Any]]) -> list[float]:
+    """Each succeeded request's time to its first token, in seconds (what ``summarize``'s
+    TTFT figures are of)."""
+    return [
+        r["first_token_at"] - r["created_at"]
+        for r in _succeeded(records)
+        if r.get("first_token_at")
+    ]
+
+
 def summarize(records: list[dict[str, Any]], start: float | None = None) -> dict[str, Any]:
     """Metrics over finished requests; ``start`` defaults to the earliest submission."""
-    ok = [r for r in records if r.get("status") == "succeeded" and r.get("finished_at")]
+    ok = _succeeded(records)
     if not ok:
         return {"completed": 0}
     begin = start if start is not None else min(r["created_at"] for r in ok)
@@ -42,7 +56,7 @@ def summarize(records: list[dict[str, Any]], start: float | None = None) -> dict
     span = max(end - begin, 1e-9)
     out_tokens = sum(int(r.get("completion_tokens") or 0) for r in ok)
     in_tokens = sum(int(r.get("prompt_tokens") or 0) for r in ok)
-    ttft = [r["first_token_at"] - r["created_at"] for r in ok if r.get("first_token_at")]
+    ttft = ttfts_s(ok)
     tpot = [
         (r["finished_at"] - r["first_token_at"]) / (r["completion_tokens"] - 1)
         for r in ok
