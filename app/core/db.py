@@ -12,6 +12,7 @@ an immediate one waits for ``busy_timeout``. That makes SQLite the single-writer
 from __future__ import annotations
 
 import logging
+import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -64,9 +65,40 @@ def _sqlite_engine(url: str) -> Engine:
         # Not where the caller asked for none: a migration's autocommit block runs what SQLite
         # reads only outside a transaction (PRAGMA foreign_keys; migrations/versions/0016).
         if connection.get_execution_options().get("isolation_level") != "AUTOCOMMIT":
-            connection.exec_driver_sql("BEGIN IMMEDIATE")
+            _begin_immediate(connection.connection.dbapi_connection)
 
     return engine
+
+
+# How long one try at the writer's lock waits inside SQLite before this module tries again.
+SQLITE_TRY_MS = 2
+
+
+def _begin_immediate(dbapi_connection: Any) -> None:
+    """``BEGIN IMMEDIATE``, tried again every ``SQLITE_TRY_MS`` until ``SQLITE_BUSY_TIMEOUT_MS``.
+
+    Not SQLite's own wait (``busy_timeout``) for the lock: its handler sleeps ever longer
+    between tries (1, 2, 5, 10, 15, 20, 25 ... 100 ms: ``sqliteDefaultBusyCallback``), so a
+    writer queued behind a 30 ms transaction woke up to 50 ms after the lock was free, and the
+    writers behind it later still: beside retention's sweep the submissions' TTFT p99 rose to
+    400-500 ms in bursts (docs/benchmarks.md, "Issue 66 ... sixth session"). Here a waiting
+    writer's tries are at most ``SQLITE_TRY_MS`` apart, each inside SQLite (its first sleeps of
+    1 ms)."""
+    deadline = time.monotonic() + SQLITE_BUSY_TIMEOUT_MS / 1000
+    cursor = dbapi_connection.cursor()
+    try:
+        cursor.execute(f"PRAGMA busy_timeout={SQLITE_TRY_MS}")
+        while True:
+            try:
+                cursor.execute("BEGIN IMMEDIATE")
+                return
+            except sqlite3.OperationalError as exc:
+                if "locked" not in str(exc) or time.monotonic() >= deadline:
+                    # As SQLAlchemy raises it: what callers catch (with_db_retry, the sweep).
+                    raise OperationalError("BEGIN IMMEDIATE", None, exc) from exc
+    finally:
+        cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+        cursor.close()
 
 
 def get_engine() -> Engine:
