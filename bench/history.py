@@ -66,16 +66,24 @@ def _stack_settings(stack: BenchStack) -> dict[str, str]:
 
 
 def rows(
-    n: int, model: str, *, ended_days_ago: tuple[float, float], seed: int
+    first: int, n: int, total: int, model: str, *, ended_days_ago: tuple[float, float]
 ) -> list[dict[str, Any]]:
-    """``n`` succeeded jobs, created and ended between the two ages (days), oldest first."""
-    rng = random.Random(seed)
+    """Jobs ``first`` to ``first + n`` of a history of ``total`` succeeded jobs, created and
+    ended between the two ages (days), oldest first over the whole history: each a step of the
+    span later than the one before, give or take a step.
+
+    Over the whole history, not over each chunk written: a month's rows lie in the order its
+    jobs ended (each was inserted when submitted and ended soon after), and retention deletes
+    in that order. Chunks that each spanned the whole month interleaved 100 runs of it, and
+    every chunk retention deleted touched all of them: on SQLite a chunk of 2,000 wrote about
+    1,000 pages (docs/benchmarks.md, "Issue 66 ... sixth session")."""
+    rng = random.Random(first)
     stamp = time.time()
     oldest, newest = ended_days_ago
-    ages = sorted((rng.uniform(newest, oldest) * DAY for _ in range(n)), reverse=True)
+    step = (oldest - newest) * DAY / total
     made = []
-    for i, age in enumerate(ages):
-        created = stamp - age - 2.0
+    for i in range(first, first + n):
+        created = stamp - oldest * DAY + (i + rng.random()) * step - 2.0
         made.append(
             {
                 "id": new_id("job", at=created),
@@ -114,7 +122,7 @@ def fill(url: str, n: int, model: str, *, ended_days_ago: tuple[float, float]) -
     with environment(database_url=url):
         for offset in range(0, n, FILL_CHUNK):
             chunk = rows(
-                min(FILL_CHUNK, n - offset), model, ended_days_ago=ended_days_ago, seed=offset
+                offset, min(FILL_CHUNK, n - offset), n, model, ended_days_ago=ended_days_ago
             )
             with changes("ops") as tx:
                 transitions.create_ended(tx, chunk)
