@@ -60,7 +60,8 @@ log = logging.getLogger("inferq.retention")
 # Jobs a transaction: short enough that nothing waits long on it. Fewer, larger chunks did
 # better beside a load than smaller ones (each a transaction, and on SQLite a writer's lock
 # that submissions wait for): at 8,000 jobs/s the load's TTFT p99 rose 2.3 times with 2,000
-# against 5 times with 1,000 on SQLite, and less on PostgreSQL (docs/benchmarks.md, "Issue 66").
+# against 5 times with 1,000 on SQLite, and less on PostgreSQL (docs/benchmarks.md, "Issue 66");
+# at 6,000 jobs/s, 500 did no better than 2,000 on either ("Issue 66 ... sixth session").
 CHUNK = 2000
 JOB_ID = re.compile(r"job_[0-9a-z]{26}")
 
