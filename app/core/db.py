@@ -75,7 +75,9 @@ SQLITE_TRY_MS = 2
 
 
 def _begin_immediate(dbapi_connection: Any) -> None:
-    """``BEGIN IMMEDIATE``, tried again every ``SQLITE_TRY_MS`` until ``SQLITE_BUSY_TIMEOUT_MS``.
+    """``BEGIN IMMEDIATE``, tried again every ``SQLITE_TRY_MS`` until the connection's own busy
+    timeout has passed (``SQLITE_BUSY_TIMEOUT_MS``, or what its user set: a worker's heartbeat
+    waits one heartbeat, workers/inference/heartbeat.py), which it keeps.
 
     Not SQLite's own wait (``busy_timeout``) for the lock: its handler sleeps ever longer
     between tries (1, 2, 5, 10, 15, 20, 25 ... 100 ms: ``sqliteDefaultBusyCallback``), so a
@@ -84,10 +86,11 @@ def _begin_immediate(dbapi_connection: Any) -> None:
     400-500 ms in bursts (docs/benchmarks.md, "Issue 66 ... sixth session"). Here a waiting
     writer's tries are at most ``SQLITE_TRY_MS`` apart, each inside SQLite (its first sleeps of
     1 ms)."""
-    deadline = time.monotonic() + SQLITE_BUSY_TIMEOUT_MS / 1000
     cursor = dbapi_connection.cursor()
+    wait_ms = int(cursor.execute("PRAGMA busy_timeout").fetchone()[0])
+    deadline = time.monotonic() + wait_ms / 1000
     try:
-        cursor.execute(f"PRAGMA busy_timeout={SQLITE_TRY_MS}")
+        cursor.execute(f"PRAGMA busy_timeout={min(SQLITE_TRY_MS, wait_ms)}")
         while True:
             try:
                 cursor.execute("BEGIN IMMEDIATE")
@@ -97,7 +100,7 @@ def _begin_immediate(dbapi_connection: Any) -> None:
                     # As SQLAlchemy raises it: what callers catch (with_db_retry, the sweep).
                     raise OperationalError("BEGIN IMMEDIATE", None, exc) from exc
     finally:
-        cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+        cursor.execute(f"PRAGMA busy_timeout={wait_ms}")
         cursor.close()
 
 

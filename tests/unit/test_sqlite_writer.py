@@ -1,6 +1,6 @@
 """SQLite's writer's lock as every transaction of inferq's takes it (``app/core/db.py``,
 ``_begin_immediate``): a writer queued behind another waits for it, tries again itself rather
-than in SQLite's ever longer sleeps, and past ``SQLITE_BUSY_TIMEOUT_MS`` fails as SQLAlchemy
+than in SQLite's ever longer sleeps, and past its connection's busy timeout fails as SQLAlchemy
 raises it, its connection left as it was. On a SQLite file of the test's own, a second writer
 holding the lock from the standard library's own connection."""
 
@@ -68,19 +68,27 @@ def test_a_writer_queued_behind_another_begins_once_it_ends(engine: Engine) -> N
     assert busy_timeout(engine) == db.SQLITE_BUSY_TIMEOUT_MS
 
 
-def test_a_writer_that_waits_past_the_timeout_fails_as_sqlalchemy_raises_it(
-    engine: Engine, monkeypatch: pytest.MonkeyPatch
+def test_a_writer_waits_as_long_as_its_connection_says_then_fails_as_sqlalchemy_raises_it(
+    engine: Engine,
 ) -> None:
-    monkeypatch.setattr(db, "SQLITE_BUSY_TIMEOUT_MS", 300)
+    """A connection's own busy timeout bounds its wait (a worker's heartbeat sets one
+    heartbeat's), and the connection keeps it."""
     other = holder(engine)
     try:
-        with pytest.raises(OperationalError, match="locked"), engine.begin() as connection:
-            connection.execute(text("INSERT INTO seen VALUES ('late', 0)"))
+        with engine.connect() as connection:
+            driver = connection.connection.driver_connection
+            assert driver is not None
+            driver.execute("PRAGMA busy_timeout = 300")
+            waited = time.monotonic()
+            with pytest.raises(OperationalError, match="locked"), connection.begin():
+                connection.execute(text("INSERT INTO seen VALUES ('late', 0)"))
+            assert 0.3 <= time.monotonic() - waited < db.SQLITE_BUSY_TIMEOUT_MS / 1000
+            assert driver.execute("PRAGMA busy_timeout").fetchone()[0] == 300
+            driver.execute(f"PRAGMA busy_timeout = {db.SQLITE_BUSY_TIMEOUT_MS}")
     finally:
         other.execute("ROLLBACK")
         other.close()
-    # Nothing written; the pooled connection waits as long as before and writes again.
+    # Nothing written; the pooled connection writes again.
     with engine.begin() as connection:
         assert connection.execute(text("SELECT count(*) FROM seen")).scalar_one() == 0
         connection.execute(text("INSERT INTO seen VALUES ('after', 0)"))
-    assert busy_timeout(engine) == 300
