@@ -109,7 +109,7 @@ def get(session: Session, tenant: str | None, batch_id: str) -> Batch:
 def list_page(
     session: Session, tenant: str | None, *, limit: int, after: str | None
 ) -> tuple[list[Batch], bool]:
-    query = queries.scoped(select(Batch), Batch.tenant, tenant)
+    query = queries.scoped(session, select(Batch), Batch.tenant, tenant)
     return queries.page(session, query, Batch.id, limit, after)
 
 

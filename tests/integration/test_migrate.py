@@ -71,7 +71,7 @@ def test_0016_drops_the_keys_to_jobs_and_keeps_every_row(
     url = database_url_for(backend, tmp_path, postgres)
     with environment(data_dir=str(tmp_path), database_url=url, redis_url=fresh_redis_url()):
         db.migrate("0015")
-        job = rows(1, "m", ended_days_ago=(1.0, 1.0), seed=0)[0]
+        job = rows(0, 1, 1, "m", ended_days_ago=(1.0, 1.0))[0]
         with changes("ops") as tx:
             transitions.create_ended(tx, [job])
             tx.connection.execute(insert(IdempotencyKey), [KEY | {"job_id": job["id"]}])

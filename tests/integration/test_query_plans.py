@@ -79,7 +79,9 @@ def history(postgres: PostgresDatabases) -> Iterator[Settings]:
         db.migrate()
         for offset in range(0, HISTORY, 20_000):
             with changes("ops") as tx:
-                made = rows(20_000, settings.model_name, ended_days_ago=(20.0, 1.0), seed=offset)
+                made = rows(
+                    offset, 20_000, HISTORY, settings.model_name, ended_days_ago=(20.0, 1.0)
+                )
                 transitions.create_ended(tx, made)
         with db.get_engine().connect() as connection:
             connection.execution_options(isolation_level="AUTOCOMMIT").execute(

@@ -304,7 +304,7 @@ def list_page(
     ``search`` finds a text in a job's id or its metadata (keys and values), in a window of the
     scope's newest jobs, so that a text no job has reads a bounded number of rows, not every
     job retention keeps (docs/console.md, "Jobs")."""
-    scope = queries.scoped(select(Job), Job.tenant, tenant)
+    scope = queries.scoped(session, select(Job), Job.tenant, tenant)
     query = scope
     if status is not None:
         # Written into the statement as a literal (quoted by the dialect), so that even a
