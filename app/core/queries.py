@@ -40,7 +40,7 @@ def scoped(session: Session, query: Select[T], column: Any, tenant: str | None) 
     drops the tenant from the order as a constant and may walk the primary key backwards,
     filtering, from a share of the newest rows it estimates from the tenant's share of all of
     them. With another tenant's 3,000 queued jobs newer than a tenant's history, its page of 21
-    read 3,210 rows (tests/integration/test_query_plans.py); a bulk backlog of millions would be
+    read 3,201 rows (tests/integration/test_query_plans.py); a bulk backlog of millions would be
     read whole. SQLite keeps the equality: it takes the ``(tenant, id)`` index for it and the
     id's order, while a range it weighs below another filter's equality (a page of a status
     sorted every job of that status: 0.1 ms became 396 ms on 1,000,000)."""

@@ -234,7 +234,7 @@ def list_page(
     session: Session, tenant: str, *, purpose: str | None, limit: int, after: str | None
 ) -> tuple[list[File], bool]:
     """Newest first; ``after`` is the last id of the previous page."""
-    query = select(File).where(File.tenant == tenant)
+    query = queries.scoped(session, select(File), File.tenant, tenant)
     if purpose is not None:
         query = query.where(File.purpose == purpose)
     return queries.page(session, query, File.id, limit, after)
