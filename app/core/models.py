@@ -324,7 +324,7 @@ class Job(Base):
     tools: Mapped[dict[str, Any] | None] = mapped_column(JSONType, nullable=True)
     webhook_url: Mapped[str | None] = mapped_column(AnyText, nullable=True)
     meta: Mapped[dict[str, str]] = mapped_column("metadata", JSONType)
-    batch_id: Mapped[str | None] = mapped_column(String(40), nullable=True, index=True)
+    batch_id: Mapped[str | None] = mapped_column(String(40), nullable=True)
     # A batch line's custom_id and its line number in the input file (1-based).
     custom_id: Mapped[str | None] = mapped_column(AnyString(512), nullable=True)
     batch_line: Mapped[int | None] = mapped_column(Integer, nullable=True)
@@ -390,9 +390,12 @@ class Job(Base):
 
     __table_args__ = (
         Index("ix_jobs_tenant_id", "tenant", "id"),
-        Index("ix_jobs_status_lane", "status", "lane"),
+        # A status's jobs, newest first (a list's status filter: the page is the index's
+        # first rows), and the live counts' status test (migrations/versions/0017).
+        Index("ix_jobs_status_id", "status", "id"),
+        Index("ix_jobs_tenant_status_id", "tenant", "status", "id"),
+        # A batch's jobs (batch_id alone is its prefix).
         Index("ix_jobs_batch_line", "batch_id", "batch_line"),
-        Index("ix_jobs_tenant_status", "tenant", "status"),
         # Retention's sweep: the oldest finished jobs first (app/core/lifecycle/retention.py).
         Index("ix_jobs_finished_at", "finished_at"),
         # The dispatcher's backlog: queued jobs not yet sent, in the order it picks them
@@ -421,7 +424,7 @@ def live(*statuses: str) -> ColumnElement[bool]:
     ``status = $1`` that plan cannot know that the value is a rare one, and it read every job,
     history and all (a sequential scan of 100,000 finished jobs in
     tests/integration/test_query_plans.py); the literal lets it estimate the live jobs from the
-    statistics and take ``ix_jobs_status_lane`` or ``ix_jobs_tenant_status``.
+    statistics and take ``ix_jobs_status_id`` or ``ix_jobs_tenant_status_id``.
     """
     values = [str(s) for s in statuses]
     if not values or not set(values) <= {JobStatus.QUEUED, JobStatus.RUNNING}:
@@ -431,7 +434,7 @@ def live(*statuses: str) -> ColumnElement[bool]:
 
 def status_is(*statuses: str) -> ColumnElement[bool]:
     """The status test of a statement that finds its jobs another way (by id, by batch):
-    ``status || '' = …``, which PostgreSQL cannot answer from ``ix_jobs_status_lane``.
+    ``status || '' = …``, which PostgreSQL cannot answer from ``ix_jobs_status_id``.
 
     Where history is large the planner's statistics say that almost no job is queued or
     running (a burst of 20,000 queued jobs is 2 % of a million finished ones, and autovacuum
