@@ -5,7 +5,7 @@ from __future__ import annotations
 from alembic import context
 
 from app.core.db import get_engine
-from app.core.models import Base
+from app.core.models import Base, built_here
 
 target_metadata = Base.metadata
 
@@ -30,6 +30,8 @@ def run_online() -> None:
             target_metadata=target_metadata,
             render_as_batch=True,  # SQLite needs batch mode to alter tables
             compare_type=True,
+            # The indexes of one database only (models.ONE_DATABASE): not drift on the other.
+            include_object=built_here(connection.dialect.name),
         )
         with context.begin_transaction():
             context.run_migrations()

@@ -6,19 +6,24 @@ million: the plans read on a few rows are the plans of a month of history. Befor
 status filter found its rows through ``(status, lane)`` and sorted them all for each page
 (``USE TEMP B-TREE FOR ORDER BY``): 1.7 s for ``/console/jobs?status=succeeded`` over a million
 finished jobs (docs/benchmarks.md, "Issue 66 ... seventh session"). PostgreSQL's plans, which
-follow its statistics, are read on a large table in tests/integration/test_query_plans.py.
+follow its statistics, are read on a large table in tests/integration/test_query_plans.py
+(PostgreSQL keeps its own status indexes: ``models.ONE_DATABASE``).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import event
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+from sqlalchemy import create_engine, event, inspect
 
 from app.core import db
 from app.core.lifecycle import jobs, transitions
 from app.core.lifecycle.changes import changes
+from app.core.models import ONE_DATABASE, Base, built_here
 from app.core.settings import Settings
 from bench.history import TENANTS, rows
 
@@ -71,3 +76,18 @@ def test_a_page_of_jobs_is_read_in_order_from_an_index(
         for column in ("tenant", "status"):
             if filters[column] is not None:
                 assert f"{column}=?" in plan, plan
+
+
+def test_a_migrated_sqlite_file_has_the_indexes_the_models_declare_for_it(migrated: Path) -> None:
+    engine = create_engine(f"sqlite:///{migrated}")
+    try:
+        with engine.connect() as connection:
+            context = MigrationContext.configure(
+                connection, opts={"include_object": built_here("sqlite")}
+            )
+            assert compare_metadata(context, Base.metadata) == []
+            indexes = {index["name"] for index in inspect(connection).get_indexes("jobs")}
+    finally:
+        engine.dispose()
+    for name, (dialect, _) in ONE_DATABASE.items():
+        assert (name in indexes) == (dialect == "sqlite"), (name, indexes)
