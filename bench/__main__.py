@@ -82,8 +82,9 @@ def _interrupt(signum: int, _frame: FrameType | None) -> None:
     default=1,
     show_default=True,
     help="efficiency: run the direct/platform pair this many times (alternating); the median "
-    "pair is reported. history: the same for its ceiling pair (empty / with history), and "
-    "as many rounds of its sweep beside the load (the median round is reported).",
+    "pair is reported. history: the same for its ceiling pair (empty / with history), as "
+    "many 16-client loads on each database (their calls together), and as many rounds of "
+    "its sweep beside the load (every round's calls together).",
 )
 @click.option(
     "--history-jobs",
