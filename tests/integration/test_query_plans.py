@@ -196,7 +196,7 @@ def test_a_claim_and_an_outcome_write_take_the_primary_key_after_a_burst(
     for statement, named in ((claim, CLAIM), (outcome, 1)):
         found = scans(statement)
         # Its own rows through jobs_pkey, not the backlog (or every running job) behind
-        # ix_jobs_status_id: no scan reads more rows than the statement names.
+        # ix_jobs_status_lane: no scan reads more rows than the statement names.
         assert {index for _, _, index, _ in found if index} == {"jobs_pkey"}, found
         assert max(read for _, _, _, read in found) == named, found
 

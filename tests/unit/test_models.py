@@ -42,7 +42,7 @@ def test_compare_and_set_refuses_transitions_the_machine_does_not_allow() -> Non
         compare_and_set("job_x", expect=JobStatus.SUCCEEDED, to=JobStatus.RUNNING)
     statement = compare_and_set("job_x", expect=JobStatus.RUNNING, to=JobStatus.QUEUED, token=3)
     sql = str(statement.compile(compile_kwargs={"literal_binds": True}))
-    # The status test is not one ix_jobs_status_id answers (models.status_is).
+    # The status test is not one ix_jobs_status_lane answers (models.status_is).
     assert "(jobs.status || '') = 'running'" in sql and "jobs.lease_token = 3" in sql
 
 

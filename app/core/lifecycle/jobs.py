@@ -308,7 +308,7 @@ def list_page(
     query = scope
     if status is not None:
         # Written into the statement as a literal (quoted by the dialect), so that even a
-        # generic plan knows how rare the status is and takes ix_jobs_tenant_status_id: with
+        # generic plan knows how rare the status is and takes ix_jobs_tenant_status: with
         # ``status = $1`` it walked the tenant's whole history for a status none of it has
         # (tests/integration/test_query_plans.py; models.live says why generic plans).
         query = query.where(Job.status == bindparam("status", status, literal_execute=True))
