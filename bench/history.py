@@ -47,7 +47,7 @@ from app.core.processes.environment import environment
 from app.core.settings import get_settings
 from bench import overhead
 from bench.harness import BenchStack
-from bench.metrics import percentile, summarize, ttfts_s
+from bench.metrics import first_token_spans, percentile, summarize
 from bench.scenarios import CEILING_CHUNK, CEILING_SLOTS, Options, Spec
 
 HISTORY = 1_000_000  # finished jobs at scale 1
@@ -301,9 +301,7 @@ def _overhead(opts: Options, n_history: int, model: str) -> dict[str, Any]:
             _load(stack, bodies, f"history: overhead 16 ({i + 1}/{opts.repeat})", opts)
             for i in range(opts.repeat)
         ]
-        calls = [t for load in loads for t in load.pop("ttfts_ms")]  # not into the report
-        for load in loads:
-            del load["spans"]
+        calls = [t for load in loads for t in _ttfts_ms(load.pop("spans"))]  # not reported
         result: dict[str, Any] = {
             "ttft_p50_ms": percentile(calls, 50),
             "ttft_p99_ms": percentile(calls, 99),
@@ -328,15 +326,14 @@ def _load(
         "ttft_p99_ms": measured["p99_ttft_ms"],
         "completed": measured["completed"],
         "load_s": time.monotonic() - started,
-        # Each call's, for the p99 of several loads' calls together (``_sweep``).
-        "ttfts_ms": [t * 1000 for t in ttfts_s(records)],
-        # Each call's (sent, first token), wall clock: which of the sweep's windows it met.
-        "spans": [
-            (r["created_at"], r["first_token_at"])
-            for r in records
-            if r.get("status") == "succeeded" and r.get("finished_at") and r.get("first_token_at")
-        ],
+        # Each call's (sent, first token), wall clock: for the p99 of several loads' calls
+        # together (``_ttfts_ms``), and which of the sweep's windows a call met (``_sweep``).
+        "spans": first_token_spans(records),
     }
+
+
+def _ttfts_ms(spans: list[tuple[float, float]]) -> list[float]:
+    return [(first - sent) * 1000 for sent, first in spans]
 
 
 def _jobs(stack: BenchStack) -> int:
@@ -475,8 +472,8 @@ def _sweep(opts: Options, n_history: int, model: str) -> dict[str, Any]:
         # between them. Both halves share the load's host and moment, which the loads above
         # do not: on one host the loads without a sweep alone spread 33-121 ms in p99
         # (docs/benchmarks.md, "Issue 66 ... seventh session"). Reported beside the target.
-        during: list[float] = []
-        between: list[float] = []
+        during: list[tuple[float, float]] = []
+        between: list[tuple[float, float]] = []
         window_s, window_jobs = 0.0, 0
         for i in range(opts.repeat):
             path = opts.workdir / f"sweep-windows-{i}.txt"
@@ -487,7 +484,7 @@ def _sweep(opts: Options, n_history: int, model: str) -> dict[str, Any]:
             window_jobs += deleted
             for sent, first in load["spans"]:
                 met = any(start <= first and sent <= end for start, end in spans)
-                (during if met else between).append((first - sent) * 1000)
+                (during if met else between).append((sent, first))
         unpaced = sweeping_load("unpaced", {"INFERQ_RETENTION_SWEEP_JOBS_PER_S": "0"})
     around = (unswept[-2]["ttft_p99_ms"] + unswept[-1]["ttft_p99_ms"]) / 2
     unpaced["ttft_p99_ratio"] = unpaced["ttft_p99_ms"] / around
@@ -496,38 +493,37 @@ def _sweep(opts: Options, n_history: int, model: str) -> dict[str, Any]:
     # calls a load), not one load's fourth-slowest: on one host the loads without a sweep alone
     # spread 112-264 ms (docs/benchmarks.md, "Issue 66 ... fifth session").
     pooled = {
-        "paced_ttft_p99_ms": percentile([t for r in rounds for t in r["ttfts_ms"]], 99),
-        "unswept_ttft_p99_ms": percentile([t for r in unswept for t in r["ttfts_ms"]], 99),
+        "paced_ttft_p99_ms": percentile([t for r in rounds for t in _ttfts_ms(r["spans"])], 99),
+        "unswept_ttft_p99_ms": percentile([t for r in unswept for t in _ttfts_ms(r["spans"])], 99),
     }
     for load in [*unswept, *rounds, unpaced]:
-        del load["ttfts_ms"], load["spans"]  # not into the report
+        del load["spans"]  # not into the report
     in_windows = {
         "window_s": WINDOW_S,
         "calls_during": len(during),
         "calls_between": len(between),
-        "during_ttft_p99_ms": percentile(during, 99),
-        "between_ttft_p99_ms": percentile(between, 99),
+        "during_ttft_p99_ms": percentile(_ttfts_ms(during), 99),
+        "between_ttft_p99_ms": percentile(_ttfts_ms(between), 99),
         "jobs_per_s": window_jobs / window_s if window_s else None,
     }
     in_windows["ttft_p99_ratio"] = _ratio(
-        {
-            "paced_ttft_p99_ms": in_windows["during_ttft_p99_ms"],
-            "unswept_ttft_p99_ms": in_windows["between_ttft_p99_ms"],
-        }
+        in_windows["during_ttft_p99_ms"], in_windows["between_ttft_p99_ms"]
     )
     return {
         "fill": fill_info,
         "unswept": unswept,
         "paced_rounds": rounds,
         "paced": ranked[(len(ranked) - 1) // 2],  # the median round (the lower of two)
-        "pooled": {**pooled, "ttft_p99_ratio": _ratio(pooled)},
+        "pooled": {
+            **pooled,
+            "ttft_p99_ratio": _ratio(pooled["paced_ttft_p99_ms"], pooled["unswept_ttft_p99_ms"]),
+        },
         "in_windows": in_windows,
         "unpaced": unpaced,
     }
 
 
-def _ratio(pooled: dict[str, float | None]) -> float | None:
-    paced, unswept = pooled["paced_ttft_p99_ms"], pooled["unswept_ttft_p99_ms"]
+def _ratio(paced: float | None, unswept: float | None) -> float | None:
     return None if paced is None or not unswept else paced / unswept
 
 

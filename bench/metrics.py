@@ -36,14 +36,19 @@ def _succeeded(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in records if r.get("status") == "succeeded" and r.get("finished_at")]
 
 
-def ttfts_s(records: list[dict[str, Any]]) -> list[float]:
-    """Each succeeded request's time to its first token, in seconds (what ``summarize``'s
-    TTFT figures are of)."""
+def first_token_spans(records: list[dict[str, Any]]) -> list[tuple[float, float]]:
+    """Each succeeded request's (sent, first token), wall-clock seconds."""
     return [
-        r["first_token_at"] - r["created_at"]
+        (r["created_at"], r["first_token_at"])
         for r in _succeeded(records)
         if r.get("first_token_at")
     ]
+
+
+def ttfts_s(records: list[dict[str, Any]]) -> list[float]:
+    """Each succeeded request's time to its first token, in seconds (what ``summarize``'s
+    TTFT figures are of)."""
+    return [first - sent for sent, first in first_token_spans(records)]
 
 
 def summarize(records: list[dict[str, Any]], start: float | None = None) -> dict[str, Any]:
