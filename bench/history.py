@@ -5,7 +5,10 @@ finished jobs, side by side, and retention's sweep at work (issue 66; docs/bench
   ``overhead`` at 16 clients (streamed chat completions on the simulated engine: TTFT p50/p99),
   each on a stack of its own; on the history side the database first holds ``HISTORY`` finished
   jobs (1,000,000 at scale 1), written by ``COPY`` on PostgreSQL (an executemany on SQLite)
-  before the stack starts, finished within the retention so that nothing sweeps them. Then,
+  before the stack starts, finished within the retention so that nothing sweeps them; each
+  stack then runs ``history / 50`` one-token jobs before it measures, on both sides
+  (``_settle``: the room a filled history's pages offer new rows once, used up as a deployment
+  that wrote its history had used it; their jobs/s is reported, a history just restored). Then,
   with history, how long ``inferq status``, a first page of ``GET /v1/jobs`` and the console's
   pages take, and the database's size per million finished jobs (PostgreSQL: the table and its
   indexes; SQLite: the file).
@@ -52,6 +55,9 @@ from bench.scenarios import CEILING_CHUNK, CEILING_SLOTS, Options, Spec
 
 HISTORY = 1_000_000  # finished jobs at scale 1
 FILL_CHUNK = 10_000  # rows a COPY (or an executemany) and a transaction
+# History jobs per job of a stack's settling run (``_settle``): 2 %, about four times what used
+# up the room a filled history offers (docs/benchmarks.md, "Issue 66 ... eighth session").
+SETTLE_PER = 50
 DAY = 86400.0
 TENANTS = ["default", *(f"history-{i}" for i in range(1, 10))]
 LOOKS = 5  # timed runs of `inferq status` and of a first page
@@ -147,6 +153,26 @@ def _filled(
         into["rows"] = n
 
     return prefill
+
+
+def _settle(stack: BenchStack, n: int, opts: Options) -> dict[str, Any]:
+    """``n`` one-token jobs in the standard lane through the stack, before what it measures.
+
+    A history written in by ``COPY`` (this scenario's fill, as a restore from a dump) has never
+    offered its pages' room to a new row: PostgreSQL's free-space map offers each page's room
+    once, and until it is used every new row version lands one to a page across the whole heap,
+    reading an old page and logging it whole (10,000,000 jobs left 201,076 pages with room for
+    a new row, and the 20,000 jobs of ``ceiling`` wrote about 100,000 full-page images where
+    an empty database wrote 14). A deployment that wrote its history itself used each page's
+    room as the page was left; this run uses the fill's, as that traffic did, and is run on both
+    sides (the empty one's stack as old). Its jobs/s is reported: a history just restored."""
+    if not n:
+        return {"jobs": 0}
+    what = f"history: settling, {n} jobs"
+    start = stack.submit([Spec(f"settle {i}", 1, "standard").body() for i in range(n)])
+    stack.wait_all(n, 3600, lambda done: opts.progress(what, done, n), lane="standard")
+    measured = summarize(stack.rows(lane="standard"), start)
+    return {"jobs": n, "jobs_per_s": measured["request_throughput"]}
 
 
 def _dialect(opts: Options) -> str:
@@ -257,9 +283,10 @@ def looks(stack: BenchStack) -> dict[str, Any]:
     }
 
 
-def _ceiling(opts: Options, n_history: int, model: str) -> dict[str, Any]:
-    """``ceiling``'s bulk jobs on the instant engine (the history is of the realtime lane, so
-    the bulk lane's rows are this run's)."""
+def _ceiling(opts: Options, n_history: int, settle: int, model: str) -> dict[str, Any]:
+    """``ceiling``'s bulk jobs on the instant engine after ``settle`` jobs (``_settle``; the
+    history is of the realtime lane and the settling run's of the standard one, so the bulk
+    lane's rows are this run's)."""
     fill_info: dict[str, Any] = {}
     specs = [Spec(f"history {i}", 1, "bulk") for i in range(opts.n(20000))]
     env = opts.stack_env(
@@ -273,12 +300,13 @@ def _ceiling(opts: Options, n_history: int, model: str) -> dict[str, Any]:
     with BenchStack(opts.database, env, opts.workdir) as stack:
         prefill = _filled(n_history, model, (29.0, 1.0), fill_info) if n_history else None
         stack.start(prefill=prefill)
+        settled = _settle(stack, settle, opts)
         start = stack.submit([s.body() for s in specs])
         stack.wait_all(
             len(specs), 3600, lambda done: opts.progress(what, done, len(specs)), lane="bulk"
         )
         metrics = summarize(stack.rows(lane="bulk"), start)
-    return {"jobs_per_s": metrics["request_throughput"], "fill": fill_info}
+    return {"jobs_per_s": metrics["request_throughput"], "fill": fill_info, "settle": settled}
 
 
 def _bodies(opts: Options, model: str) -> list[dict[str, Any]]:
@@ -286,9 +314,10 @@ def _bodies(opts: Options, model: str) -> list[dict[str, Any]]:
     return overhead._bodies(opts.n(overhead.REQUESTS_PER_CLIENT * CLIENTS) + 2 * CLIENTS, model)
 
 
-def _overhead(opts: Options, n_history: int, model: str) -> dict[str, Any]:
-    """16 streaming clients on a stack whose database holds ``n_history`` finished jobs:
-    ``--repeat`` loads one after the other, the TTFT p50 and p99 of all their calls together.
+def _overhead(opts: Options, n_history: int, settle: int, model: str) -> dict[str, Any]:
+    """16 streaming clients on a stack whose database holds ``n_history`` finished jobs, after
+    ``settle`` jobs (``_settle``): ``--repeat`` loads one after the other, the TTFT p50 and p99
+    of all their calls together.
     One load's p99 is its fourth-slowest call of 400: on one host the same code's ratio with
     history to without was 1.02 in one run and 1.29 in the next (docs/benchmarks.md, "Issue 66
     ... seventh session"), as the sweep's loads swung before they were pooled."""
@@ -297,6 +326,7 @@ def _overhead(opts: Options, n_history: int, model: str) -> dict[str, Any]:
     with BenchStack(opts.database, opts.stack_env(engine="simulated"), opts.workdir) as stack:
         prefill = _filled(n_history, model, (29.0, 1.0), fill_info) if n_history else None
         stack.start(prefill=prefill)
+        settled = _settle(stack, settle, opts)
         loads = [
             _load(stack, bodies, f"history: overhead 16 ({i + 1}/{opts.repeat})", opts)
             for i in range(opts.repeat)
@@ -309,6 +339,7 @@ def _overhead(opts: Options, n_history: int, model: str) -> dict[str, Any]:
             "loads": loads,
         }
         result["fill"] = fill_info
+        result["settle"] = settled
         if n_history:
             result["looks"] = looks(stack)
             result["size"] = size_mb(stack.db())
@@ -530,14 +561,17 @@ def _ratio(paced: float | None, unswept: float | None) -> float | None:
 def history(opts: Options) -> dict[str, Any]:
     model = opts.settings().model_name
     n_history = opts.history_jobs or opts.n(HISTORY)
+    settle = n_history // SETTLE_PER  # on both sides
     # ``--repeat`` pairs of ceiling, alternating (its run-to-run spread on a small host is
     # wider than the 10 % the ratio is held to): the median ratio counts.
     pairs = []
     for _ in range(opts.repeat):
-        pairs.append((_ceiling(opts, 0, model), _ceiling(opts, n_history, model)))
+        pairs.append((_ceiling(opts, 0, settle, model), _ceiling(opts, n_history, settle, model)))
     ratios = [full["jobs_per_s"] / empty["jobs_per_s"] for empty, full in pairs]
-    empty = {"ceiling": pairs[0][0], "overhead": _overhead(opts, 0, model)}
-    full = {"ceiling": pairs[0][1], "overhead": _overhead(opts, n_history, model)}
+    # The settling runs' own: the same jobs/s on a history just written in (``_settle``).
+    cold = [f["settle"]["jobs_per_s"] / e["settle"]["jobs_per_s"] for e, f in pairs if settle]
+    empty = {"ceiling": pairs[0][0], "overhead": _overhead(opts, 0, settle, model)}
+    full = {"ceiling": pairs[0][1], "overhead": _overhead(opts, n_history, settle, model)}
     sweep = _sweep(opts, n_history, model)
     size = full["overhead"].get("size", {})
     per_million = {k: v * 1_000_000 / n_history for k, v in size.items()}
@@ -557,6 +591,9 @@ def history(opts: Options) -> dict[str, Any]:
         "sweep": sweep,
         "ceiling_pairs": [[e["jobs_per_s"], f["jobs_per_s"]] for e, f in pairs],
         "jobs_per_s_ratio": percentile(ratios, 50),
+        # Reported beside it: the settling runs' ratio, a history just written in.
+        "settle_jobs": settle,
+        "settle_jobs_per_s_ratio": percentile(cold, 50),
         "ttft_p50_ratio": full["overhead"]["ttft_p50_ms"] / empty["overhead"]["ttft_p50_ms"],
         "ttft_p99_ratio": full["overhead"]["ttft_p99_ms"] / empty["overhead"]["ttft_p99_ms"],
         "sweep_jobs_per_s": sweep["paced"]["jobs_per_s"],
