@@ -307,12 +307,11 @@ def _ceiling(opts: Options, n_history: int, settle: int, model: str) -> dict[str
         prefill = _filled(n_history, model, (29.0, 1.0), fill_info) if n_history else None
         stack.start(prefill=prefill)
         settled = _settle(stack, settle, opts)
-        before = settled["jobs"]
         start = stack.submit([s.body() for s in specs])
         stack.wait_all(
-            before + len(specs),
+            settle + len(specs),
             3600,
-            lambda done: opts.progress(what, done - before, len(specs)),
+            lambda done: opts.progress(what, done - settle, len(specs)),
             lane="bulk",
         )
         metrics = summarize([r for r in stack.rows(lane="bulk") if r["created_at"] >= start], start)
