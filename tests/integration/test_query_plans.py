@@ -8,16 +8,15 @@ planner estimated one row for ``status = 'queued'`` and answered a claim from
 outcome write walked every running job (now ``models.status_is``). Each statement is run as
 the worker runs it, under ``EXPLAIN ANALYZE`` and rolled back.
 
-Then every statement of the paths that look at the jobs (the API's submission and its
-admission checks, GET /v1/jobs, the dispatcher's refill and fair share, the reaper, retention's
-sweep, `inferq status`, /metrics, the console's pages) is caught as it runs and explained the
-same way, as it ran and as its generic plan (psycopg prepares a statement on its fifth run, and
-PostgreSQL may then plan it without its parameters' values: ``status = $1`` read the whole
-table until the live counts said ``models.live``): no scan of the jobs table reads more rows
-than there are live jobs and a page. The
-console's search of a text that no job has reads its window of the scope's newest jobs
-(``console_search_window``, here fewer than the live jobs), not every job of the scope
-(docs/console.md).
+Then every statement of the paths that look at the jobs (the API's submission and its admission
+checks, GET /v1/jobs, the dispatcher's refill and fair share, the reaper, a worker's lease
+renewal, retention's sweep, `inferq status`, /metrics, the console's pages) is caught as it runs
+and explained the same way, as it ran and as its generic plan (psycopg prepares a statement on
+its fifth run, and PostgreSQL may then plan it without its parameters' values: ``status = $1``
+read the whole table until the live counts said ``models.live``): no scan of the jobs table
+reads more rows than there are live jobs and a page. The console's search of a text that no job
+has reads its window of the scope's newest jobs (``console_search_window``, here fewer than the
+live jobs), not every job of the scope (docs/console.md).
 
 And what a job's deletion deletes with it (``models.HANGING_ON_A_JOB``, and what a remaining
 foreign key cascades to) is found by an index: without one, each job retention deletes read the
@@ -43,7 +42,8 @@ from app.core.settings import Settings
 from bench.history import rows
 from tests.conftest import PostgresDatabases, fresh_redis_url
 from tests.unit.conftest import environment
-from tests.unit.inprocess import call
+from tests.unit.inprocess import Worker, call
+from workers.inference.heartbeat import Heartbeat
 
 # Finished jobs, analyzed: enough that reading them all is never the planner's cheap way to a
 # few hundred rows (at 20,000 a reclaim of 500 ids by an IN list was a sequential scan).
@@ -210,6 +210,11 @@ def test_what_runs_per_job_or_per_look_reads_what_is_live(history: Settings) -> 
 
     engine = db.get_engine()
     caught: list[tuple[str, str, Any]] = []
+    # A worker holding the running jobs' leases, whose heartbeat renews them all.
+    executor = Worker(history).executor
+    with engine.connect() as connection:
+        held = connection.execute(text("SELECT id, lease_token FROM jobs WHERE status = 'running'"))
+        executor._held.update((row.id, row.lease_token) for row in held)
 
     def catch(
         _conn: Any, _cursor: Any, statement: str, parameters: Any, _context: Any, many: bool
@@ -239,6 +244,7 @@ def test_what_runs_per_job_or_per_look_reads_what_is_live(history: Settings) -> 
             client=clients.redis_client(),
         ),
         "reaper": lambda: reaper.sweep(history),
+        "heartbeat": Heartbeat(executor, history, {}).renew,
         "retention": lambda: retention.sweep(history, budget_s=5),
         "inferq status": status.read_here,
         "GET /v1/admin/status": lambda: call("GET", "/v1/admin/status"),
