@@ -85,6 +85,7 @@ def test_a_finished_job_past_retention_is_deleted_and_answers_expired(core: Sett
 
 def test_the_sweep_goes_on_chunk_by_chunk(core: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(retention, "CHUNK", 2)
+    monkeypatch.setattr(retention, "SQLITE_CHUNK", 2)
     ids = [submit(core) for _ in range(5)]
     for job_id in ids:
         cancel(job_id)
@@ -97,6 +98,7 @@ def test_the_sweep_keeps_to_its_pace_and_its_budget(
     core: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(retention, "CHUNK", 2)
+    monkeypatch.setattr(retention, "SQLITE_CHUNK", 2)
     ids = [submit(core) for _ in range(9)]
     for job_id in ids:
         cancel(job_id)

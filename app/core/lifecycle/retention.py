@@ -15,13 +15,15 @@ tenant's jobs forever. Not while something promised on the job is still owed:
 - a job with a webhook event still pending stays until the event is delivered or has failed
   its last attempt (its retries keep their schedule).
 
-Each chunk (``CHUNK`` jobs) is its own short transaction: the oldest finished jobs first
-(``ix_jobs_finished_at``), taken with ``FOR UPDATE SKIP LOCKED`` on PostgreSQL, so a row a
-worker, a reader or another sweep holds is skipped rather than waited for, and the sweep never
-holds a lock a submission waits on (new rows are not finished). In the same transaction each
-tenant's horizon is raised: ``tenants.swept_through``, the newest job id deleted (ids sort by
-creation time). A job id at or below its tenant's horizon that is no longer there answers 404
-``job_expired`` (:func:`expired`); lists say where the horizon is (:func:`horizon`).
+Each chunk (``chunk()`` jobs) is its own short transaction: the oldest finished jobs first
+(``ix_jobs_finished_at``). On PostgreSQL they are taken with ``FOR UPDATE SKIP LOCKED``, so a
+row a worker, a reader or another sweep holds is skipped rather than waited for, and the sweep
+never holds a lock a submission waits on (new rows are not finished): 2,000 a chunk. On SQLite a
+chunk holds the one writer's lock, which every submission waits for: 250 a chunk. In the same
+transaction each tenant's horizon is raised: ``tenants.swept_through``, the newest job id
+deleted (ids sort by creation time). A job id at or below its tenant's horizon that is no longer
+there answers 404 ``job_expired`` (:func:`expired`); lists say where the horizon is
+(:func:`horizon`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from sqlalchemy.dialects import sqlite as sqlite_dialect
 from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.orm import Session
 
+from app.core.db import get_engine
 from app.core.errors import DomainError, Kind
 from app.core.lifecycle import transitions
 from app.core.lifecycle.after import Tx
@@ -57,12 +60,23 @@ from app.core.settings import MAX_RETENTION_S, Settings, get_settings
 
 log = logging.getLogger("inferq.retention")
 
-# Jobs a transaction: short enough that nothing waits long on it. Fewer, larger chunks did
-# better beside a load than smaller ones (each a transaction, and on SQLite a writer's lock
-# that submissions wait for): at 8,000 jobs/s the load's TTFT p99 rose 2.3 times with 2,000
-# against 5 times with 1,000 on SQLite, and less on PostgreSQL (docs/benchmarks.md, "Issue 66");
-# at 6,000 jobs/s, 500 did no better than 2,000 on either ("Issue 66 ... sixth session").
+# Jobs a transaction: short enough that nothing waits long on it. On PostgreSQL a chunk locks
+# only its own finished rows, and fewer, larger chunks did better beside a load (at 8,000
+# jobs/s its TTFT p99 rose less with 2,000 than with 1,000: docs/benchmarks.md, "Issue 66").
 CHUNK = 2000
+# On SQLite a chunk holds the one writer's lock, which every submission waits for: at 6,000
+# jobs/s, beside 16 clients over a million jobs, their TTFT p99 while it swept was 3.15 times
+# that between its windows with chunks of 2,000 and 0.94 with 250 (pooled over the loads: 1.30
+# and 1.09; docs/benchmarks.md, "Issue 66 ... ninth session"). Earlier runs that found small
+# chunks no better were blurred by a heartbeat that held the lock 250 ms ("... seventh session").
+SQLITE_CHUNK = 250
+
+
+def chunk(postgresql: bool) -> int:
+    """Jobs a sweep deletes in one transaction on the database."""
+    return CHUNK if postgresql else SQLITE_CHUNK
+
+
 JOB_ID = re.compile(r"job_[0-9a-z]{26}")
 
 
@@ -187,7 +201,7 @@ def _chosen(due: ColumnElement[bool], postgresql: bool) -> Select[Any]:
         select(Job.id)
         .where(due, Job.finished_at.is_not(None), ~_kept())
         .order_by(Job.finished_at)
-        .limit(CHUNK)
+        .limit(chunk(postgresql))
     )
     return chosen.with_for_update(skip_locked=True) if postgresql else chosen
 
@@ -221,7 +235,7 @@ def _raise_horizons(tx: Tx, deleted: Iterable[transitions.Deleted], stamp: float
 
 
 def sweep_once(settings: Settings, stamp: float) -> int:
-    """One chunk: up to ``CHUNK`` due jobs deleted in one transaction; returns how many."""
+    """One chunk: up to ``chunk()`` due jobs deleted in one transaction; returns how many."""
     with changes("ops", reason="retention") as tx:
         if tx.postgresql:
             # On a large history the choice's plan is estimated dear (its LIMIT's share of every
@@ -259,6 +273,7 @@ def sweep(settings: Settings, *, budget_s: float, stamp: float | None = None) ->
     started = time.monotonic()
     stamp = now() if stamp is None else stamp
     rate = settings.retention_sweep_jobs_per_s
+    size = chunk(get_engine().dialect.name == "postgresql")
     total = 0
     while True:
         try:
@@ -269,9 +284,9 @@ def sweep(settings: Settings, *, budget_s: float, stamp: float | None = None) ->
             return total
         total += deleted
         elapsed = time.monotonic() - started
-        if rate and deleted == CHUNK and total / rate > elapsed:
+        if rate and deleted == size and total / rate > elapsed:
             time.sleep(max(0.0, min(total / rate, budget_s) - elapsed))
-        if deleted < CHUNK or time.monotonic() - started >= budget_s:
+        if deleted < size or time.monotonic() - started >= budget_s:
             if total:
                 log.info("retention: %d finished jobs deleted", total)
             return total
