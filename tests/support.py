@@ -11,6 +11,7 @@ import http.server
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -24,8 +25,9 @@ from typing import Any
 import httpx
 import redis
 from prometheus_client.parser import text_string_to_metric_families
-from sqlalchemy import Engine, create_engine, text
+from sqlalchemy import Engine, create_engine, event, text
 
+from app.core import db
 from app.core.messaging import clients
 
 REPO = Path(__file__).resolve().parents[1]
@@ -94,6 +96,36 @@ def log_tail(path: Path, n: int) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
     except OSError:
         return ""
+
+
+# A statement that reads or writes the jobs table (not one that only names a column of it).
+_ON_JOBS = re.compile(r"\b(FROM|UPDATE|INTO|JOIN)\s+jobs\b", re.IGNORECASE)
+
+
+def sqlite_plans(run: Callable[[], Any]) -> list[str]:
+    """SQLite's plan (``EXPLAIN QUERY PLAN``, its lines joined by " / ") of each statement on
+    the jobs table that ``run()`` executes on the app's engine. SQLite keeps no statistics
+    here, so the plan read on a few rows is its plan on a million."""
+    engine = db.get_engine()
+    caught: list[tuple[str, Any]] = []
+
+    def catch(_c: Any, _cur: Any, statement: str, parameters: Any, _ctx: Any, _many: bool) -> None:
+        if _ON_JOBS.search(statement):
+            caught.append((statement, parameters))
+
+    event.listen(engine, "before_cursor_execute", catch)
+    try:
+        run()
+    finally:
+        event.remove(engine, "before_cursor_execute", catch)
+    assert caught, "nothing ran on the jobs table"
+    with engine.connect() as connection:
+        return [
+            " / ".join(
+                row[3] for row in connection.exec_driver_sql("EXPLAIN QUERY PLAN " + sql, params)
+            )
+            for sql, params in caught
+        ]
 
 
 def wait_until(check: Callable[[], Any], timeout: float, what: str, every: float = 0.1) -> Any:

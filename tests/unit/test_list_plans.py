@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import create_engine, event, inspect
+from sqlalchemy import create_engine, inspect
 
 from app.core import db
 from app.core.lifecycle import jobs, transitions
@@ -26,6 +26,7 @@ from app.core.lifecycle.changes import changes
 from app.core.models import ONE_DATABASE, Base, built_here
 from app.core.settings import Settings
 from bench.history import TENANTS, rows
+from tests.support import sqlite_plans
 
 FILTERS: list[dict[str, Any]] = [
     {"tenant": None, "status": "succeeded"},
@@ -38,28 +39,15 @@ FILTERS: list[dict[str, Any]] = [
 
 def _plan(filters: dict[str, Any]) -> list[str]:
     """The query plan of each statement of the jobs table that ``list_page`` runs."""
-    engine = db.get_engine()
-    caught: list[tuple[str, Any]] = []
+    listed: list[Any] = []
 
-    def catch(_c: Any, _cur: Any, statement: str, parameters: Any, _ctx: Any, _many: bool) -> None:
-        if "FROM jobs" in statement:
-            caught.append((statement, parameters))
-
-    event.listen(engine, "before_cursor_execute", catch)
-    try:
+    def page() -> None:
         with db.session_scope() as session:
-            listed = jobs.list_page(session, limit=20, after=None, lane=None, **filters)
-    finally:
-        event.remove(engine, "before_cursor_execute", catch)
-    assert listed.rows or filters["status"] in {"failed", "queued"}
-    assert caught
-    with engine.connect() as connection:
-        return [
-            " / ".join(
-                row[3] for row in connection.exec_driver_sql("EXPLAIN QUERY PLAN " + sql, params)
-            )
-            for sql, params in caught
-        ]
+            listed.append(jobs.list_page(session, limit=20, after=None, lane=None, **filters))
+
+    plans = sqlite_plans(page)
+    assert listed[0].rows or filters["status"] in {"failed", "queued"}
+    return plans
 
 
 @pytest.mark.parametrize("filters", FILTERS, ids=lambda f: f"{f['tenant']}-{f['status']}")

@@ -13,42 +13,14 @@ tests/integration/test_query_plans.py.
 
 from __future__ import annotations
 
-from typing import Any
-
-from sqlalchemy import event
-
-from app.core import db
 from app.core.contract.jobs import JobCreate
 from app.core.lifecycle import jobs, transitions
 from app.core.lifecycle.changes import changes
 from app.core.settings import Settings
 from bench.history import rows
+from tests.support import sqlite_plans
 from tests.unit.inprocess import Worker
 from workers.inference.heartbeat import Heartbeat
-
-
-def _plans(run: Any) -> list[str]:
-    """The query plan of each statement on the jobs table that ``run()`` executes."""
-    engine = db.get_engine()
-    caught: list[tuple[str, Any]] = []
-
-    def catch(_c: Any, _cur: Any, statement: str, parameters: Any, _ctx: Any, _many: bool) -> None:
-        if "jobs" in statement and not statement.lstrip().upper().startswith("PRAGMA"):
-            caught.append((statement, parameters))
-
-    event.listen(engine, "before_cursor_execute", catch)
-    try:
-        run()
-    finally:
-        event.remove(engine, "before_cursor_execute", catch)
-    assert caught, "nothing ran on the jobs table"
-    with engine.connect() as connection:
-        return [
-            " / ".join(
-                row[3] for row in connection.exec_driver_sql("EXPLAIN QUERY PLAN " + sql, params)
-            )
-            for sql, params in caught
-        ]
 
 
 def test_a_lease_renewal_finds_its_jobs_by_the_primary_key(core: Settings) -> None:
@@ -65,7 +37,7 @@ def test_a_lease_renewal_finds_its_jobs_by_the_primary_key(core: Settings) -> No
         executor._held[claim.job_id] = claim.token
     before = executor.held()
 
-    plans = _plans(Heartbeat(executor, core, {}).renew)
+    plans = sqlite_plans(Heartbeat(executor, core, {}).renew)
 
     for plan in plans:
         # SEARCH by the primary key's index, as many lookups as leases; a SCAN of jobs
