@@ -114,14 +114,23 @@ class Seaweed:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"weed mini exited:\n{self.log_tail()}")
             try:
-                # A listing, not a HEAD: a HEAD's bare 404 comes as soon as S3 answers, before
-                # weed mini has made the bucket (about a second later), and a test that lists
-                # or reads first would find no such bucket.
-                next(iter(obstore.list(self.store(), prefix="probe", chunk_size=1)), None)
-                return  # the bucket answers: up
+                self._probe()
+                return  # the bucket answers, and takes a write: up
             except Exception:
                 time.sleep(0.3)
         raise RuntimeError(f"weed mini did not serve S3 in {timeout}s:\n{self.log_tail()}")
+
+    def _probe(self) -> None:
+        """A listing, then a write as inferq makes one (a multipart upload: app/core/storage/
+        store.py, ``put``), outside the ``inferq`` prefix. A listing, not a HEAD: a HEAD's bare
+        404 comes as soon as S3 answers, before weed mini has made the bucket (about a second
+        later). And the write: once on CI, a server started again on its directory listed
+        the bucket, and the upload of the next test was answered NoSuchBucket (a multipart
+        upload's part and completion ask weed's bucket check, which a listing does not)."""
+        probe = self.store(prefix="probe")
+        next(iter(obstore.list(probe, chunk_size=1)), None)
+        obstore.put(probe, "write", b"probe", use_multipart=True)
+        obstore.delete(probe, "write")
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
