@@ -99,7 +99,7 @@ def log_tail(path: Path, n: int) -> str:
 
 
 # A statement that reads or writes the jobs table (not one that only names a column of it).
-_ON_JOBS = re.compile(r"\b(FROM|UPDATE|INTO|JOIN)\s+jobs\b", re.IGNORECASE)
+ON_JOBS = re.compile(r"\b(FROM|UPDATE|INTO|JOIN)\s+jobs\b", re.IGNORECASE)
 
 
 def sqlite_plans(run: Callable[[], Any]) -> list[str]:
@@ -110,7 +110,7 @@ def sqlite_plans(run: Callable[[], Any]) -> list[str]:
     caught: list[tuple[str, Any]] = []
 
     def catch(_c: Any, _cur: Any, statement: str, parameters: Any, _ctx: Any, _many: bool) -> None:
-        if _ON_JOBS.search(statement):
+        if ON_JOBS.search(statement):
             caught.append((statement, parameters))
 
     event.listen(engine, "before_cursor_execute", catch)

@@ -41,9 +41,9 @@ from app.core.models import HANGING_ON_A_JOB
 from app.core.settings import Settings
 from bench.history import rows
 from tests.conftest import PostgresDatabases, fresh_redis_url
+from tests.looks import looks as every_look
 from tests.unit.conftest import environment
-from tests.unit.inprocess import Worker, call
-from workers.inference.heartbeat import Heartbeat
+from tests.unit.inprocess import Worker
 
 # Finished jobs, analyzed: enough that reading them all is never the planner's cheap way to a
 # few hundred rows (at 20,000 a reclaim of 500 ids by an IN list was a sequential scan).
@@ -202,12 +202,6 @@ def test_a_claim_and_an_outcome_write_take_the_primary_key_after_a_burst(
 
 
 def test_what_runs_per_job_or_per_look_reads_what_is_live(history: Settings) -> None:
-    from app.cli import status
-    from app.core.lifecycle import retention
-    from app.core.messaging import clients
-    from app.dispatcher import refill
-    from workers.ops import reaper
-
     engine = db.get_engine()
     caught: list[tuple[str, str, Any]] = []
     # A worker holding the running jobs' leases, whose heartbeat renews them all.
@@ -224,44 +218,7 @@ def test_what_runs_per_job_or_per_look_reads_what_is_live(history: Settings) -> 
             caught.append((looking[0], statement, parameters))
 
     looking = [""]  # the look whose statements are being caught
-    looks = {
-        "submit": lambda: call(
-            "POST", "/v1/jobs", json={"model": history.model_name, "prompt": "one more"}
-        ),
-        "GET /v1/jobs": lambda: call("GET", "/v1/jobs"),
-        **{
-            f"GET /v1/jobs?status={status}": (
-                lambda status=status: call("GET", f"/v1/jobs?status={status}")
-            )
-            for status in ("queued", "failed")
-        },
-        "refill": lambda: refill.refill(
-            refill.Route("bulk", history.model_name),
-            64,
-            policy="fair",
-            unit=8,
-            waited=set(),
-            client=clients.redis_client(),
-        ),
-        "reaper": lambda: reaper.sweep(history),
-        "heartbeat": Heartbeat(executor, history, {}).renew,
-        "retention": lambda: retention.sweep(history, budget_s=5),
-        "inferq status": status.read_here,
-        "GET /v1/admin/status": lambda: call("GET", "/v1/admin/status"),
-        "/metrics": lambda: call("GET", "/metrics"),
-        **{
-            f"console {page}": (lambda page=page: call("GET", page))
-            for page in (
-                "/console",
-                "/console/jobs",
-                "/console/jobs?status=succeeded",
-                "/console/tenants",
-                "/console/jobs?q=no-such-text",
-                "/console/jobs?tenant=t&q=no-such-text",
-                "/console/jobs?status=succeeded&q=no-such-text",
-            )
-        },
-    }
+    looks = every_look(history, executor)
     event.listen(engine, "before_cursor_execute", catch)
     try:
         for name, look in looks.items():
