@@ -10,6 +10,7 @@ functions made for it, docs/architecture.md, "Settings").
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,12 +36,24 @@ def migrated(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def core(tmp_path: Path, migrated: Path) -> Iterator[Settings]:
     """Settings on a SQLite file of this test's own and a Redis database of its own; the
     API's keys are off (the tests that check them turn them on)."""
-    shutil.copy(migrated, tmp_path / "inferq.db")
-    with environment(
-        data_dir=str(tmp_path),
-        database_url="",
-        redis_url=fresh_redis_url(),
-        require_auth="false",
-        model_wait_s="0.5",
-    ) as settings:
+    with own_database(tmp_path, migrated) as settings:
         yield settings
+
+
+@contextlib.contextmanager
+def own_database(data: Path, migrated: Path, **settings: str) -> Iterator[Settings]:
+    """Settings on a copy of the ``migrated`` SQLite file in ``data`` and a Redis database of
+    its own, the API's keys off, and ``settings`` (INFERQ_ names, lowercase, without the
+    prefix): what :func:`core` gives a test, for a test that needs more than one."""
+    shutil.copy(migrated, data / "inferq.db")
+    with environment(
+        **{
+            "data_dir": str(data),
+            "database_url": "",
+            "redis_url": fresh_redis_url(),
+            "require_auth": "false",
+            "model_wait_s": "0.5",
+            **settings,
+        }
+    ) as made:
+        yield made

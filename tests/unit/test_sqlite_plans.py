@@ -22,7 +22,6 @@ retention too, in chunks (``SQLITE_CHUNK``).
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,12 +32,11 @@ from app.core import db
 from app.core.contract.jobs import JobCreate
 from app.core.lifecycle import jobs, transitions
 from app.core.lifecycle.changes import changes
-from app.core.processes.environment import environment
 from app.core.settings import Settings
 from bench.history import rows
-from tests.conftest import fresh_redis_url
 from tests.looks import looks
 from tests.support import ON_JOBS, sqlite_plans
+from tests.unit.conftest import own_database
 from tests.unit.inprocess import Worker
 from workers.inference.heartbeat import Heartbeat
 
@@ -93,14 +91,8 @@ def _instructions(data: Path, migrated: Path, history: int) -> dict[str, int]:
     """Each look's most expensive statement on the jobs table, in SQLite's instructions, on a
     database of ``history`` finished jobs and ``LIVE`` queued ones."""
     data.mkdir()
-    shutil.copy(migrated, data / "inferq.db")
-    with environment(
-        data_dir=str(data),
-        database_url="",
-        redis_url=fresh_redis_url(),
-        require_auth="false",
-        console_search_window="100",  # the newest 100 a search reads (docs/console.md)
-    ) as settings:
+    # The newest 100 jobs a console search reads (docs/console.md): under the history.
+    with own_database(data, migrated, console_search_window="100") as settings:
         with changes("ops") as tx:
             # Ended 61 to 1 days ago: half past the 30 days retention keeps by default, more than a
             # chunk of retention on both databases (SQLITE_CHUNK, app/core/lifecycle/retention.py).
@@ -113,10 +105,7 @@ def _instructions(data: Path, migrated: Path, history: int) -> dict[str, int]:
         executor = Worker(settings).executor
         for claim in executor.claim([job.id for job in live[:RUNNING]]):
             executor._held[claim.job_id] = claim.token
-        try:
-            return {name: _most(look) for name, look in looks(settings, executor).items()}
-        finally:
-            db.dispose()
+        return {name: _most(look) for name, look in looks(settings, executor).items()}
 
 
 def _most(look: Callable[[], Any]) -> int:
