@@ -94,11 +94,11 @@ class Refilled:
 @dataclass
 class Chosen:
     """What the policy picked: each tenant's rows in its order, the virtual tokens at which it
-    got each of them (its turns), and the levels joining tenants were lifted to."""
+    got each of them (its turns), and what joining tenants' counters were lifted by."""
 
     rows: dict[str, list[Any]]
     turns: dict[str, list[float]]
-    lifted: dict[str, float] = field(default_factory=dict)
+    raised: dict[str, int] = field(default_factory=dict)
 
 
 def _waiting(route: Route) -> ColumnElement[bool]:
@@ -283,7 +283,7 @@ def refill(
                     left[row.tenant] -= 1
                     done.sent += 1
             done.waiting = {t for t, jobs in left.items() if jobs > 0}
-            tx.after.charges.append(Charge(route.lane, route.model, spent, chosen.lifted))
+            tx.after.charges.append(Charge(route.lane, route.model, spent, chosen.raised))
     return done
 
 
@@ -310,6 +310,7 @@ def _choose(
     weights = fairshare.weights(tx.connection, backlog)
     old, new = fairshare.joining(backlog, waited)
     running = _running_charges(tx, route, [*old, *new]) if new and old else {}
+    read = dict(charged)  # join lifts the joining tenants' counters in place
     lifted = fairshare.join(charged, backlog, waited, weights, running)
     turns: dict[str, list[float]] = {}
     for tenant, v in fairshare.allocate(n, backlog, charged, weights):
@@ -318,7 +319,7 @@ def _choose(
         tenant: _in_order(_pick(tx, waiting, len(given), stamp, tenant))
         for tenant, given in turns.items()
     }
-    return Chosen(rows, turns, lifted)
+    return Chosen(rows, turns, fairshare.raises(read, lifted))
 
 
 def must_make_way(route: Route, waited: set[str], queues: Sequence[str]) -> bool:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+import pytest
 from sqlalchemy import select
 
 from app.core import db
@@ -101,6 +102,33 @@ def test_a_key_weight_counts_from_the_first_refill_after_it_is_created(core: Set
     fill(route, 8)
     tenants = ["heavy" if m.job_ids[0] in heavy else "light" for m in messages(route)]
     assert (tenants.count("heavy"), tenants.count("light")) == (6, 2), tenants
+
+
+def test_a_settlement_during_a_refill_that_lifts_its_tenant_is_kept(
+    core: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tenant that joins is lifted to the others' level, from its counter as the refill read
+    it; a worker settling that tenant's earlier jobs meanwhile adds to the counter in Redis.
+    The lift is added too, so the settlement stays (it was set, and the settlement was lost)."""
+    route = Route("standard", core.model_name)
+    client = clients.redis_client()
+    fairshare.charge(client, route.lane, route.model, {"a": 5000, "b": 10})
+    add(core, "a", 3)
+    b = add(core, "b", 3)
+    weights = fairshare.weights
+
+    def settled_meanwhile(*args: Any, **kwargs: Any) -> dict[str, float]:
+        # After the refill read the counters: b's earlier job charged 100 used 40.
+        fairshare.settle([fairshare.Usage(route.lane, route.model, "b", charged=100, used=40)])
+        return weights(*args, **kwargs)
+
+    monkeypatch.setattr(fairshare, "weights", settled_meanwhile)
+    fill(route, 4, waited={"a"})  # b joins: lifted to a's level less one token, 4999
+    stored = rows(b)
+    spent = sum(stored[i].charged for i in b if stored[i].enqueued_at is not None)
+    assert spent > 0
+    counters = fairshare.counters(client, route.lane, route.model)
+    assert counters["b"] == 4999 - 60 + spent
 
 
 def test_arrival_order_sends_the_oldest_whoever_submitted_them(core: Settings) -> None:

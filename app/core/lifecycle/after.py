@@ -82,13 +82,13 @@ class Transition:
 
 @dataclass(frozen=True)
 class Charge:
-    """What one dispatcher refill charged a queue's tenants: tokens each, and the levels the
-    tenants that joined were lifted to (``fairshare.charge``)."""
+    """What one dispatcher refill charged a queue's tenants: tokens each, and what the counters
+    of the tenants that joined were lifted by (``fairshare.charge``)."""
 
     lane: str
     model: str
     spent: dict[str, int]
-    lifted: dict[str, float]
+    raised: dict[str, int]
 
 
 @dataclass

@@ -76,7 +76,7 @@ def _run(after: After, announce: Announce) -> None:
     for charge in after.charges:
         try:
             fairshare.charge(
-                clients.redis_client(), charge.lane, charge.model, charge.spent, charge.lifted
+                clients.redis_client(), charge.lane, charge.model, charge.spent, charge.raised
             )
         except redis.RedisError as exc:
             log.warning("could not charge %s:%s's tenants: %s", charge.lane, charge.model, exc)

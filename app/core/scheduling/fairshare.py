@@ -143,19 +143,25 @@ def charge(
     lane: str,
     model: str,
     amounts: Mapping[str, int],
-    lifted: Mapping[str, float] | None = None,
+    raised: Mapping[str, int] | None = None,
 ) -> None:
-    """Set the counters of the tenants that joined (``lifted``: ``join``'s result), then add
-    ``amounts`` (tenant -> tokens) to a route's counters."""
-    if not amounts and not lifted:
+    """Add ``amounts`` (tenant -> tokens) to a route's counters, and what the tenants that
+    joined were lifted by (``raised``: :func:`raises`). Added, never set: a worker settling the
+    tenant's jobs (:func:`settle`) between the refill's read and this write adds its own
+    correction, which a counter set to the lifted level would lose."""
+    if not amounts and not raised:
         return
     pipe = client.pipeline(transaction=False)
     key = counters_key(lane, model)
-    if lifted:
-        pipe.hset(key, mapping={tenant: int(v) for tenant, v in lifted.items()})
-    for tenant, amount in amounts.items():
-        pipe.hincrby(key, tenant, amount)
+    for tenant in {*amounts, *(raised or {})}:
+        pipe.hincrby(key, tenant, amounts.get(tenant, 0) + (raised or {}).get(tenant, 0))
     pipe.execute()
+
+
+def raises(read: Mapping[str, float], lifted: Mapping[str, float]) -> dict[str, int]:
+    """What each lifted tenant's counter goes up by: its level from :func:`join` less its
+    counter as it was ``read``."""
+    return {tenant: int(level) - int(read.get(tenant, 0.0)) for tenant, level in lifted.items()}
 
 
 def settle(usages: Iterable[Usage]) -> None:
