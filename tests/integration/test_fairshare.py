@@ -284,7 +284,7 @@ def test_a_worker_settles_each_tenants_share_with_what_it_used(stack: Stack) -> 
         for client, ids in mine.items():
             for job_id in ids:
                 wait_for_job(client, job_id, 60, {"succeeded"}, stack.procs)
-        counters = redis.Redis.from_url(stack.redis_url).hgetall(f"inferq:fair:bulk:{RUN_MODEL}")
+        fair = redis.Redis.from_url(stack.redis_url)
         used = {
             tenant: int(
                 stack.scalar(
@@ -296,7 +296,14 @@ def test_a_worker_settles_each_tenants_share_with_what_it_used(stack: Stack) -> 
         }
         # Charged cost(job) when sent, settled by used - cost at the end: what it used. B,
         # which may have joined while A's jobs waited, starts from A's level (join), not 0.
-        assert int(counters[b"run-a"]) == used["run-a"]
+        # Settled once the outcome has committed (app/core/lifecycle/changes.py): the last
+        # job can read succeeded a moment before.
+
+        def settled() -> Any:
+            found = fair.hgetall(f"inferq:fair:bulk:{RUN_MODEL}")
+            return found if int(found.get(b"run-a", 0)) == used["run-a"] else None
+
+        counters = wait_until(settled, 10, f"run-a's counter at {used['run-a']}")
         assert int(counters[b"run-b"]) >= used["run-b"]
         assert stack.scalar("SELECT max(attempts) FROM jobs WHERE model = :m", m=RUN_MODEL) == 1
     finally:
