@@ -149,12 +149,13 @@ def charge(
     joined were lifted by (``raised``: :func:`raises`). Added, never set: a worker settling the
     tenant's jobs (:func:`settle`) between the refill's read and this write adds its own
     correction, which a counter set to the lifted level would lose."""
+    raised = raised or {}
     if not amounts and not raised:
         return
     pipe = client.pipeline(transaction=False)
     key = counters_key(lane, model)
-    for tenant in {*amounts, *(raised or {})}:
-        pipe.hincrby(key, tenant, amounts.get(tenant, 0) + (raised or {}).get(tenant, 0))
+    for tenant in {*amounts, *raised}:
+        pipe.hincrby(key, tenant, amounts.get(tenant, 0) + raised.get(tenant, 0))
     pipe.execute()
 
 
