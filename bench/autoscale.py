@@ -35,14 +35,13 @@ from typing import Any
 
 import httpx
 import redis
-from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import func, select
 
 from app.cli.stack import Child
 from app.core.models import TERMINAL, Job, JobStatus
 from app.core.processes import presence
 from bench.harness import BenchStack
-from bench.metrics import percentile
+from bench.metrics import gauge, percentile, read_gauges
 from bench.scenarios import Options
 
 POLLING_S = 30.0  # KEDA pollingInterval (default)
@@ -71,25 +70,6 @@ WORKER_ENV = {
 }
 MAX_TOKENS = 16
 MODEL = "inferq-demo"
-
-
-def read_gauges(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Every sample of the ops worker's /metrics: (name, sorted labels) -> value."""
-    text = httpx.get(url, timeout=5).text
-    found = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            found[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return found
-
-
-def gauge(
-    samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str
-) -> float | None:
-    for (found, pairs), value in samples.items():
-        if found == name and all(dict(pairs).get(k) == v for k, v in labels.items()):
-            return value
-    return None
 
 
 @dataclass

@@ -12,6 +12,9 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
 
 def percentile(values: list[float], q: float) -> float | None:
     if not values:
@@ -84,3 +87,24 @@ def summarize(records: list[dict[str, Any]], start: float | None = None) -> dict
     for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2el", e2el)):
         result.update(_dist(name, values))
     return result
+
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def read_gauges(url: str) -> Samples:
+    """Every sample of a process's Prometheus ``/metrics``: (name, sorted labels) -> value."""
+    text = httpx.get(url, timeout=5).text
+    found = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            found[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return found
+
+
+def gauge(samples: Samples, name: str, **labels: str) -> float | None:
+    """The first sample of ``name`` whose labels include ``labels``."""
+    for (found, pairs), value in samples.items():
+        if found == name and all(dict(pairs).get(k) == v for k, v in labels.items()):
+            return value
+    return None

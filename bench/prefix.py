@@ -21,9 +21,9 @@ import random
 from typing import Any
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from bench.harness import BenchStack
+from bench.metrics import gauge, read_gauges
 from bench.scenarios import Options
 
 PREFIXES = 8
@@ -75,18 +75,10 @@ def batch_lines(n: int, model: str) -> list[dict[str, Any]]:
 
 def prefix_counters(metrics_url: str) -> tuple[float, float]:
     """(queries, hits) in prompt tokens, from a worker's /metrics."""
-    found = {}
-    text = httpx.get(metrics_url, timeout=10).text
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in (
-                "inferq_engine_prefix_cache_queries_total",
-                "inferq_engine_prefix_cache_hits_total",
-            ):
-                found[sample.name] = sample.value
+    samples = read_gauges(metrics_url)
     return (
-        found.get("inferq_engine_prefix_cache_queries_total", 0.0),
-        found.get("inferq_engine_prefix_cache_hits_total", 0.0),
+        gauge(samples, "inferq_engine_prefix_cache_queries_total") or 0.0,
+        gauge(samples, "inferq_engine_prefix_cache_hits_total") or 0.0,
     )
 
 
