@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import logging
+import shlex
 import signal
+import sys
 import time
 from pathlib import Path
 from types import FrameType
@@ -92,6 +94,40 @@ def _interrupt(signum: int, _frame: FrameType | None) -> None:
     default=None,
     help="history: finished jobs in the database (default: 1,000,000 times --scale).",
 )
+@click.option(
+    "--client",
+    type=click.Choice(["bench", "vllm"]),
+    default="bench",
+    show_default=True,
+    help="peer: whose client measures both servers; vllm: vLLM's own `vllm bench serve` at "
+    "each --concurrency, on completions and chat.",
+)
+@click.option(
+    "--concurrency",
+    default="16,64",
+    show_default=True,
+    help="peer with --client vllm: comma-separated concurrent clients.",
+)
+@click.option(
+    "--input-len",
+    type=click.IntRange(min=1),
+    default=512,
+    show_default=True,
+    help="peer with --client vllm: prompt tokens.",
+)
+@click.option(
+    "--output-len",
+    type=click.IntRange(min=1),
+    default=128,
+    show_default=True,
+    help="peer with --client vllm: output tokens (--ignore-eos).",
+)
+@click.option(
+    "--together/--one-at-a-time",
+    default=None,
+    help="peer: both servers started at once (the default where a GPU is) or one after the "
+    "other (the default on a CPU).",
+)
 @click.option("--json", "json_path", type=click.Path(path_type=Path), default=None)
 @click.option("--markdown", "md_path", type=click.Path(path_type=Path), default=None)
 @click.option(
@@ -108,6 +144,11 @@ def main(
     scale: float,
     repeat: int,
     history_jobs: int | None,
+    client: str,
+    concurrency: str,
+    input_len: int,
+    output_len: int,
+    together: bool | None,
     json_path: Path | None,
     md_path: Path | None,
     plots_dir: Path | None,
@@ -121,6 +162,12 @@ def main(
     unknown = [n for n in names if n not in ALL + ALONE]
     if unknown:
         raise click.BadParameter(f"unknown scenario(s) {unknown}; choose from {ALL + ALONE}")
+    try:
+        concurrencies = tuple(int(c) for c in concurrency.split(","))
+    except ValueError:
+        raise click.BadParameter(f"{concurrency!r}: comma-separated integers") from None
+    if not concurrencies or min(concurrencies) < 1:
+        raise click.BadParameter(f"{concurrency!r}: each at least 1")
     workdir.mkdir(parents=True, exist_ok=True)
     if database == "auto":
         database = "postgresql" if postgres_answers(postgres) else "sqlite"
@@ -148,6 +195,11 @@ def main(
             scale=scale,
             repeat=repeat,
             history_jobs=history_jobs,
+            client=client,
+            concurrencies=concurrencies,
+            input_len=input_len,
+            output_len=output_len,
+            together=together,
             progress=tick,
         )
         for name in names:
@@ -177,7 +229,12 @@ def main(
                 results[name] = SCENARIOS[name](opts)
             results[name]["wall_s"] = round(time.monotonic() - started, 1)
             console.print(f"[bold]{name}[/bold] done in {results[name]['wall_s']} s")
-    results["machine"] = {**environment(), "engine": engine, "database": database}
+    results["machine"] = {
+        **environment(),
+        "engine": engine,
+        "database": database,
+        "command": shlex.join(["inferq", "bench", *sys.argv[1:]]),
+    }
     table = report.markdown(results)
     click.echo(table)
     if json_path is not None:

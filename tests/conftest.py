@@ -152,6 +152,7 @@ LONGEST_FIRST = (
     "tests/integration/test_engines.py",  # vLLM and transformers on the CPU
     "tests/integration/test_pooling_vllm.py",  # two pooling models on vLLM's CPU engine
     "tests/integration/test_conformance.py",  # a vllm serve beside an inferq stack on vLLM
+    "tests/integration/test_bench_peer.py",  # the same, started by `inferq bench`, 3.5 minutes
     "tests/integration/test_webhooks.py",
     "tests/integration/test_fairshare.py",
     "tests/integration/test_schema_fuzz.py",
