@@ -49,7 +49,9 @@ PEER_CLIENTS = 16
 # vllm serve's, its TTFT p50 at most this much above, at every concurrency and endpoint.
 TARGETS = {"bench": (0.9, 30.0), "vllm": (0.95, 20.0)}
 ROUNDS = 6  # prompts of a run: ROUNDS times its concurrency (times --scale), at least one round
-TOGETHER_FRACTION = 0.45  # of a GPU's memory each side may take when both run together
+TOGETHER_FRACTION = (
+    0.40  # of a GPU's memory each side takes together: what ran on an H200 (docs/gpu.md)
+)
 GPU_KV_GIB = 20  # the KV cache of each side on a GPU unless INFERQ_VLLM_ENGINE_ARGS gives one
 # The parts of each server whose CPU is counted (BenchStack's child names).
 INFERQ_PARTS = {"api": "api", "worker": "worker0", "dispatcher": "dispatch", "redis": "redis"}
