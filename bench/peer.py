@@ -49,9 +49,8 @@ PEER_CLIENTS = 16
 # vllm serve's, its TTFT p50 at most this much above, at every concurrency and endpoint.
 TARGETS = {"bench": (0.9, 30.0), "vllm": (0.95, 20.0)}
 ROUNDS = 6  # prompts of a run: ROUNDS times its concurrency (times --scale), at least one round
-TOGETHER_FRACTION = (
-    0.40  # of a GPU's memory each side takes together: what ran on an H200 (docs/gpu.md)
-)
+# Of a GPU's memory, each side's when both run together: what both took on an H200 (docs/gpu.md).
+TOGETHER_FRACTION = 0.40
 GPU_KV_GIB = 20  # the KV cache of each side on a GPU unless INFERQ_VLLM_ENGINE_ARGS gives one
 # The parts of each server whose CPU is counted (BenchStack's child names).
 INFERQ_PARTS = {"api": "api", "worker": "worker0", "dispatcher": "dispatch", "redis": "redis"}
