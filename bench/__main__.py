@@ -86,7 +86,8 @@ def _interrupt(signum: int, _frame: FrameType | None) -> None:
     help="efficiency: run the direct/platform pair this many times (alternating); the median "
     "pair is reported. history: the same for its ceiling pair (empty / with history), as "
     "many 16-client loads on each database (their calls together), and as many rounds of "
-    "its sweep beside the load (every round's calls together).",
+    "its sweep beside the load (every round's calls together). peer with --client vllm: "
+    "rounds of every run on both servers, each figure the median.",
 )
 @click.option(
     "--history-jobs",
@@ -125,8 +126,9 @@ def _interrupt(signum: int, _frame: FrameType | None) -> None:
 @click.option(
     "--together/--one-at-a-time",
     default=None,
-    help="peer: both servers started at once (the default where a GPU is) or one after the "
-    "other (the default on a CPU).",
+    help="peer with --client vllm: both servers started at once (the default where a GPU "
+    "is) or one after the other (the default on a CPU); the bench client runs them one after "
+    "the other.",
 )
 @click.option("--json", "json_path", type=click.Path(path_type=Path), default=None)
 @click.option("--markdown", "md_path", type=click.Path(path_type=Path), default=None)

@@ -403,8 +403,9 @@ def gpus() -> list[dict[str, str]]:
         return []
     found = []
     for line in listed.splitlines():
-        name, memory, driver = (part.strip() for part in line.split(",")[:3])
-        found.append({"name": name, "memory_mib": memory, "driver": driver})
+        parts = [part.strip() for part in line.split(",")]
+        if len(parts) >= 3:  # a line of anything else (an error's) is not a GPU
+            found.append({"name": parts[0], "memory_mib": parts[1], "driver": parts[2]})
     return found
 
 

@@ -10,12 +10,13 @@ same client. Two clients (``Options.client``):
 - ``vllm``: vLLM's own ``vllm bench serve`` (bench/vllm_client.py): random prompts of
   ``input_len`` tokens, ``output_len`` tokens each with ``--ignore-eos``, at each of
   ``concurrencies`` and on ``/v1/completions`` and ``/v1/chat/completions``; inferq first, then
-  ``vllm serve``, alternating. Where a GPU has room for both (each side at most
-  ``TOGETHER_FRACTION`` of its memory), both servers run together and every run alternates;
-  otherwise (a CPU) inferq's stack runs all its loads, then ``vllm serve`` runs the same, as
-  many rounds as ``--repeat``. Beside each run: the CPU seconds of the server's process tree per
-  request, and the engine's own inter-token time from vLLM's metrics on each side (vLLM stamps
-  it with the engine core's clock: does inferq's worker slow what the engine produces?).
+  ``vllm serve``, alternating. Where a GPU is, both servers run together (each with
+  ``TOGETHER_FRACTION`` as its memory fraction) and every run alternates; otherwise (a CPU)
+  inferq's stack runs all its loads, then ``vllm serve`` runs the same, as many rounds as
+  ``--repeat``. Beside each run: the CPU milliseconds of each server's process tree per request
+  the client sent, and the engine's own inter-token time from vLLM's metrics on each side (vLLM
+  stamps it with the engine core's clock: does inferq's worker slow what the engine produces?).
+  A pair with a failed request, or none answered, has no comparison (the report says missed).
 
 On inferq every request is a realtime job (stored, queued, leased, recorded) whose tokens are
 relayed from the worker through Redis. docs/benchmarks.md ("peer") says how to read it.
@@ -28,7 +29,7 @@ import statistics
 import sys
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -57,17 +58,20 @@ INFERQ_PARTS = {"api": "api", "worker": "worker0", "dispatcher": "dispatch", "re
 SERVE_PARTS = {"vllm serve": "vllm-serve"}
 
 
-def engine_args(opts: Options) -> dict[str, Any]:
+def engine_args(opts: Options, together: bool = False) -> dict[str, Any]:
     """The engine arguments both sides run with: the deployment's, with the KV cache in bytes
     (the one given, else ``GPU_KV_GIB`` on a GPU, ``INFERQ_VLLM_CPU_KVCACHE_GIB`` on a CPU) and,
-    where both run together, each side's share of the GPU."""
+    where both run ``together``, ``TOGETHER_FRACTION`` as each side's memory fraction. With the
+    KV cache given in bytes vLLM sizes nothing by the fraction (v1/worker/gpu_worker.py): it is
+    what its start checks is free, so each side holds its weights, that cache and its
+    activations."""
     settings = opts.settings(engine="vllm")
     model, served = resolve_model(settings)
     args = VLLMEngine(model, served, settings).engine_args()
     if "kv_cache_memory_bytes" not in args:
         gib = GPU_KV_GIB if gpus() else settings.vllm_cpu_kvcache_gib
         args["kv_cache_memory_bytes"] = gib << 30
-    if _together(opts):
+    if together:
         share = min(float(args["gpu_memory_utilization"]), TOGETHER_FRACTION)
         args["gpu_memory_utilization"] = share
     return args
@@ -100,7 +104,6 @@ class Server:
     metrics_url: str
     stack: BenchStack
     parts: dict[str, str]
-    runs: list[dict[str, Any]] = field(default_factory=list)
 
 
 @contextmanager
@@ -124,8 +127,6 @@ def _vllm_serve(opts: Options, args: dict[str, Any]) -> Iterator[Server]:
 @contextmanager
 def _inferq(opts: Options, args: dict[str, Any]) -> Iterator[Server]:
     env = opts.stack_env(engine="vllm", vllm_engine_args=json.dumps(_extra(opts, args)))
-    if "gpu_memory_utilization" in args:
-        env["INFERQ_VLLM_GPU_MEMORY_UTILIZATION"] = str(args["gpu_memory_utilization"])
     with BenchStack(opts.database, env, opts.workdir) as stack:
         stack.start()
         (record,) = stack.worker_records()
@@ -133,9 +134,11 @@ def _inferq(opts: Options, args: dict[str, Any]) -> Iterator[Server]:
 
 
 def _extra(opts: Options, args: dict[str, Any]) -> dict[str, Any]:
-    """INFERQ_VLLM_ENGINE_ARGS: the deployment's, with what ``engine_args`` added."""
+    """INFERQ_VLLM_ENGINE_ARGS: the deployment's, with what ``engine_args`` set (the worker
+    applies these last, so they win over ``INFERQ_VLLM_*`` as they do on `vllm serve`)."""
     extra = dict(opts.settings(engine="vllm").vllm_engine_args)
-    extra["kv_cache_memory_bytes"] = args["kv_cache_memory_bytes"]
+    for key in ("kv_cache_memory_bytes", "gpu_memory_utilization"):
+        extra[key] = args[key]
     return extra
 
 
@@ -170,12 +173,15 @@ def _measure(opts: Options, server: Server, load: Load, name: str) -> dict[str, 
     cpu_before = cpu_sample(children, server.parts)
     engine_before = _engine_counters(server.metrics_url)
     opts.progress(f"peer: {name}", 0, load.prompts)
-    summary = run_client(load, server.url, opts.workdir / "peer", name, None)
+    summary = run_client(load, server.url, opts.workdir / "peer", name)
     opts.progress(f"peer: {name}", summary.get("completed") or 0, load.prompts)
+    # Per request the client sent: its readiness check and warm-up requests ran on the server
+    # too, and are of the same shape.
+    sent = int(summary.get("completed") or 0) + int(summary.get("failed") or 0)
     cpu = cpu_per_call(
         cpu_before,
         cpu_sample(children, server.parts),
-        int(summary.get("completed") or 0),
+        sent + summary["unmeasured"],
         list(server.parts),
     )
     return {
@@ -208,9 +214,9 @@ def _key(load: Load) -> str:
 
 
 def _with_vllm_client(opts: Options) -> dict[str, Any]:
-    args = engine_args(opts)
-    loads = _loads(opts)
     together = _together(opts)
+    args = engine_args(opts, together)
+    loads = _loads(opts)
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {
         _key(load): {"inferq": [], "vllm_serve": []} for load in loads
     }
@@ -249,16 +255,24 @@ def _with_vllm_client(opts: Options) -> dict[str, Any]:
         "repeat": opts.repeat,
         "pairs": pairs,
         "runs": runs,
-        # Every pair must meet the targets: the worst one is what the table checks.
-        "inferq_over_vllm_serve": min(p["inferq_over_vllm_serve"] for p in pairs.values()),
-        "ttft_p50_over_vllm_serve_ms": max(
-            p["ttft_p50_over_vllm_serve_ms"] for p in pairs.values()
-        ),
+        # Every pair must meet the targets: the worst one is what the table checks, and a pair
+        # with a failed request, or none answered, has no figure (the table says missed).
+        "inferq_over_vllm_serve": _worst(pairs, "inferq_over_vllm_serve", min),
+        "ttft_p50_over_vllm_serve_ms": _worst(pairs, "ttft_p50_over_vllm_serve_ms", max),
+        "failed": sum(p[side]["failed"] for p in pairs.values() for side in SIDES),
         "throughput_target": throughput,
         "ttft_target_ms": ttft,
         "gpus": gpus(),
         "versions": versions(),
     }
+
+
+SIDES = ("inferq", "vllm_serve")
+
+
+def _worst(pairs: dict[str, dict[str, Any]], key: str, pick: Any) -> float | None:
+    values = [pair[key] for pair in pairs.values()]
+    return None if None in values else pick(values)
 
 
 def _pair(sides: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
@@ -288,11 +302,19 @@ def _pair(sides: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             "failed": sum(int(run.get("failed") or 0) for run in sides[side]),
             "completed": sum(int(run.get("completed") or 0) for run in sides[side]),
         }
-        for side in ("inferq", "vllm_serve")
+        for side in SIDES
     }
     ours, theirs = out["inferq"], out["vllm_serve"]
-    out["inferq_over_vllm_serve"] = ours["output_throughput"] / theirs["output_throughput"]
-    out["ttft_p50_over_vllm_serve_ms"] = ours["median_ttft_ms"] - theirs["median_ttft_ms"]
+    whole = all(
+        side["failed"] == 0 and side["completed"] > 0 and side["output_throughput"]
+        for side in (ours, theirs)
+    )
+    out["inferq_over_vllm_serve"] = (
+        ours["output_throughput"] / theirs["output_throughput"] if whole else None
+    )
+    out["ttft_p50_over_vllm_serve_ms"] = (
+        ours["median_ttft_ms"] - theirs["median_ttft_ms"] if whole else None
+    )
     return out
 
 
@@ -329,7 +351,7 @@ def _stream_all(
 
 def _with_bench_client(opts: Options) -> dict[str, Any]:
     specs = workload(opts.n(128), seed=6, lane="realtime", tokens=(8, 64), mean=32)
-    args = engine_args(opts)
+    args = engine_args(opts)  # one server after the other
     model = opts.settings(engine="vllm").model_name
     with _vllm_serve(opts, args) as theirs:
         serve = _stream_all(opts, theirs.url, model, specs, "peer: vllm serve")

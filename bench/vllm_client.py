@@ -91,48 +91,47 @@ class Load:
         ]  # fmt: skip
 
 
-def _optional(parser: argparse.ArgumentParser, load: Load) -> list[str]:
-    """Flags only some vLLM releases have: one warm-up round (its requests are not measured)
-    and a short readiness check (the server is ready when a run starts)."""
+def _optional(parser: argparse.ArgumentParser, load: Load) -> tuple[list[str], int]:
+    """Flags not every vLLM release may have (0.20-0.33 all do), and how many requests the
+    client sends that it does not measure: one warm-up round, and the readiness check's one
+    request (the server is ready when a run starts; a wrong argument fails it clearly)."""
     known = parser._option_string_actions
     extra: list[str] = []
+    unmeasured = 1  # the readiness check, on by default where the flag exists
     if "--num-warmups" in known:
         extra += ["--num-warmups", str(load.concurrency)]
+        unmeasured += load.concurrency
     if "--ready-check-timeout-sec" in known:
         extra += ["--ready-check-timeout-sec", "60"]
-    return extra
+    return extra, unmeasured
 
 
-def run(
-    load: Load, base_url: str, result_dir: Path, name: str, api_key: str | None
-) -> dict[str, Any]:
-    """One run of vLLM's client against ``base_url``: vLLM's summary (``KEPT``) and the
-    command a user would type for it (``command``). The client's own output goes to
-    ``result_dir/name.log``."""
+def run(load: Load, base_url: str, result_dir: Path, name: str) -> dict[str, Any]:
+    """One run of vLLM's client against ``base_url``: vLLM's summary (``KEPT``), the command a
+    user would type for it (``command``) and the requests it sent unmeasured (``unmeasured``).
+    The client's own output goes to ``result_dir/name.log``. The bench's stacks take no key
+    (``INFERQ_REQUIRE_AUTH=false``, bench/harness.py), so none is sent."""
     from vllm.benchmarks.serve import add_cli_args, main
 
     parser = argparse.ArgumentParser(prog="vllm bench serve")
     add_cli_args(parser)
     argv = load.argv(base_url, result_dir, name)
-    argv += _optional(parser, load)
+    optional, unmeasured = _optional(parser, load)
+    argv += optional
     args = parser.parse_args(argv)
     result_dir.mkdir(parents=True, exist_ok=True)
-    # vLLM's client reads the key from OPENAI_API_KEY (benchmarks/lib/endpoint_request_func.py).
-    saved = os.environ.get("OPENAI_API_KEY")
-    if api_key:
-        os.environ["OPENAI_API_KEY"] = api_key
-    else:
-        os.environ.pop("OPENAI_API_KEY", None)
+    # vLLM's client sends OPENAI_API_KEY as a bearer token when it is set
+    # (benchmarks/lib/endpoint_request_func.py): not the caller's to these servers.
+    saved = os.environ.pop("OPENAI_API_KEY", None)
     log = result_dir / f"{name}.log"
     try:
         with log.open("w") as out, contextlib.redirect_stdout(out):
             main(args)
     finally:
-        if saved is None:
-            os.environ.pop("OPENAI_API_KEY", None)
-        else:
+        if saved is not None:
             os.environ["OPENAI_API_KEY"] = saved
     saved_result = json.loads((result_dir / f"{name}.json").read_text())
     summary: dict[str, Any] = {key: saved_result.get(key) for key in KEPT}
     summary["command"] = "vllm bench serve " + shlex.join(argv)
+    summary["unmeasured"] = unmeasured
     return summary

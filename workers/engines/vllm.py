@@ -248,12 +248,17 @@ class VLLMEngine:
         refused = vllm_releases.unsupported(self.vllm_version)
         if refused is not None:
             raise RuntimeError(refused)
-        for path in vllm_releases.NEEDS:
-            lacking = vllm_releases.lacks(path, self.vllm_version)
+        if self.settings.model_task == "score":
+            # Said before the engine loads (minutes on a GPU); a model that vLLM resolves to a
+            # classifier (task auto) is refused once it has (_start_pooling).
+            lacking = vllm_releases.lacks("score", self.vllm_version)
             if lacking is not None:
-                log.warning("%s: refused on this worker", lacking)
+                raise ValueError(f"{self.model_name!r}: {lacking}")
+        tools = vllm_releases.lacks("tools", self.vllm_version)
+        if tools is not None:
+            log.warning("%s: jobs with tools are refused on this worker", tools)
         self._request_errors = _request_errors()
-        if self.tool_parser:
+        if self.tool_parser and tools is None:
             # An unknown name stops the worker before it takes any message (KeyError names it).
             from vllm.tool_parsers import ToolParserManager
 
@@ -443,6 +448,10 @@ class VLLMEngine:
     async def generate(self, req: GenRequest) -> AsyncIterator[GenChunk]:
         if self.task != "generate":
             raise wrong_task(self.name, self.model_name, self.task, "generate")
+        if req.tool_choice != "none":
+            lacking = vllm_releases.lacks("tools", self.vllm_version)
+            if lacking is not None:
+                raise EngineRequestError("invalid_request", lacking)
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
         from vllm.v1.engine.exceptions import EngineDeadError as VLLMDead
@@ -458,10 +467,6 @@ class VLLMEngine:
                 "prompt_logprobs (and echo with logprobs) are not available on a worker whose "
                 "vLLM engine serves LoRA adapters (INFERQ_ADAPTERS): vLLM fails its engine on them",
             )
-        if req.tool_choice != "none":
-            lacking = vllm_releases.lacks("tools", self.vllm_version)
-            if lacking is not None:
-                raise EngineRequestError("invalid_request", lacking)
         if req.tool_choice == "auto":
             if self._tool_parser_class is None:
                 raise EngineRequestError(

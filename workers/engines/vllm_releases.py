@@ -29,12 +29,16 @@ NEEDS: dict[str, Release] = {"score": (0, 26), "tools": (0, 32)}
 WHAT = {"score": "scoring pairs (a cross-encoder)", "tools": "tool calls"}
 
 
-def release(version: str) -> Release:
-    """``0.25.1``, ``0.32.0+cpu``, ``0.33.0rc1.dev5`` -> (0, 25), (0, 32), (0, 33)."""
-    from packaging.version import Version  # vLLM's own dependency
+def release(version: str) -> Release | None:
+    """``0.25.1``, ``0.32.0+cpu``, ``0.33.0rc1.dev5`` -> (0, 25), (0, 32), (0, 33); None for
+    what is not a version (a source tree without its version file says ``dev``)."""
+    from packaging.version import InvalidVersion, Version  # vLLM's own dependency
 
-    major, minor = Version(version).release[:2]
-    return major, minor
+    try:
+        parts = Version(version).release
+    except InvalidVersion:
+        return None
+    return parts[0], (parts[1] if len(parts) > 1 else 0)
 
 
 def _named(r: Release) -> str:
@@ -43,7 +47,8 @@ def _named(r: Release) -> str:
 
 def unsupported(version: str) -> str | None:
     """Why the engine does not start on ``version``; None where it does."""
-    if OLDEST <= release(version) <= NEWEST:
+    found = release(version)
+    if found is not None and OLDEST <= found <= NEWEST:
         return None
     return (
         f"vLLM {version} is not among the releases inferq's vllm engine runs on "
@@ -54,8 +59,8 @@ def unsupported(version: str) -> str | None:
 
 def lacks(path: str, version: str) -> str | None:
     """Why ``path`` (a key of ``NEEDS``) does not run on ``version``; None where it does."""
-    needed = NEEDS[path]
-    if release(version) >= needed:
+    needed, found = NEEDS[path], release(version)
+    if found is not None and found >= needed:
         return None
     return (
         f"{WHAT[path]} need vLLM {_named(needed)} or newer on the worker, and it runs vLLM "
