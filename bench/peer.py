@@ -144,17 +144,21 @@ def _extra(opts: Options, args: dict[str, Any]) -> dict[str, Any]:
 
 # vLLM's own counters of what its engine did (v1/metrics/loggers.py): the inter-token latency
 # is stamped with the engine core's clock, so under load its mean is the engine's step time as
-# the engine sees it; iteration_tokens_total is observed once a step.
+# the engine sees it; iteration_tokens_total is observed once a step; the prompt and generated
+# tokens split a step's tokens into prefill and decoding (one token a decoding sequence), what
+# the simulated engine's step cost is a function of (docs/engines.md).
 ITL = "vllm:inter_token_latency_seconds"
 STEP_TOKENS = "vllm:iteration_tokens_total"
+PROMPT = "vllm:prompt_tokens_total"
+GENERATED = "vllm:generation_tokens_total"
+COUNTERS = (
+    f"{ITL}_sum", f"{ITL}_count", f"{STEP_TOKENS}_sum", f"{STEP_TOKENS}_count", PROMPT, GENERATED
+)  # fmt: skip
 
 
 def _engine_counters(url: str) -> dict[str, float]:
     samples = read_gauges(url)
-    return {
-        name: gauge(samples, name) or 0.0
-        for name in (f"{ITL}_sum", f"{ITL}_count", f"{STEP_TOKENS}_sum", f"{STEP_TOKENS}_count")
-    }
+    return {name: gauge(samples, name) or 0.0 for name in COUNTERS}
 
 
 def _engine_step(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
@@ -165,6 +169,8 @@ def _engine_step(before: dict[str, float], after: dict[str, float]) -> dict[str,
         "engine_itl_mean_ms": 1000 * delta[f"{ITL}_sum"] / itls if itls else None,
         "engine_steps": steps,
         "engine_tokens_per_step": delta[f"{STEP_TOKENS}_sum"] / steps if steps else None,
+        "engine_prompt_tokens_per_step": delta[PROMPT] / steps if steps else None,
+        "engine_generated_tokens_per_step": delta[GENERATED] / steps if steps else None,
     }
 
 

@@ -59,6 +59,10 @@ def test_peer_with_vllms_client_measures_both_servers_on_both_endpoints(tmp_path
             assert run["median_ttft_ms"] > 0 and run["output_throughput"] > 0, where
             # vLLM's own metrics of the engine, read before and after the run on each side.
             assert run["engine_itl_mean_ms"] > 0 and run["engine_steps"] >= OUT, where
+            # A step's tokens split into prefill and decoding, each at least the run's own.
+            steps = run["engine_steps"]
+            assert run["engine_generated_tokens_per_step"] * steps >= PROMPTS * OUT, where
+            assert run["engine_prompt_tokens_per_step"] * steps >= PROMPTS * 24, where
             assert run["cpu_ms_per_request"]["total"] > 0, where
             assert run["command"].startswith("vllm bench serve --backend "), where
             assert "--max-concurrency 2 --ignore-eos" in run["command"], where
