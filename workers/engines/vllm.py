@@ -251,9 +251,7 @@ class VLLMEngine:
         if self.settings.model_task == "score":
             # Said before the engine loads (minutes on a GPU); a model that vLLM resolves to a
             # classifier (task auto) is refused once it has (_start_pooling).
-            lacking = vllm_releases.lacks("score", self.vllm_version)
-            if lacking is not None:
-                raise ValueError(f"{self.model_name!r}: {lacking}")
+            self._refuse_score()
         tools = vllm_releases.lacks("tools", self.vllm_version)
         if tools is not None:
             log.warning("%s: jobs with tools are refused on this worker", tools)
@@ -297,9 +295,7 @@ class VLLMEngine:
             self.embed_dim = int(model_config.get_hidden_size())
             self.matryoshka = bool(getattr(model_config, "is_matryoshka", False))
         if self.task == "score":
-            lacking = vllm_releases.lacks("score", self.vllm_version)
-            if lacking is not None:
-                raise ValueError(f"{self.model_name!r}: {lacking}")
+            self._refuse_score()
             from vllm.entrypoints.pooling.factories import init_pooling_io_processors
 
             try:
@@ -319,6 +315,12 @@ class VLLMEngine:
                 )
             self._scorer = scorers[0]
         log.info("pooling model: task %s, %s dimensions", self.task, self.embed_dim)
+
+    def _refuse_score(self) -> None:
+        """Scoring pairs needs a newer vLLM than the rest (workers/engines/vllm_releases.py)."""
+        lacking = vllm_releases.lacks("score", self.vllm_version)
+        if lacking is not None:
+            raise ValueError(f"{self.model_name!r}: {lacking}")
 
     def record_step(self, scheduler_stats: Any, iteration_stats: Any) -> None:
         """vLLM's stat loggers are called once per engine step, on the loop thread."""

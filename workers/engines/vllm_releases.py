@@ -20,6 +20,8 @@ reaches the engine (the worker keeps serving the rest).
 
 from __future__ import annotations
 
+import functools
+
 Release = tuple[int, int]
 
 OLDEST: Release = (0, 20)
@@ -29,6 +31,7 @@ NEEDS: dict[str, Release] = {"score": (0, 26), "tools": (0, 32)}
 WHAT = {"score": "scoring pairs (a cross-encoder)", "tools": "tool calls"}
 
 
+@functools.cache  # one installed release a process; a job with tools asks on every call
 def release(version: str) -> Release | None:
     """``0.25.1``, ``0.32.0+cpu``, ``0.33.0rc1.dev5`` -> (0, 25), (0, 32), (0, 33); None for
     what is not a version (a source tree without its version file says ``dev``)."""
