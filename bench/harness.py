@@ -10,6 +10,7 @@ between.
 
 from __future__ import annotations
 
+import functools
 import os
 import secrets
 import shutil
@@ -385,6 +386,7 @@ def environment() -> dict[str, Any]:
     }
 
 
+@functools.cache  # asked by a scenario and the report: the GPUs stay for the run
 def gpus() -> list[dict[str, str]]:
     """Each NVIDIA GPU nvidia-smi lists: name, memory (MiB) and driver; none without it."""
     smi = shutil.which("nvidia-smi")

